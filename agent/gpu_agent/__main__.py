@@ -1,0 +1,3 @@
+from gpu_agent.cli import main
+
+raise SystemExit(main())

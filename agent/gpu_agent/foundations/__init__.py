@@ -1,0 +1,1 @@
+"""Foundations: small pieces every layer above may use, which import nothing above them."""

@@ -1,0 +1,200 @@
+"""Configuration from flags, environment and an optional YAML file, validated at start.
+
+Each role declares its settings as a list of `Setting`s. Precedence, lowest first:
+defaults, the YAML file (`--config`), environment (`GPU_AGENT_<NAME>`), flags. Every
+value is checked once, at start; a bad one raises `ConfigError` naming the setting, where
+it came from and the accepted range, and the CLI exits with code 2. Secrets are read from
+the environment or a file only (a flag would show in `ps`), and print as `<redacted>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from gpu_agent.foundations.secrets import Secret
+
+ENV_PREFIX = "GPU_AGENT_"
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # camelCase, as in YAML and the chart's values
+    kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret"
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] = ()
+    optional: bool = False  # str/path/url may be empty
+
+    @property
+    def flag(self) -> str:
+        return "--" + _snake(self.name).replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + _snake(self.name).upper()
+
+    def describe_range(self) -> str:
+        if self.kind in ("seconds", "int", "number"):
+            unit = " seconds" if self.kind == "seconds" else ""
+            return f"a number{unit} between {self.min:g} and {self.max:g}"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "url":
+            return "an http:// or https:// URL"
+        if self.kind == "address":
+            return "HOST:PORT with a port between 0 and 65535"
+        return "a non-empty string"
+
+    def convert(self, raw: Any, origin: str) -> Any:
+        def bad() -> ConfigError:
+            shown = "<redacted>" if self.kind == "secret" else repr(raw)
+            return ConfigError(f"invalid value for {self.name} (from {origin}): must be {self.describe_range()}, "
+                               f"got {shown}; set it with {self.flag} or {self.env}")
+
+        if self.kind == "secret":
+            return Secret(str(raw).strip())
+        if self.kind in ("seconds", "int", "number"):
+            if isinstance(raw, bool):
+                raise bad()
+            try:
+                value: Any = int(str(raw), 10) if self.kind == "int" else float(raw)
+            except (TypeError, ValueError):
+                raise bad() from None
+            if value != value or not (self.min <= value <= self.max):  # NaN fails too
+                raise bad()
+            return value
+        if self.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("true", "1", "yes", "on"):
+                return True
+            if text in ("false", "0", "no", "off"):
+                return False
+            raise bad()
+        text = "" if raw is None else str(raw)
+        if not text:
+            if self.optional:
+                return ""
+            raise bad()
+        if self.kind == "choice" and text not in self.choices:
+            raise bad()
+        if self.kind == "url":
+            u = urlparse(text)
+            if u.scheme not in ("http", "https") or not u.netloc:
+                raise bad()
+            return text.rstrip("/")
+        if self.kind == "address":
+            host, sep, port = text.rpartition(":")
+            if not sep or not port.isdigit() or int(port) > 65535:
+                raise bad()
+        return text
+
+
+class Config:
+    """Attribute access over validated settings; secrets stay `Secret`."""
+
+    def __init__(self, settings: list[Setting], values: dict[str, Any]) -> None:
+        self._settings = {s.name: s for s in settings}
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes: Any) -> Config:
+        return Config(list(self._settings.values()), {**self._values, **changes})
+
+    def redacted(self) -> dict[str, Any]:
+        out = {}
+        for name, value in sorted(self._values.items()):
+            if isinstance(value, Secret):
+                out[name] = "<redacted>" if value else "<unset>"
+            else:
+                out[name] = value
+        return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings: list[Setting]) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (camelCase keys)")
+    for s in settings:
+        if s.kind == "secret":
+            continue  # secrets come from the environment or a *File setting only
+        if s.name == "verbosity":
+            parser.add_argument("-v", "--v", dest=s.name, metavar="N", help=s.help)
+            continue
+        parser.add_argument(s.flag, dest=s.name, metavar=s.kind.upper(), help=f"{s.help} (env {s.env})")
+
+
+def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+    environ = dict(os.environ if environ is None else environ)
+    by_name = {s.name: s for s in settings}
+    raw: dict[str, tuple[Any, str]] = {}
+    config_file = getattr(args, "config", None)
+    if config_file:
+        try:
+            doc = yaml.safe_load(Path(config_file).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {config_file} cannot be read: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"config file {config_file} must hold a mapping of setting names to values")
+        for key, value in doc.items():
+            if key not in by_name:
+                raise ConfigError(f"unknown setting {key!r} in config file {config_file}; "
+                                  f"known settings: {', '.join(sorted(by_name))}")
+            if by_name[key].kind == "secret":
+                raise ConfigError(f"setting {key!r} is a secret and cannot be set in a config file; "
+                                  f"use {by_name[key].env} or {key}File")
+            raw[key] = (value, f"config file {config_file}")
+    for s in settings:
+        if s.env in environ:
+            raw[s.name] = (environ[s.env], f"environment {s.env}")
+        flag_value = getattr(args, s.name, None)
+        if flag_value is not None:
+            raw[s.name] = (flag_value, f"flag {'-v' if s.name == 'verbosity' else s.flag}")
+    values: dict[str, Any] = {}
+    for s in settings:
+        if s.name in raw:
+            value, origin = raw[s.name]
+            values[s.name] = s.convert(value, origin)
+        else:
+            values[s.name] = Secret(s.default or "") if s.kind == "secret" else s.default
+    # A secret may also come from a file named by its companion setting, e.g. controlPlaneTokenFile.
+    for s in settings:
+        if s.kind != "secret" or values[s.name]:
+            continue
+        file_setting = values.get(s.name + "File")
+        if file_setting:
+            try:
+                values[s.name] = Secret(Path(file_setting).read_text().strip())
+            except OSError as e:
+                raise ConfigError(f"invalid value for {s.name}File: {file_setting} cannot be read "
+                                  f"({e.strerror}); point {by_name[s.name + 'File'].flag} at a readable file") from None
+    return Config(settings, values)
+
+
+VERBOSITY = Setting("verbosity", "int", 0, "log verbosity, 0 (quiet) to 7 (every detail)", 0, 7)

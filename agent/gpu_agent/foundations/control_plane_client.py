@@ -1,0 +1,172 @@
+"""The one small client the agents use to talk to the control plane.
+
+Blocking (requests) by design: the agents call it through `asyncio.to_thread`, so one
+implementation serves async roles, tests and the fake-gpu command alike. Every response
+is validated field by field; a bad one raises `ControlPlaneError(kind="protocol")` naming
+the field, never echoing a body that might hold a token.
+
+Error kinds decide what the caller does:
+  unavailable  connection refused/dropped, timeout, 5xx, 429   -> retry with backoff
+  unauthorized 401/403                                          -> credentials are bad: register again
+  protocol     the body is not what the API promises            -> retry with backoff
+  rejected     any other 4xx                                    -> a bug or bad input: report, retry slowly
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.secrets import Secret
+
+
+class ControlPlaneError(Exception):
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+    @property
+    def recoverable(self) -> bool:
+        return self.kind in ("unavailable", "protocol")
+
+
+@dataclass(frozen=True)
+class Credential:
+    token: Secret
+    expires_in: float  # seconds from the moment the response arrived
+
+
+@dataclass(frozen=True)
+class Registration:
+    registration_id: str
+    credential: Credential
+    reregister_after: float
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    item_id: int
+    idempotency_key: str
+    payload: dict[str, Any]
+    lease_id: str
+    deliveries: int
+
+
+def _field(doc: Any, name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(doc, dict):
+        raise ControlPlaneError("protocol", f"{where}: response body is not a JSON object")
+    value = doc.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ControlPlaneError("protocol", f"{where}: field {name!r} missing or not {names}")
+    return value
+
+
+class ControlPlaneClient:
+    def __init__(self, base_url: str, timeout: float = 10.0, session: requests.Session | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._session = session or requests.Session()
+
+    def close(self) -> None:
+        self._session.close()
+
+    def _call(self, method: str, path: str, token: Secret | None, body: Any = None) -> tuple[int, Any]:
+        headers = {"Accept": "application/json"}
+        if token is not None:
+            headers["Authorization"] = "Bearer " + token.reveal()
+        where = f"{method} {path}"
+        try:
+            resp = self._session.request(method, self.base_url + path, json=body, headers=headers, timeout=self.timeout)
+        except requests.Timeout:
+            raise ControlPlaneError("unavailable", f"{where}: timed out after {self.timeout:g}s") from None
+        except requests.ConnectionError as e:
+            raise ControlPlaneError("unavailable", f"{where}: connection failed ({type(e).__name__})") from None
+        status = resp.status_code
+        if status in (401, 403):
+            raise ControlPlaneError("unauthorized", f"{where}: {status} {_reason(resp)}", status)
+        if status == 429 or status >= 500:
+            raise ControlPlaneError("unavailable", f"{where}: {status} {_reason(resp)}", status)
+        if status >= 400:
+            raise ControlPlaneError("rejected", f"{where}: {status} {_reason(resp)}", status)
+        if status == 204 or not resp.content:
+            return status, None
+        try:
+            return status, resp.json()
+        except (ValueError, json.JSONDecodeError):
+            raise ControlPlaneError("protocol", f"{where}: {status} response body is not valid JSON", status) from None
+
+    @staticmethod
+    def _credential(doc: Any, where: str) -> Credential:
+        cred = _field(doc, "credential", dict, where)
+        token = _field(cred, "token", str, where + " credential")
+        expires_in = _field(cred, "expiresInSeconds", (int, float), where + " credential")
+        if not token or expires_in <= 0:
+            raise ControlPlaneError("protocol", f"{where}: credential token empty or expiresInSeconds <= 0")
+        return Credential(Secret(token), float(expires_in))
+
+    def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory) -> Registration:
+        where = "POST /v1/register"
+        _, doc = self._call("POST", "/v1/register", token,
+                            {"clusterId": cluster_id, "generation": generation, "gpus": inventory.to_json()})
+        return Registration(
+            registration_id=_field(doc, "registrationId", str, where),
+            credential=self._credential(doc, where),
+            reregister_after=float(_field(doc, "reregisterAfterSeconds", (int, float), where)),
+        )
+
+    def renew(self, credential: Secret) -> Credential:
+        _, doc = self._call("POST", "/v1/credentials/renew", credential, {})
+        return self._credential(doc, "POST /v1/credentials/renew")
+
+    def lease(self, credential: Secret, lease_seconds: float) -> WorkItem | None:
+        where = "POST /v1/queue/lease"
+        status, doc = self._call("POST", "/v1/queue/lease", credential, {"leaseSeconds": lease_seconds})
+        if status == 204:
+            return None
+        payload = _field(doc, "payload", dict, where)
+        return WorkItem(
+            item_id=_field(doc, "id", int, where),
+            idempotency_key=_field(doc, "idempotencyKey", str, where),
+            payload=payload,
+            lease_id=_field(doc, "leaseId", str, where),
+            deliveries=_field(doc, "deliveries", int, where),
+        )
+
+    def ack(self, credential: Secret, item: WorkItem) -> None:
+        self._call("POST", f"/v1/queue/items/{item.item_id}/ack", credential, {"leaseId": item.lease_id})
+
+    def release(self, credential: Secret, item: WorkItem) -> None:
+        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, {"leaseId": item.lease_id})
+
+    def enqueue(self, admin_token: Secret, idempotency_key: str, payload: dict[str, Any]) -> int:
+        _, doc = self._call("POST", "/v1/queue/items", admin_token, {"idempotencyKey": idempotency_key, "payload": payload})
+        return _field(doc, "id", int, "POST /v1/queue/items")
+
+    def status(self, token: Secret) -> dict[str, Any]:
+        _, doc = self._call("GET", "/v1/status", token)
+        if not isinstance(doc, dict):
+            raise ControlPlaneError("protocol", "GET /v1/status: response body is not a JSON object")
+        return doc
+
+    def set_fault(self, admin_token: Secret, **fault: Any) -> None:
+        self._call("POST", "/admin/faults", admin_token, fault)
+
+    def clear_faults(self, admin_token: Secret) -> None:
+        self._call("DELETE", "/admin/faults", admin_token)
+
+
+def _reason(resp: requests.Response) -> str:
+    # Only the server's short error string is kept; bodies are never echoed whole.
+    try:
+        doc = resp.json()
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+            return doc["error"][:200]
+    except ValueError:
+        pass
+    return resp.reason or ""

@@ -1,0 +1,68 @@
+"""One registry every component reports its (ready, reason) into.
+
+`/healthz` returns all entries and is 200 only when every entry is ready; `/livez` asks
+only whether the event loop is still turning (its heartbeat is fresh). The HTTP server
+reads from another thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_agent.foundations.clock import Clock
+
+
+@dataclass(frozen=True)
+class ComponentHealth:
+    ready: bool
+    reason: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class HealthRegistry:
+    def __init__(self, clock: Clock, components: list[str], liveness_timeout: float = 30.0) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, ComponentHealth] = {
+            name: ComponentHealth(False, "starting") for name in components
+        }
+        self._heartbeat = clock.monotonic()
+        self._liveness_timeout = liveness_timeout
+
+    def set(self, component: str, ready: bool, reason: str, **details: Any) -> bool:
+        """Record a component's state; True when it differs from the previous one."""
+        entry = ComponentHealth(ready, reason, details)
+        with self._lock:
+            previous = self._entries.get(component)
+            self._entries[component] = entry
+        return previous is None or (previous.ready, previous.reason) != (ready, reason)
+
+    def get(self, component: str) -> ComponentHealth:
+        with self._lock:
+            return self._entries[component]
+
+    def beat(self) -> None:
+        with self._lock:
+            self._heartbeat = self._clock.monotonic()
+
+    def live(self) -> tuple[bool, float]:
+        with self._lock:
+            age = self._clock.monotonic() - self._heartbeat
+        return age <= self._liveness_timeout, age
+
+    def ready(self) -> bool:
+        with self._lock:
+            return all(e.ready for e in self._entries.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            entries = dict(self._entries)
+        return {
+            "status": "ready" if all(e.ready for e in entries.values()) else "notready",
+            "components": {
+                name: {"ready": e.ready, "reason": e.reason, **({"details": e.details} if e.details else {})}
+                for name, e in sorted(entries.items())
+            },
+        }

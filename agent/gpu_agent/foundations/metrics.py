@@ -1,0 +1,28 @@
+"""Prometheus metrics, each agent on its own registry (no global state between tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.registration_attempts = Counter("gpu_agent_registration_attempts", "Registration attempts", ["kind"], registry=r)
+        self.registration_failures = Counter("gpu_agent_registration_failures", "Failed registration attempts", ["kind", "reason"], registry=r)
+        self.registration_discarded = Counter("gpu_agent_registration_discarded", "Registration responses discarded because the GPU generation changed", registry=r)
+        self.renewals = Counter("gpu_agent_credential_renewals", "Credential renewal attempts", registry=r)
+        self.renewal_failures = Counter("gpu_agent_credential_renewal_failures", "Failed credential renewals", ["reason"], registry=r)
+        self.backoff = Gauge("gpu_agent_registration_backoff_seconds", "Current registration retry delay (0 when not retrying)", registry=r)
+        self.gpus = Gauge("gpu_agent_gpus", "GPUs currently visible to the agent", registry=r)
+        self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
+        self.queue_paused = Gauge("gpu_agent_queue_paused", "1 while the work queue is paused", registry=r)
+        self.ready = Gauge("gpu_agent_ready", "1 while every component is ready", registry=r)
+        self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)
+        self.gate_wait = Histogram("gpu_agent_gate_wait_seconds", "Time spent waiting for the registration gate", ["purpose"],
+                                   buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
+        self.queue_paused.set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

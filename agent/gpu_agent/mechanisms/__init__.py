@@ -1,0 +1,2 @@
+"""Mechanisms: inventory, registration and queues. Each uses foundations only, never another mechanism;
+the roles wire them together."""

@@ -1,0 +1,1 @@
+"""GPU inventory: sources (NVML, fake file) behind one interface, read by one monitor."""

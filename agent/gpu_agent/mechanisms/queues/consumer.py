@@ -1,0 +1,108 @@
+"""The queue consumer: paused until the agent is ready, then lease, execute, ack.
+
+Pausing stops new leases; an item already leased runs to its end and is acked. An item
+leased in the instant the queue was paused is released back at once rather than run on
+GPUs the agent may no longer have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, WorkItem
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.toggles import Toggle
+from gpu_agent.mechanisms.queues.executor import Executor
+
+log = get_logger(__name__)
+
+
+class QueueConsumer:
+    def __init__(self, client: ControlPlaneClient, credential: Callable[[], Secret | None], executor: Executor,
+                 clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
+                 poll_interval: float, on_refused: Callable[[], Awaitable[None]]) -> None:
+        self.client = client
+        self.credential = credential
+        self.executor = executor
+        self.clock = clock
+        self.health = health
+        self.metrics = metrics
+        self.lease_seconds = lease_seconds
+        self.poll_interval = poll_interval
+        self.on_refused = on_refused
+        self.open = Toggle(False)
+        self.processed = 0
+        self.health.set("queues", False, "paused: waiting for GPUs, registration and credentials")
+
+    async def set_open(self, on: bool, reason: str) -> None:
+        if on != self.open.is_on:
+            log.info("work queues %s%s", "resumed" if on else "paused", "" if on else f": {reason}")
+        await self.open.set(on)
+        self.metrics.queue_paused.set(0 if on else 1)
+        self.health.set("queues", on, "leasing work" if on else f"paused: {reason}", processed=self.processed)
+
+    async def _idle(self) -> None:
+        """Wait for the next poll, or less if the queue is paused meanwhile."""
+        sleeper = asyncio.ensure_future(self.clock.sleep(self.poll_interval))
+        closer = asyncio.ensure_future(self.open.wait_for(False))
+        try:
+            await asyncio.wait({sleeper, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            closer.cancel()
+
+    async def step(self) -> bool:
+        """Lease and run at most one item; False when there was nothing to do."""
+        credential = self.credential()
+        if credential is None:
+            return False
+        try:
+            item = await asyncio.to_thread(self.client.lease, credential, self.lease_seconds)
+        except ControlPlaneError as e:
+            if e.kind == "unauthorized":
+                await self.on_refused()
+            else:
+                log.warning("leasing work failed: %s; retrying in %.1fs", e, self.poll_interval)
+            return False
+        if item is None:
+            return False
+        if not self.open.is_on:
+            log.v(2, "queue paused while leasing item %d; releasing it", item.item_id)
+            await self._quietly(self.client.release, credential, item)
+            return True
+        await self._run(credential, item)
+        return True
+
+    async def _run(self, credential: Secret, item: WorkItem) -> None:
+        log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
+        try:
+            outcome = await asyncio.to_thread(self.executor.execute, item)
+        except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
+            log.error("item %d (key %s) failed: %s; releasing it for redelivery", item.item_id, item.idempotency_key, e)
+            self.metrics.items.labels("failed").inc()
+            await self._quietly(self.client.release, credential, item)
+            return
+        if outcome == "duplicate":
+            log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
+        # An ack that fails leaves the lease to expire; the redelivery is then a "duplicate".
+        await self._quietly(self.client.ack, credential, item)
+        self.processed += 1
+        self.metrics.items.labels(outcome).inc()
+        self.health.set("queues", self.open.is_on, "leasing work" if self.open.is_on else "paused", processed=self.processed)
+
+    async def _quietly(self, call: Callable[..., object], *args: object) -> None:
+        try:
+            await asyncio.to_thread(call, *args)
+        except ControlPlaneError as e:
+            log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
+
+    async def run(self) -> None:
+        while True:
+            await self.open.wait_for(True)
+            if not await self.step():
+                await self._idle()

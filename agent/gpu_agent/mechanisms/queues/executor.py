@@ -1,0 +1,60 @@
+"""Executors run one work item. Each must be idempotent on the item's idempotency key.
+
+Leases make delivery at-least-once (an agent killed after executing but before acking
+gets the item again), so exactly-once execution is the executor's job: the recording
+executor inserts the key into a SQLite journal in the same transaction that records the
+execution, and a redelivered key is recognised and only acknowledged. (In a cluster the
+Pod executor gets the same property from a deterministic Pod name.)
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from gpu_agent.foundations.control_plane_client import WorkItem
+
+
+class Executor(Protocol):
+    def execute(self, item: WorkItem) -> str:
+        """Run the item; return "executed" or "duplicate" (already run under this key)."""
+        ...
+
+
+class RecordingExecutor:
+    def __init__(self, journal: Path, work_seconds: float = 0.0) -> None:
+        journal.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(journal), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("""CREATE TABLE IF NOT EXISTS executions (
+            idempotency_key TEXT PRIMARY KEY, item_id INTEGER NOT NULL, payload TEXT NOT NULL,
+            executed_at REAL NOT NULL, deliveries INTEGER NOT NULL)""")
+        self._lock = threading.Lock()
+        self.work_seconds = work_seconds
+
+    def execute(self, item: WorkItem) -> str:
+        with self._lock:
+            if self._db.execute("SELECT 1 FROM executions WHERE idempotency_key = ?", (item.idempotency_key,)).fetchone():
+                return "duplicate"
+        if self.work_seconds:
+            time.sleep(self.work_seconds)  # stands in for real work; a kill here must not lose the item
+        with self._lock:
+            try:
+                self._db.execute("INSERT INTO executions VALUES (?, ?, ?, ?, ?)",
+                                 (item.idempotency_key, item.item_id, json.dumps(item.payload, sort_keys=True),
+                                  time.time(), item.deliveries))
+            except sqlite3.IntegrityError:
+                return "duplicate"
+        return "executed"
+
+    def executed_keys(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT idempotency_key FROM executions ORDER BY item_id")]
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,280 @@
+"""The registration manager: from "the cluster has GPUs" to "credentials installed".
+
+Three loops share one `Gate`, held from capturing the inventory to applying the response:
+
+  recovery   registers when the GPU generation has no registration yet; failures back off
+             exponentially with jitter, capped; the backoff resets on success and on every
+             GPU change (which also cuts a pending retry sleep short);
+  periodic   re-registers every `reregistrationInterval` while registered;
+  renewal    renews the credential before it expires; an expired credential drops readiness
+             until renewed, and a credential the control plane refuses means register again.
+
+A registration response is applied only if the GPU generation is still the one it was
+captured at; otherwise it is discarded and recovery runs again for the new generation.
+Readiness (the `registration` and `credentials` health entries, and the queue switch) is
+recomputed from state in one place, `_publish()`, after every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from gpu_agent.foundations.backoff import Backoff
+from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential
+from gpu_agent.foundations.gate import Gate
+from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.secrets import Secret
+
+log = get_logger(__name__)
+
+# Renew when this fraction of a credential's lifetime has passed, if the interval is longer.
+RENEW_AT_LIFETIME_FRACTION = 0.8
+
+
+@dataclass(frozen=True)
+class RegistrationSettings:
+    cluster_id: str
+    retry_initial: float
+    retry_max: float
+    retry_jitter: float
+    reregistration_interval: float
+    renew_interval: float
+
+
+class RegistrationManager:
+    def __init__(self, client: ControlPlaneClient, token: Secret, settings: RegistrationSettings, clock: Clock,
+                 rng: random.Random, health: HealthRegistry, metrics: AgentMetrics, gate: Gate,
+                 on_readiness: Callable[[bool, str], Awaitable[None]]) -> None:
+        self.client = client
+        self.token = token
+        self.settings = settings
+        self.clock = clock
+        self.health = health
+        self.metrics = metrics
+        self.gate = gate
+        self.on_readiness = on_readiness
+        self.backoff = Backoff(settings.retry_initial, settings.retry_max, 2.0, settings.retry_jitter, rng)
+        self.renew_backoff = Backoff(settings.retry_initial, settings.retry_max, 2.0, settings.retry_jitter, rng)
+        self.generation = 0
+        self.inventory = Inventory()
+        self.registered_generation: int | None = None
+        self.registration_id: str | None = None
+        self.credential: Secret | None = None
+        self.credential_lifetime = 0.0
+        self.credential_installed_at = 0.0
+        self.renew_due_at = float("inf")
+        self.last_error: str | None = None
+        self.next_retry_in: float | None = None
+        self._gpu_changed = asyncio.Event()
+        self._credential_changed = asyncio.Event()
+        self._ready: bool | None = None
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def registered(self) -> bool:
+        return self.inventory.count > 0 and self.registered_generation == self.generation
+
+    @property
+    def credential_valid(self) -> bool:
+        return self.credential is not None and self.clock.monotonic() < self.credential_expires_at
+
+    @property
+    def credential_expires_at(self) -> float:
+        return self.credential_installed_at + self.credential_lifetime
+
+    def current_credential(self) -> Secret | None:
+        return self.credential if self.credential_valid else None
+
+    async def _publish(self) -> None:
+        if self.inventory.count == 0:
+            reg = (False, "no GPUs available in cluster: registration deferred until GPUs appear")
+        elif self.registered:
+            reg = (True, f"registered (generation {self.generation})")
+        else:
+            why = f"; last attempt failed: {self.last_error}" if self.last_error else ""
+            retry = f"; next attempt in {self.next_retry_in:.1f}s" if self.next_retry_in is not None else ""
+            reg = (False, f"waiting for successful registration after GPU discovery (generation {self.generation}){why}{retry}")
+        self.health.set("registration", *reg, generation=self.generation, attempt=self.backoff.attempt)
+        if self.credential is None:
+            cred = (False, "no credentials installed")
+        elif self.credential_valid:
+            cred = (True, f"credential valid for {self.credential_expires_at - self.clock.monotonic():.0f}s")
+        else:
+            cred = (False, "credential expired: queues paused until it is renewed")
+        self.health.set("credentials", *cred)
+        ready = reg[0] and cred[0]
+        reason = "ready" if ready else (reg[1] if not reg[0] else cred[1])
+        if ready != self._ready:
+            self._ready = ready
+            await self.on_readiness(ready, reason)
+
+    # ---- inputs --------------------------------------------------------------------------------
+
+    async def gpus_changed(self, generation: int, inventory: Inventory) -> None:
+        self.generation = generation
+        self.inventory = inventory
+        self.backoff.reset()
+        self.next_retry_in = None
+        self.last_error = None
+        self.metrics.backoff.set(0)
+        self._gpu_changed.set()
+        await self._publish()
+
+    async def credential_refused(self) -> None:
+        """A queue call was answered 401/403: the credential is no longer good."""
+        if self.credential is not None:
+            log.warning("control plane refused the credential: registering again")
+            self.credential = None
+            self.registered_generation = None
+            self._gpu_changed.set()
+            await self._publish()
+
+    # ---- the one gated step: capture, call, check generation, apply -------------------------
+
+    async def register(self, kind: str) -> str:
+        """Returns "ok", "skipped", "stale" or "failed"."""
+        async with self.gate.hold(kind):
+            generation, inventory = self.generation, self.inventory
+            if inventory.count == 0 or (kind == "recovery" and self.registered):
+                return "skipped"
+            self.metrics.registration_attempts.labels(kind).inc()
+            log.v(2, "registering %d GPUs (generation %d, %s)", inventory.count, generation, kind)
+            try:
+                reg = await asyncio.to_thread(self.client.register, self.token, self.settings.cluster_id, generation, inventory)
+            except ControlPlaneError as e:
+                self.metrics.registration_failures.labels(kind, e.kind).inc()
+                self.last_error = str(e)
+                if e.kind == "unauthorized":
+                    # The registration token itself is refused: nothing we hold is valid any more.
+                    self.credential = None
+                    self.registered_generation = None
+                await self._publish()
+                raise
+            if self.generation != generation:
+                self.metrics.registration_discarded.inc()
+                log.warning("discarding registration response for GPU generation %d: the GPUs changed meanwhile "
+                            "(now generation %d); registering again", generation, self.generation)
+                return "stale"
+            self._install(reg.credential)
+            self.registration_id = reg.registration_id
+            self.registered_generation = generation
+            self.last_error = None
+            self.next_retry_in = None
+            log.info("registered %d GPUs with the control plane (generation %d, %s)", inventory.count, generation, kind)
+            await self._publish()
+            return "ok"
+
+    async def renew(self) -> str:
+        async with self.gate.hold("renew"):
+            credential = self.credential
+            if credential is None:
+                return "skipped"
+            self.metrics.renewals.inc()
+            log.v(2, "renewing credential")
+            try:
+                fresh = await asyncio.to_thread(self.client.renew, credential)
+            except ControlPlaneError as e:
+                self.metrics.renewal_failures.labels(e.kind).inc()
+                if e.kind == "unauthorized":
+                    log.warning("credential renewal refused (%s): registering again", e)
+                    self.credential = None
+                    self.registered_generation = None
+                    self._gpu_changed.set()
+                    await self._publish()
+                    return "refused"
+                raise
+            if self.credential is not credential:
+                return "stale"  # a registration installed a newer credential meanwhile
+            self._install(fresh)
+            log.v(1, "credential renewed, valid for %.0fs", fresh.expires_in)
+            await self._publish()
+            return "ok"
+
+    def _install(self, credential: Credential) -> None:
+        self.credential = credential.token
+        self.credential_lifetime = credential.expires_in
+        self.credential_installed_at = self.clock.monotonic()
+        self.renew_due_at = self.credential_installed_at + min(self.settings.renew_interval,
+                                                               credential.expires_in * RENEW_AT_LIFETIME_FRACTION)
+        self.renew_backoff.reset()
+        self._credential_changed.set()
+
+    # ---- loops ---------------------------------------------------------------------------------
+
+    async def _sleep_unless(self, seconds: float, event: asyncio.Event) -> None:
+        """Sleep on the injected clock, cut short when `event` is set."""
+        if event.is_set():
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            waiter.cancel()
+
+    async def recovery_loop(self) -> None:
+        while True:
+            self._gpu_changed.clear()
+            if self.inventory.count == 0 or self.registered:
+                await self._gpu_changed.wait()
+                continue
+            try:
+                outcome = await self.register("recovery")
+            except ControlPlaneError as e:
+                delay = self.backoff.next_delay()
+                self.next_retry_in = delay
+                self.metrics.backoff.set(delay)
+                log.warning("registration attempt %d failed: %s; retrying in %.2fs", self.backoff.attempt, e, delay)
+                await self._publish()
+                await self._sleep_unless(delay, self._gpu_changed)
+                continue
+            if outcome == "ok":
+                self.backoff.reset()
+                self.metrics.backoff.set(0)
+
+    async def periodic_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.settings.reregistration_interval)
+            if not self.registered:
+                continue
+            try:
+                await self.register("periodic")
+            except ControlPlaneError as e:
+                log.warning("periodic re-registration failed: %s; keeping current credentials", e)
+
+    async def renewal_loop(self) -> None:
+        while True:
+            self._credential_changed.clear()
+            if self.credential is None:
+                await self._credential_changed.wait()
+                continue
+            now = self.clock.monotonic()
+            expires_at = self.credential_expires_at
+            wake_at = min(self.renew_due_at, expires_at) if now < expires_at else self.renew_due_at
+            if now < wake_at:
+                await self._sleep_unless(wake_at - now, self._credential_changed)
+                await self._publish()  # the credential may just have expired
+                continue
+            try:
+                await self.renew()
+            except ControlPlaneError as e:
+                delay = self.renew_backoff.next_delay()
+                self.renew_due_at = self.clock.monotonic() + delay
+                log.warning("credential renewal attempt %d failed: %s; retrying in %.2fs", self.renew_backoff.attempt, e, delay)
+                await self._publish()
+
+    async def run(self) -> None:
+        await self._publish()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.recovery_loop(), name="registration-recovery")
+            tg.create_task(self.periodic_loop(), name="registration-periodic")
+            tg.create_task(self.renewal_loop(), name="credential-renewal")

@@ -1,0 +1,134 @@
+"""The cluster agent: graceful no-GPU mode, from GPU discovery to leasing work.
+
+    GPU source -> InventoryMonitor -> RegistrationManager -> (credentials) -> QueueConsumer -> Executor
+
+It is live from the first moment (`/livez` 200) and ready (`/healthz` 200) only when the
+cluster has GPUs, registration for the current GPU generation has succeeded and a valid
+credential is installed; only then are the work queues open. Losing the last GPU closes
+them and drops readiness again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+from gpu_agent.foundations import fake_state
+from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.config import VERBOSITY, Config, Setting
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient
+from gpu_agent.foundations.gate import Gate, GateEvent
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.mechanisms.inventory.fake import FakeFileSource
+from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
+from gpu_agent.mechanisms.inventory.nvml import NVMLSource
+from gpu_agent.mechanisms.inventory.source import GPUSource
+from gpu_agent.mechanisms.queues.consumer import QueueConsumer
+from gpu_agent.mechanisms.queues.executor import RecordingExecutor
+from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
+from gpu_agent.roles.endpoints import EndpointServer
+
+log = get_logger(__name__)
+
+COMPONENTS = ["gpus", "registration", "credentials", "queues"]
+
+GPU_SOURCE_SETTINGS = [
+    Setting("gpuSource", "choice", "fake", "where GPUs are read from", choices=("fake", "nvml")),
+    Setting("fakeGpuStateFile", "path", str(fake_state.default_path()), "fake GPU state file (gpuSource=fake)"),
+    Setting("gpuPollInterval", "seconds", 0.5, "how often the GPU source is read", 0.05, 60),
+]
+
+SETTINGS = [
+    VERBOSITY,
+    Setting("listenAddress", "address", "127.0.0.1:8080", "HOST:PORT for /livez, /healthz, /version, /metrics"),
+    *GPU_SOURCE_SETTINGS,
+    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
+    Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
+    Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
+    Setting("clusterId", "str", "local", "this cluster's name at the control plane"),
+    Setting("registrationRetryInitial", "seconds", 1.0, "first registration retry delay", 0.01, 3600),
+    Setting("registrationRetryMax", "seconds", 300.0, "registration retry delay cap", 0.01, 86400),
+    Setting("registrationRetryJitter", "number", 0.2, "fraction by which a retry delay may be shortened at random", 0, 0.99),
+    Setting("reregistrationInterval", "seconds", 60.0, "periodic re-registration interval", 0.1, 86400),
+    Setting("credentialRenewInterval", "seconds", 2700.0, "credential renewal interval (renewal also happens at 80% of its lifetime)", 0.1, 86400),
+    Setting("requestTimeout", "seconds", 10.0, "timeout of one control-plane call", 0.1, 300),
+    Setting("leaseSeconds", "seconds", 30.0, "lease length asked for each work item", 0.1, 3600),
+    Setting("queuePollInterval", "seconds", 1.0, "wait between lease attempts on an empty queue", 0.01, 60),
+    Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (local executor)"),
+    Setting("executorWorkSeconds", "seconds", 0.0, "simulated work time per item (local executor)", 0, 3600),
+]
+
+
+def make_source(cfg: Config) -> GPUSource:
+    if cfg.gpuSource == "nvml":
+        return NVMLSource()
+    return FakeFileSource(Path(cfg.fakeGpuStateFile))
+
+
+class ClusterAgent:
+    def __init__(self, cfg: Config, clock: Clock | None = None, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.clock = clock or SystemClock()
+        self.health = HealthRegistry(self.clock, COMPONENTS)
+        self.metrics = AgentMetrics()
+        self.gate = Gate(self.clock, self._gate_observed)
+        self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
+        self.executor = RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds)
+        self.registration = RegistrationManager(
+            self.client, cfg.controlPlaneToken,
+            RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
+                                 cfg.registrationRetryJitter, cfg.reregistrationInterval, cfg.credentialRenewInterval),
+            self.clock, rng or random.Random(), self.health, self.metrics, self.gate, self._readiness_changed)
+        self.queue = QueueConsumer(self.client, self.registration.current_credential, self.executor, self.clock,
+                                   self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
+                                   self.registration.credential_refused)
+        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed)
+        host, _, port = cfg.listenAddress.rpartition(":")
+        self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
+
+    def _gate_observed(self, e: GateEvent) -> None:
+        if e.event == "acquired":
+            self.metrics.gate_wait.labels(e.purpose).observe(e.waited)
+        log.v(2, "gate %s by %s (%s %.3fs)", e.event, e.purpose, "held" if e.event == "released" else "waited", e.waited)
+
+    async def _gpus_changed(self, event: InventoryEvent) -> None:
+        self.metrics.gpus.set(event.inventory.count)
+        self.metrics.gpu_generation.set(event.generation)
+        await self.registration.gpus_changed(event.generation, event.inventory)
+
+    async def _readiness_changed(self, ready: bool, reason: str) -> None:
+        await self.queue.set_open(ready, reason)
+        self.metrics.ready.set(1 if ready else 0)
+        if ready:
+            log.info("cluster agent Ready: GPUs registered, credentials installed, queues open")
+        else:
+            log.info("cluster agent NotReady: %s", reason)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.health.beat()
+            await self.clock.sleep(1.0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
+        self.endpoints.start()
+        log.info("serving /livez /healthz /version /metrics on http://%s", self.endpoints.address)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._heartbeat(), name="heartbeat"),
+                         tg.create_task(self.monitor.run(), name="inventory-monitor"),
+                         tg.create_task(self.registration.run(), name="registration"),
+                         tg.create_task(self.queue.run(), name="queue-consumer")]
+                await stop.wait()
+                log.info("shutting down")
+                for t in tasks:
+                    t.cancel()
+        finally:
+            self.endpoints.stop()
+            self.monitor.source.close()
+            self.client.close()
+            self.executor.close()

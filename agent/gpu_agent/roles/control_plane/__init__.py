@@ -1,0 +1,1 @@
+"""The reference control plane: registration, credentials, a durable work queue, fault injection."""

@@ -1,0 +1,41 @@
+"""Running the reference control plane as a process (or inside `gpu-agent local`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
+from gpu_agent.roles.control_plane.store import Store
+
+log = get_logger(__name__)
+
+STORE_SETTINGS = [
+    Setting("database", "path", ".run/control-plane.sqlite", "SQLite database file (survives restarts)"),
+    Setting("registrationToken", "secret", "", "token agents register with (env only; or registrationTokenFile)"),
+    Setting("registrationTokenFile", "path", "", "file holding the registration token", optional=True),
+    Setting("adminToken", "secret", "", "token for enqueueing work and fault injection (env only; or adminTokenFile)"),
+    Setting("adminTokenFile", "path", "", "file holding the admin token", optional=True),
+    Setting("credentialTtl", "seconds", 3600.0, "lifetime of an issued credential", 0.5, 86400 * 30),
+    Setting("maxLeaseSeconds", "seconds", 300.0, "longest lease a consumer may ask for", 0.1, 86400),
+    Setting("reregisterAfter", "seconds", 60.0, "re-registration interval suggested to agents", 1, 86400),
+]
+
+SETTINGS = [
+    VERBOSITY,
+    Setting("listenAddress", "address", "127.0.0.1:8700", "HOST:PORT to serve the API on"),
+    *STORE_SETTINGS,
+]
+
+
+def build_server(cfg: Config, listen: str) -> ControlPlaneServer:
+    missing = [name for name in ("registrationToken", "adminToken") if not getattr(cfg, name)]
+    if missing:
+        raise ConfigError(f"{missing[0]} is required: set GPU_AGENT_{'REGISTRATION' if missing[0] == 'registrationToken' else 'ADMIN'}_TOKEN "
+                          f"or --{'registration' if missing[0] == 'registrationToken' else 'admin'}-token-file")
+    store = Store(Path(cfg.database))
+    cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
+                                            cfg.maxLeaseSeconds, cfg.reregisterAfter))
+    host, _, port = listen.rpartition(":")
+    return ControlPlaneServer(cp, host, int(port))

@@ -1,0 +1,143 @@
+"""SQLite persistence for the reference control plane; survives a restart.
+
+Credentials are stored as SHA-256 hashes only: a copy of the database holds no usable
+token. Leasing is one IMMEDIATE transaction, so two consumers never get the same item,
+and an item whose lease has expired is simply eligible again (redelivery).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS registrations (
+    cluster_id TEXT PRIMARY KEY, registration_id TEXT NOT NULL, generation INTEGER NOT NULL,
+    gpus TEXT NOT NULL, registered_at REAL NOT NULL, count INTEGER NOT NULL DEFAULT 1);
+CREATE TABLE IF NOT EXISTS credentials (
+    token_sha256 TEXT PRIMARY KEY, cluster_id TEXT NOT NULL, expires_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS items (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, payload TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'queued', lease_id TEXT, lease_expires_at REAL,
+    deliveries INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, acked_at REAL);
+"""
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, path: Path, clock: Any = time.time) -> None:
+        if str(path) != ":memory:":
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._now = clock
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # credentials ---------------------------------------------------------------------------
+    def issue_credential(self, cluster_id: str, ttl: float) -> tuple[str, float]:
+        token = secrets.token_urlsafe(32)
+        expires_at = self._now() + ttl
+        with self._lock:
+            self._db.execute("INSERT INTO credentials VALUES (?, ?, ?)", (token_hash(token), cluster_id, expires_at))
+            self._db.execute("DELETE FROM credentials WHERE expires_at < ?", (self._now() - 3600,))
+        return token, expires_at
+
+    def credential_status(self, token: str) -> tuple[str | None, str]:
+        """(cluster_id, "valid" | "expired" | "unknown")"""
+        with self._lock:
+            row = self._db.execute("SELECT cluster_id, expires_at FROM credentials WHERE token_sha256 = ?",
+                                   (token_hash(token),)).fetchone()
+        if row is None:
+            return None, "unknown"
+        return row[0], "valid" if row[1] > self._now() else "expired"
+
+    def revoke(self, token: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM credentials WHERE token_sha256 = ?", (token_hash(token),))
+
+    # registrations -------------------------------------------------------------------------
+    def register(self, cluster_id: str, generation: int, gpus: list[dict[str, Any]]) -> str:
+        registration_id = "reg-" + secrets.token_hex(8)
+        with self._lock:
+            self._db.execute("""INSERT INTO registrations VALUES (?, ?, ?, ?, ?, 1)
+                ON CONFLICT(cluster_id) DO UPDATE SET registration_id=excluded.registration_id,
+                generation=excluded.generation, gpus=excluded.gpus, registered_at=excluded.registered_at,
+                count=registrations.count + 1""",
+                             (cluster_id, registration_id, generation, json.dumps(gpus), self._now()))
+        return registration_id
+
+    # queue ---------------------------------------------------------------------------------
+    def enqueue(self, key: str, payload: dict[str, Any]) -> tuple[int, bool]:
+        """(id, created): an existing key returns its item unchanged."""
+        with self._lock:
+            row = self._db.execute("SELECT id FROM items WHERE idempotency_key = ?", (key,)).fetchone()
+            if row:
+                return row[0], False
+            cur = self._db.execute("INSERT INTO items (idempotency_key, payload, created_at) VALUES (?, ?, ?)",
+                                   (key, json.dumps(payload), self._now()))
+            return int(cur.lastrowid), True
+
+    def lease(self, lease_seconds: float) -> dict[str, Any] | None:
+        now = self._now()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("""SELECT id, idempotency_key, payload, deliveries FROM items
+                    WHERE state = 'queued' OR (state = 'leased' AND lease_expires_at <= ?)
+                    ORDER BY id LIMIT 1""", (now,)).fetchone()
+                if row is None:
+                    self._db.execute("COMMIT")
+                    return None
+                lease_id = secrets.token_hex(8)
+                self._db.execute("""UPDATE items SET state='leased', lease_id=?, lease_expires_at=?,
+                    deliveries=deliveries+1 WHERE id=?""", (lease_id, now + lease_seconds, row[0]))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return {"id": row[0], "idempotencyKey": row[1], "payload": json.loads(row[2]), "leaseId": lease_id,
+                "deliveries": row[3] + 1, "leaseExpiresInSeconds": lease_seconds}
+
+    def ack(self, item_id: int, lease_id: str) -> str:
+        """"acked", "already-acked", "stale-lease" or "unknown"."""
+        with self._lock:
+            row = self._db.execute("SELECT state, lease_id FROM items WHERE id = ?", (item_id,)).fetchone()
+            if row is None:
+                return "unknown"
+            if row[1] != lease_id:
+                return "stale-lease"
+            if row[0] == "done":
+                return "already-acked"
+            self._db.execute("UPDATE items SET state='done', acked_at=? WHERE id=?", (self._now(), item_id))
+            return "acked"
+
+    def release(self, item_id: int, lease_id: str) -> str:
+        with self._lock:
+            cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL
+                WHERE id=? AND lease_id=? AND state='leased'""", (item_id, lease_id))
+            return "released" if cur.rowcount else "stale-lease"
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self._db.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall())
+            deliveries = self._db.execute("SELECT COALESCE(SUM(deliveries), 0) FROM items").fetchone()[0]
+            regs = [{"clusterId": r[0], "registrationId": r[1], "generation": r[2], "gpuCount": len(json.loads(r[3])),
+                     "registrations": r[4]}
+                    for r in self._db.execute("SELECT cluster_id, registration_id, generation, gpus, count FROM registrations")]
+        return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0)},
+                "deliveries": deliveries, "registrations": regs}

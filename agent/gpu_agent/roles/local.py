@@ -1,0 +1,65 @@
+"""`gpu-agent local`: the main job on one machine, no Kubernetes needed.
+
+Starts the reference control plane and the cluster agent on loopback, with the fake GPU
+source. Tokens are generated once into the state folder (mode 0600); the fake GPU state
+file starts with zero GPUs, so the agent comes up live and NotReady, and a few demo work
+items wait in the queue until `fake-gpu set --count 4` brings GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+
+from gpu_agent.foundations import fake_state
+from gpu_agent.foundations.config import Config, Setting
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient
+from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.secrets import Secret
+from gpu_agent.roles import cluster_agent
+from gpu_agent.roles.control_plane.main import STORE_SETTINGS, build_server
+
+log = get_logger(__name__)
+
+SETTINGS = [
+    *cluster_agent.SETTINGS,
+    *[s for s in STORE_SETTINGS if s.kind != "secret" and not s.name.endswith("TokenFile")],
+    Setting("controlPlaneListen", "address", "127.0.0.1:8700", "HOST:PORT of the embedded control plane"),
+    Setting("stateDir", "path", ".run", "folder for tokens, databases and the fake GPU state file"),
+    Setting("demoItems", "int", 5, "demo work items enqueued at start (idempotent across restarts)", 0, 10000),
+]
+
+
+def _token(path: Path) -> Secret:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    return Secret(path.read_text().strip())
+
+
+async def run(cfg: Config, stop: asyncio.Event) -> None:
+    state = Path(cfg.stateDir)
+    registration_token = _token(state / "registration-token")
+    admin_token = _token(state / "admin-token")
+    fake_file = Path(cfg.fakeGpuStateFile)
+    if cfg.gpuSource == "fake" and not fake_file.exists():
+        fake_state.write_atomic(fake_file, fake_state.render(Inventory(), node="local"))
+        log.info("created %s with 0 GPUs; add some with: fake-gpu set --count 4", fake_file)
+    server = build_server(cfg.replace(registrationToken=registration_token, adminToken=admin_token),
+                          cfg.controlPlaneListen)
+    server.start()
+    log.info("reference control plane listening on %s (admin token in %s)", server.url, state / "admin-token")
+    try:
+        client = ControlPlaneClient(server.url)
+        for n in range(cfg.demoItems):
+            await asyncio.to_thread(client.enqueue, admin_token, f"demo-{n}", {"kind": "demo", "n": n})
+        client.close()
+        agent = cluster_agent.ClusterAgent(cfg.replace(controlPlaneUrl=server.url, controlPlaneToken=registration_token))
+        await agent.run(stop)
+    finally:
+        server.stop()
