@@ -3,6 +3,7 @@
     gpu-agent local           control plane + cluster agent + fake GPUs on loopback (the main job)
     gpu-agent cluster-agent   the cluster agent alone
     gpu-agent control-plane   the reference control plane alone
+    gpu-agent inventory       read the GPU source once and print the inventory as JSON
     gpu-agent version
 
 Bad flags and bad values exit with code 2 and a message naming the setting.
@@ -17,7 +18,7 @@ import signal
 import sys
 
 from gpu_agent.foundations import klog
-from gpu_agent.foundations.config import ConfigError, Setting, add_arguments, load
+from gpu_agent.foundations.config import VERBOSITY, ConfigError, Setting, add_arguments, load
 from gpu_agent.foundations.version import version_info
 from gpu_agent.roles import cluster_agent, local
 from gpu_agent.roles.control_plane import main as control_plane
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     for name, (settings, help_text) in ROLES.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)
+    add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON"),
+                  [VERBOSITY, *cluster_agent.GPU_SOURCE_SETTINGS])
     sub.add_parser("version", help="print version, commit and build date")
     return parser
 
@@ -57,15 +60,27 @@ async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
             await asyncio.to_thread(server.stop)
 
 
+def _print_inventory(cfg) -> int:  # type: ignore[no-untyped-def]
+    source = cluster_agent.make_source(cfg)
+    reading = source.read()
+    doc = {"source": source.name, "count": reading.inventory.count, "gpus": reading.inventory.to_json(),
+           "error": reading.error, "note": reading.note}
+    source.close()
+    print(json.dumps(doc, indent=2))
+    return 1 if reading.error else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.role == "version":
         print(json.dumps(version_info()))
         return 0
-    settings, _ = ROLES[args.role]
+    settings = ROLES[args.role][0] if args.role in ROLES else [VERBOSITY, *cluster_agent.GPU_SOURCE_SETTINGS]
     try:
         cfg = load(settings, args)
         klog.setup(cfg.verbosity)
+        if args.role == "inventory":
+            return _print_inventory(cfg)
         asyncio.run(_serve(args.role, cfg))
     except ConfigError as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)
