@@ -43,6 +43,8 @@ class Backoff:
     def next_delay(self) -> float:
         base = self.base(self.attempt)
         self.attempt += 1
+        if not self.jitter:
+            return base
         return base * (1.0 - self.jitter * self.rng.random())
 
     def reset(self) -> None:

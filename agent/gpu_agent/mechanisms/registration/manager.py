@@ -21,6 +21,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock
@@ -51,8 +52,10 @@ class RegistrationSettings:
 class RegistrationManager:
     def __init__(self, client: ControlPlaneClient, token: Secret, settings: RegistrationSettings, clock: Clock,
                  rng: random.Random, health: HealthRegistry, metrics: AgentMetrics, gate: Gate,
-                 on_readiness: Callable[[bool, str], Awaitable[None]]) -> None:
+                 on_readiness: Callable[[bool, str], Awaitable[None]],
+                 offload: Callable[..., Awaitable[Any]] = asyncio.to_thread) -> None:
         self.client = client
+        self._offload = offload  # how blocking client calls leave the event loop; tests run them inline
         self.token = token
         self.settings = settings
         self.clock = clock
@@ -148,7 +151,7 @@ class RegistrationManager:
             self.metrics.registration_attempts.labels(kind).inc()
             log.v(2, "registering %d GPUs (generation %d, %s)", inventory.count, generation, kind)
             try:
-                reg = await asyncio.to_thread(self.client.register, self.token, self.settings.cluster_id, generation, inventory)
+                reg = await self._offload(self.client.register, self.token, self.settings.cluster_id, generation, inventory)
             except ControlPlaneError as e:
                 self.metrics.registration_failures.labels(kind, e.kind).inc()
                 self.last_error = str(e)
@@ -180,7 +183,7 @@ class RegistrationManager:
             self.metrics.renewals.inc()
             log.v(2, "renewing credential")
             try:
-                fresh = await asyncio.to_thread(self.client.renew, credential)
+                fresh = await self._offload(self.client.renew, credential)
             except ControlPlaneError as e:
                 self.metrics.renewal_failures.labels(e.kind).inc()
                 if e.kind == "unauthorized":

@@ -1,0 +1,241 @@
+"""The registration manager on a hand-driven clock with scripted control-plane answers."""
+
+import asyncio
+import inspect
+
+import pytest
+
+from gpu_agent.foundations.clock import ManualClock
+from gpu_agent.foundations.control_plane_client import ControlPlaneError, Credential, Registration
+from gpu_agent.foundations.gate import Gate
+from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.secrets import Secret
+from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
+from tests.unit.test_backoff import FixedRandom
+
+UNAVAILABLE = ControlPlaneError("unavailable", "POST /v1/register: 503 injected fault", 503)
+
+
+def inventory(n, tag="a"):
+    return Inventory(tuple(GPU(f"GPU-{tag}{i:07d}-0000-0000-0000-000000000000", "fake", 1 << 30, index=i) for i in range(n)))
+
+
+class ScriptedControlPlane:
+    """Answers from a script; records every call with the clock time; can hold a call in flight."""
+
+    def __init__(self, clock, ttl=3600.0):
+        self.clock = clock
+        self.ttl = ttl
+        self.calls = []
+        self.register_script = []
+        self.renew_script = []
+        self.hold_register = None
+        self.hold_renew = None
+        self.inside = 0
+        self.max_inside = 0
+        self.issued = 0
+
+    def _credential(self):
+        self.issued += 1
+        return Credential(Secret(f"credential-{self.issued:04d}-secret"), self.ttl)
+
+    async def _enter(self, name, hold):
+        self.calls.append((name, self.clock.monotonic()))
+        self.inside += 1
+        self.max_inside = max(self.max_inside, self.inside)
+        try:
+            if hold is not None:
+                await hold.wait()
+        finally:
+            self.inside -= 1
+
+    async def register(self, token, cluster_id, generation, inv):
+        await self._enter("register", self.hold_register)
+        outcome = self.register_script.pop(0) if self.register_script else "ok"
+        if isinstance(outcome, Exception):
+            raise outcome
+        return Registration(f"reg-{generation}", self._credential(), 60.0)
+
+    async def renew(self, credential):
+        await self._enter("renew", self.hold_renew)
+        outcome = self.renew_script.pop(0) if self.renew_script else "ok"
+        if isinstance(outcome, Exception):
+            raise outcome
+        return self._credential()
+
+    def times(self, name):
+        return [t - 1000.0 for n, t in self.calls if n == name]
+
+
+async def inline(fn, *args):
+    result = fn(*args)
+    return await result if inspect.isawaitable(result) else result
+
+
+class Harness:
+    def __init__(self, *, initial=1.0, cap=8.0, jitter=0.0, rng=None, ttl=3600.0, renew=2700.0, reregister=10_000.0):
+        self.clock = ManualClock(start=1000.0)
+        self.cp = ScriptedControlPlane(self.clock, ttl)
+        self.health = HealthRegistry(self.clock, ["gpus", "registration", "credentials", "queues"])
+        self.metrics = AgentMetrics()
+        self.transitions = []
+        self.manager = RegistrationManager(
+            self.cp, Secret("registration-token-xyz"),
+            RegistrationSettings("c1", initial, cap, jitter, reregister, renew),
+            self.clock, rng or FixedRandom([]), self.health, self.metrics, Gate(self.clock), self._on_ready, offload=inline)
+
+    async def _on_ready(self, ready, reason):
+        self.transitions.append((self.clock.monotonic() - 1000.0, ready, reason))
+
+    @property
+    def ready(self):
+        return bool(self.transitions) and self.transitions[-1][1]
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.manager.run())
+        await self.clock.settle()
+        return self
+
+    async def __aexit__(self, *exc):
+        self.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await self.task
+
+
+async def test_starts_not_ready_and_does_not_register_without_gpus():
+    async with Harness() as h:
+        await h.clock.advance(100)
+        assert h.cp.calls == []
+        assert h.transitions[0][1] is False
+        assert "no GPUs available" in h.transitions[0][2]
+
+
+async def test_failed_registrations_back_off_exponentially_to_the_cap_then_succeed():
+    async with Harness(initial=1, cap=8, jitter=0) as h:
+        h.cp.register_script = [UNAVAILABLE] * 6
+        await h.manager.gpus_changed(1, inventory(4))
+        await h.clock.advance(100)
+        assert h.cp.times("register") == [0, 1, 3, 7, 15, 23, 31]
+        assert h.ready and h.transitions[-1][0] == 31
+        assert h.manager.backoff.attempt == 0
+        text = h.metrics.render().decode()
+        assert 'gpu_agent_registration_failures_total{kind="recovery",reason="unavailable"} 6.0' in text
+
+
+async def test_jitter_spaces_attempts_exactly_as_drawn():
+    rng = FixedRandom([0.0, 0.5, 1.0, 0.25])
+    async with Harness(initial=2, cap=100, jitter=0.5, rng=rng) as h:
+        h.cp.register_script = [UNAVAILABLE] * 4
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(100)
+        # delays: 2*(1-0), 4*(1-.25), 8*(1-.5), 16*(1-.125)
+        assert h.cp.times("register") == pytest.approx([0, 2, 5, 9, 23])
+
+
+async def test_initial_interval_above_cap_is_kept():
+    async with Harness(initial=30, cap=10, jitter=0) as h:
+        h.cp.register_script = [UNAVAILABLE] * 3
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(200)
+        assert h.cp.times("register") == [0, 30, 60, 90]
+
+
+async def test_gpu_change_resets_backoff_and_cuts_the_pending_retry_short():
+    async with Harness(initial=1, cap=64, jitter=0) as h:
+        h.cp.register_script = [UNAVAILABLE] * 5
+        await h.manager.gpus_changed(1, inventory(2))
+        await h.clock.advance(4)  # attempts at 0, 1, 3; next would be at 7
+        assert h.cp.times("register") == [0, 1, 3]
+        await h.manager.gpus_changed(2, inventory(3))
+        await h.clock.advance(100)
+        # at 4 at once, then 1 s after (backoff back at its initial value), then 2 s after that
+        assert h.cp.times("register") == [0, 1, 3, 4, 5, 7]
+        assert h.manager.registered_generation == 2
+
+
+async def test_success_resets_backoff():
+    async with Harness(initial=1, cap=64, jitter=0) as h:
+        h.cp.register_script = [UNAVAILABLE, UNAVAILABLE, "ok"]
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(10)
+        assert h.cp.times("register") == [0, 1, 3]
+        h.cp.register_script = [UNAVAILABLE, "ok"]
+        await h.manager.credential_refused()  # forces a new registration at t=10
+        await h.clock.advance(10)
+        assert h.cp.times("register")[3:] == [10, 11]
+
+
+async def test_response_for_a_stale_generation_is_discarded_and_registration_runs_again():
+    async with Harness() as h:
+        h.cp.hold_register = asyncio.Event()
+        await h.manager.gpus_changed(1, inventory(2))
+        await h.clock.settle()
+        assert h.cp.times("register") == [0]
+        await h.manager.gpus_changed(2, inventory(4, tag="b"))  # GPUs change while the call is in flight
+        h.cp.hold_register.set()
+        await h.clock.advance(1)
+        assert len(h.cp.times("register")) == 2
+        assert h.manager.registered_generation == 2
+        assert 'gpu_agent_registration_discarded_total 1.0' in h.metrics.render().decode()
+        assert [t[1] for t in h.transitions] == [False, True]  # never Ready on the stale answer
+
+
+async def test_gpus_removed_during_registration_stays_not_ready():
+    async with Harness() as h:
+        h.cp.hold_register = asyncio.Event()
+        await h.manager.gpus_changed(1, inventory(2))
+        await h.clock.settle()
+        await h.manager.gpus_changed(2, Inventory())
+        h.cp.hold_register.set()
+        await h.clock.advance(30)
+        assert len(h.cp.times("register")) == 1
+        assert not h.ready
+        assert h.manager.registered_generation is None
+        assert not h.health.get("registration").ready
+
+
+async def test_renewal_and_registration_never_overlap_and_both_complete():
+    async with Harness(ttl=100, renew=10) as h:
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(1)
+        h.cp.hold_renew = asyncio.Event()
+        await h.clock.advance(10)  # renewal starts at t=10 and is held in flight
+        assert h.cp.times("renew") == [10]
+        await h.manager.gpus_changed(2, inventory(2))  # recovery registration must wait for the gate
+        await h.clock.advance(2)
+        assert h.cp.times("register") == [0]
+        h.cp.hold_renew.set()
+        await h.clock.advance(1)
+        assert h.cp.times("register") == [0, 13]
+        assert h.cp.max_inside == 1
+        assert h.ready and h.manager.registered_generation == 2
+
+
+async def test_expired_credential_pauses_until_renewed():
+    async with Harness(initial=1, cap=4, jitter=0, ttl=10, renew=1000) as h:
+        failing = ControlPlaneError("unavailable", "POST /v1/credentials/renew: 503", 503)
+        h.cp.renew_script = [failing] * 5
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(9.9)
+        assert h.ready
+        await h.clock.advance(0.2)  # credential lifetime ends at t=10
+        assert not h.ready
+        assert "credential expired" in h.transitions[-1][2]
+        await h.clock.advance(30)
+        assert h.ready  # the sixth renewal succeeded
+        renewals = h.cp.times("renew")
+        assert renewals[0] == 8  # at 80 % of the lifetime
+        assert renewals[1:6] == [9, 11, 15, 19, 23]
+        assert renewals[6] == 31  # the fresh credential is renewed at 80 % of its own lifetime
+
+
+async def test_refused_renewal_registers_again():
+    async with Harness(ttl=10, renew=5) as h:
+        h.cp.renew_script = [ControlPlaneError("unauthorized", "401 credential expired", 401)]
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(6)
+        assert h.cp.times("renew") == [5]
+        assert h.cp.times("register") == [0, 5]
+        assert h.ready
