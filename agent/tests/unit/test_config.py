@@ -1,0 +1,80 @@
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from gpu_agent.foundations.config import ConfigError, add_arguments, load
+from gpu_agent.roles import cluster_agent
+
+
+def parse(argv, environ=None, tmp_path=None):
+    p = argparse.ArgumentParser()
+    add_arguments(p, cluster_agent.SETTINGS)
+    return load(cluster_agent.SETTINGS, p.parse_args(argv), environ or {})
+
+
+def test_defaults():
+    cfg = parse([])
+    assert cfg.registrationRetryInitial == 1.0 and cfg.verbosity == 0 and cfg.gpuSource == "fake"
+
+
+def test_precedence_file_then_env_then_flag(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("registrationRetryMax: 20\nclusterId: from-file\nverbosity: 3\n")
+    cfg = parse(["--config", str(f), "--registration-retry-max", "40"], {"GPU_AGENT_CLUSTER_ID": "from-env"})
+    assert cfg.registrationRetryMax == 40 and cfg.clusterId == "from-env" and cfg.verbosity == 3
+
+
+@pytest.mark.parametrize("argv,field,fragment", [
+    (["--registration-retry-max", "-1"], "registrationRetryMax", "between 0.01 and 86400"),
+    (["--registration-retry-initial", "abc"], "registrationRetryInitial", "a number seconds"),
+    (["-v", "9"], "verbosity", "between 0 and 7"),
+    (["--gpu-source", "cuda"], "gpuSource", "one of fake, nvml"),
+    (["--control-plane-url", "ftp://x"], "controlPlaneUrl", "http:// or https://"),
+    (["--listen-address", "localhost"], "listenAddress", "HOST:PORT"),
+    (["--registration-retry-jitter", "1.5"], "registrationRetryJitter", "between 0 and 0.99"),
+    (["--gpu-poll-interval", "nan"], "gpuPollInterval", "between 0.05 and 60"),
+])
+def test_bad_values_name_the_setting_and_the_range(argv, field, fragment):
+    with pytest.raises(ConfigError) as e:
+        parse(argv)
+    assert field in str(e.value) and fragment in str(e.value)
+    assert "flag" in str(e.value)
+
+
+def test_unknown_and_secret_keys_in_file_are_refused(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("registrationRetryMaxx: 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'registrationRetryMaxx'"):
+        parse(["--config", str(f)])
+    f.write_text("controlPlaneToken: s3cr3t-value-here\n")
+    with pytest.raises(ConfigError, match="is a secret") as e:
+        parse(["--config", str(f)])
+    assert "s3cr3t" not in str(e.value)
+
+
+def test_secret_from_env_or_file_is_redacted(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token-0123456789\n")
+    cfg = parse(["--control-plane-token-file", str(token_file)])
+    assert cfg.controlPlaneToken.reveal() == "file-token-0123456789"
+    assert cfg.redacted()["controlPlaneToken"] == "<redacted>"
+    assert "file-token" not in repr(cfg.controlPlaneToken) and "file-token" not in f"{cfg.controlPlaneToken}"
+    cfg = parse([], {"GPU_AGENT_CONTROL_PLANE_TOKEN": "env-token-0123456789"})
+    assert cfg.controlPlaneToken.reveal() == "env-token-0123456789"
+
+
+def test_unreadable_token_file_names_the_setting(tmp_path):
+    with pytest.raises(ConfigError, match="controlPlaneTokenFile"):
+        parse(["--control-plane-token-file", str(tmp_path / "missing")])
+
+
+def test_cli_exits_2_with_a_clear_message():
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--registration-retry-max", "0"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert "registrationRetryMax" in r.stderr and "between" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--no-such-flag"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--no-such-flag" in r.stderr

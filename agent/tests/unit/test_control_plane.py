@@ -1,0 +1,187 @@
+"""The reference control plane over real HTTP on loopback, with its client."""
+
+import pytest
+import requests
+
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.secrets import Secret
+from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
+from gpu_agent.roles.control_plane.store import Store
+
+REG = Secret("registration-token-0123456789")
+ADMIN = Secret("admin-token-0123456789")
+INV = Inventory((GPU("GPU-00000000-0000-0000-0000-000000000001", "fake", 1 << 30),))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1_000_000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def start(db, clock, ttl=60.0):
+    server = ControlPlaneServer(ControlPlane(Store(db, clock), ServerSettings(REG, ADMIN, ttl, 30.0, 60.0)), "127.0.0.1", 0)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def cp(tmp_path, clock):
+    server = start(tmp_path / "cp.sqlite", clock)
+    yield server, ControlPlaneClient(server.url, timeout=5)
+    server.stop()
+
+
+def test_register_lease_ack(cp):
+    server, client = cp
+    reg = client.register(REG, "c1", 1, INV)
+    assert reg.credential.expires_in == 60
+    for k in ("a", "b"):
+        client.enqueue(ADMIN, k, {"k": k})
+    assert client.enqueue(ADMIN, "a", {"k": "again"}) == 1  # idempotent on the key
+    cred = reg.credential.token
+    first = client.lease(cred, 10)
+    second = client.lease(cred, 10)
+    assert (first.idempotency_key, second.idempotency_key) == ("a", "b")
+    assert client.lease(cred, 10) is None
+    client.ack(cred, first)
+    client.ack(cred, second)
+    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 0, "done": 2}
+
+
+def test_expired_lease_is_delivered_again_and_a_stale_ack_is_refused(cp, clock):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    first = client.lease(cred, 5)
+    assert client.lease(cred, 5) is None
+    clock.now += 6
+    again = client.lease(cred, 5)
+    assert again.item_id == first.item_id and again.deliveries == 2 and again.lease_id != first.lease_id
+    with pytest.raises(ControlPlaneError) as e:
+        client.ack(cred, first)
+    assert e.value.kind == "rejected" and e.value.status == 409
+    client.ack(cred, again)
+
+
+def test_release_makes_an_item_available_at_once(cp):
+    _, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    item = client.lease(cred, 30)
+    client.release(cred, item)
+    assert client.lease(cred, 30).item_id == item.item_id
+
+
+def test_every_endpoint_but_health_needs_the_right_token(cp):
+    server, client = cp
+    assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
+    for method, path in [("GET", "/openapi.json"), ("POST", "/v1/register"), ("POST", "/v1/credentials/renew"),
+                         ("POST", "/v1/queue/items"), ("POST", "/v1/queue/lease"), ("POST", "/v1/queue/items/1/ack"),
+                         ("GET", "/v1/status"), ("POST", "/admin/faults")]:
+        assert requests.request(method, server.url + path, json={}, timeout=5).status_code == 401, path
+    with pytest.raises(ControlPlaneError) as e:
+        client.enqueue(REG, "x", {})  # the registration token is not an admin token
+    assert e.value.kind == "unauthorized"
+    doc = requests.get(server.url + "/openapi.json", headers={"Authorization": "Bearer " + ADMIN.reveal()}, timeout=5).json()
+    assert doc["openapi"].startswith("3.") and "/v1/queue/lease" in doc["paths"]
+
+
+def test_credentials_expire_and_renewal_revokes_the_old_one(cp, clock):
+    _, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    fresh = client.renew(cred)
+    with pytest.raises(ControlPlaneError) as e:
+        client.lease(cred, 5)
+    assert e.value.kind == "unauthorized"
+    clock.now += 61
+    with pytest.raises(ControlPlaneError) as e:
+        client.renew(fresh.token)
+    assert e.value.kind == "unauthorized" and "expired" in str(e.value)
+
+
+def test_bad_requests_name_the_field(cp):
+    server, _ = cp
+    auth = {"Authorization": "Bearer " + REG.reveal()}
+    r = requests.post(server.url + "/v1/register", json={"clusterId": "c", "gpus": []}, headers=auth, timeout=5)
+    assert r.status_code == 400 and "generation" in r.json()["error"]
+    r = requests.post(server.url + "/v1/register", data=b"{nope", headers=auth, timeout=5)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+
+
+@pytest.mark.parametrize("fault,kind", [
+    ({"mode": "status", "status": 503}, "unavailable"),
+    ({"mode": "status", "status": 429, "retryAfterSeconds": 1}, "unavailable"),
+    ({"mode": "drop"}, "unavailable"),
+    ({"mode": "malformed"}, "protocol"),
+])
+def test_faults_fail_the_next_calls_then_stop(cp, fault, kind):
+    _, client = cp
+    client.set_fault(ADMIN, count=2, path="/v1/register", **fault)
+    for _ in range(2):
+        with pytest.raises(ControlPlaneError) as e:
+            client.register(REG, "c1", 1, INV)
+        assert e.value.kind == kind
+        assert REG.reveal() not in str(e.value)
+    client.register(REG, "c1", 1, INV)
+
+
+def test_delay_fault_makes_the_client_time_out(cp):
+    server, _ = cp
+    client = ControlPlaneClient(server.url, timeout=0.3)
+    client.set_fault(ADMIN, mode="delay", delaySeconds=1, path="/v1/register")
+    with pytest.raises(ControlPlaneError, match="timed out"):
+        client.register(REG, "c1", 1, INV)
+
+
+def test_malformed_response_error_names_the_field_and_not_the_body(cp, monkeypatch):
+    _, client = cp
+
+    class Resp:
+        status_code = 200
+        content = b'{"registrationId": "r", "credential": {"token": "leaky-secret-token-value"}}'
+        reason = "OK"
+
+        def json(self):
+            import json
+
+            return json.loads(self.content)
+
+    monkeypatch.setattr(client._session, "request", lambda *a, **k: Resp())
+    with pytest.raises(ControlPlaneError) as e:
+        client.register(REG, "c1", 1, INV)
+    assert e.value.kind == "protocol" and "expiresInSeconds" in str(e.value)
+    assert "leaky-secret" not in str(e.value)
+
+
+def test_queue_and_credentials_survive_a_restart(tmp_path, clock):
+    server = start(tmp_path / "cp.sqlite", clock)
+    client = ControlPlaneClient(server.url)
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    for k in range(3):
+        client.enqueue(ADMIN, f"k{k}", {})
+    client.ack(cred, client.lease(cred, 30))
+    server.stop()
+    server = start(tmp_path / "cp.sqlite", clock)
+    client = ControlPlaneClient(server.url)
+    try:
+        assert client.status(ADMIN)["items"] == {"queued": 2, "leased": 0, "done": 1}
+        assert client.lease(cred, 30).idempotency_key == "k1"  # the old credential is still valid
+    finally:
+        server.stop()
+
+
+def test_tokens_are_stored_hashed(tmp_path, clock):
+    server = start(tmp_path / "cp.sqlite", clock)
+    token = ControlPlaneClient(server.url).register(REG, "c1", 1, INV).credential.token.reveal()
+    server.stop()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert token.encode() not in raw

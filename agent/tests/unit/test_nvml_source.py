@@ -1,0 +1,103 @@
+"""The NVML source against a stand-in for the pynvml module (the real one is proven on a GPU
+machine by scripts/gpu-check.sh)."""
+
+from types import SimpleNamespace
+
+from gpu_agent.mechanisms.inventory.nvml import NVMLSource
+
+
+class NVMLError(Exception):
+    def __init__(self, value):
+        super().__init__(f"code {value}")
+        self.value = value
+
+
+class FakeNVML:
+    NVMLError = NVMLError
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12
+    NVML_ERROR_DRIVER_NOT_LOADED = 9
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_DEVICE_MIG_ENABLE = 1
+
+    def __init__(self, gpus=(), init_errors=()):
+        self.gpus = list(gpus)
+        self.init_errors = list(init_errors)
+        self.inits = 0
+        self.shutdowns = 0
+        self.lost = False
+
+    def nvmlInit(self):
+        self.inits += 1
+        if self.init_errors:
+            raise NVMLError(self.init_errors.pop(0))
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        if self.lost:
+            raise NVMLError(self.NVML_ERROR_GPU_IS_LOST)
+        return self.gpus[i]
+
+    def nvmlDeviceGetUUID(self, h):
+        return h["uuid"]
+
+    def nvmlDeviceGetName(self, h):
+        return h["name"].encode()  # older bindings return bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=h["mem"], free=h["mem"], used=0)
+
+    def nvmlDeviceGetMigMode(self, h):
+        if h.get("mig") is None:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return [h["mig"], h["mig"]]
+
+
+H200 = {"uuid": "GPU-33964205-8823-9be7-440a-d72735a288f4", "name": "NVIDIA H200", "mem": 150754820096, "mig": 0}
+
+
+def test_reads_count_uuid_name_memory_and_mig_mode():
+    nvml = FakeNVML([H200, {**H200, "uuid": "GPU-2", "mig": 1}, {**H200, "uuid": "GPU-3", "mig": None}])
+    r = NVMLSource(nvml).read()
+    assert r.error is None and r.inventory.count == 3
+    g = r.inventory.gpus[0]
+    assert (g.uuid, g.name, g.memory_total_bytes, g.mig_mode) == (H200["uuid"], "NVIDIA H200", 150754820096, False)
+    assert [g.mig_mode for g in r.inventory.gpus] == [False, True, False]
+
+
+def test_library_not_found_and_driver_not_loaded_mean_zero_gpus_not_an_error():
+    for code, words in ((12, "library not found"), (9, "driver not loaded")):
+        r = NVMLSource(FakeNVML(init_errors=[code])).read()
+        assert r.error is None and r.inventory.count == 0 and words in r.note
+
+
+def test_other_errors_are_reported_distinctly():
+    r = NVMLSource(FakeNVML(init_errors=[4])).read()
+    assert r.inventory.count == 0 and "NVML error 4" in r.error
+
+
+def test_a_driver_that_appears_late_is_picked_up():
+    nvml = FakeNVML([H200], init_errors=[12, 9])
+    src = NVMLSource(nvml)
+    assert src.read().inventory.count == 0
+    assert src.read().inventory.count == 0
+    assert src.read().inventory.count == 1
+    assert nvml.inits == 3
+    src.read()
+    assert nvml.inits == 3  # initialised once, then kept
+
+
+def test_a_lost_gpu_is_an_error_and_nvml_is_reinitialised():
+    nvml = FakeNVML([H200])
+    src = NVMLSource(nvml)
+    assert src.read().inventory.count == 1
+    nvml.lost = True
+    r = src.read()
+    assert "NVML error 15" in r.error and nvml.shutdowns == 1
+    nvml.lost = False
+    assert src.read().inventory.count == 1 and nvml.inits == 2
