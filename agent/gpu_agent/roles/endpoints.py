@@ -27,7 +27,7 @@ class EndpointServer:
 
         self.httpd = ThreadingHTTPServer((host, port), handler_factory)
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="endpoints", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name="endpoints", daemon=True)
 
     @property
     def address(self) -> str:

@@ -273,7 +273,7 @@ class ControlPlaneServer:
         self.cp = cp
         self.httpd = ThreadingHTTPServer((host, port), make_handler(cp))
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="control-plane-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name="control-plane-http", daemon=True)
 
     @property
     def url(self) -> str:

@@ -1,0 +1,204 @@
+"""The cluster agent as a real process against the real control plane, GPUs moved by the real
+fake-gpu command. Timings are polled to deadlines; nothing sleeps a fixed time to "let it settle"."""
+
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.integration.harness import klog_time, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class LivezSampler:
+    """Samples /livez every 20 ms on a thread for the whole test."""
+
+    def __init__(self, rig):
+        self.rig, self.codes, self._stop = rig, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.codes.append(self.rig.livez())
+            self._stop.wait(0.02)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+        return self.codes
+
+
+def test_gpus_0_4_0_three_cycles_flip_readiness_and_liveness_holds(rig):
+    rig.start_control_plane()
+    rig.set_gpus(0)
+    agent = rig.start_agent()
+    pid = agent.pid
+    sampler = LivezSampler(rig)
+    code, doc = rig.healthz()
+    assert code == 503
+    assert doc["components"]["gpus"]["reason"].startswith("no GPUs available")
+    assert doc["components"]["registration"]["reason"].startswith("no GPUs available in cluster")
+    assert doc["components"]["queues"]["reason"].startswith("paused")
+    for _ in range(3):
+        rig.set_gpus(4)
+        assert rig.wait_health(200, 2.0) <= 2.0
+        rig.set_gpus(0)
+        assert rig.wait_health(503, 2.0) <= 2.0
+    codes = sampler.stop()
+    assert len(codes) >= 10 and set(codes) == {200}
+    assert agent.alive() and agent.pid == pid
+    assert len(agent.grep("cluster agent Ready")) == 3
+    assert len(agent.grep("cluster agent NotReady")) == 4
+    assert "gpu_agent_gpus 0.0" in rig.metrics() and "gpu_agent_queue_paused 1.0" in rig.metrics()
+
+
+def test_registration_outage_backs_off_then_recovers_within_cap_plus_one_second(rig):
+    cp = rig.start_control_plane()
+    cp.set_fault(rig.admin_token, mode="status", status=503, count=5, path="/v1/register")
+    rig.set_gpus(2)
+    agent = rig.start_agent("--registration-retry-initial", "0.2", "--registration-retry-max", "1.0",
+                            "--registration-retry-jitter", "0")
+    ready_after = rig.wait_health(200, 15)
+    assert ready_after > 2.0  # 0.2 + 0.4 + 0.8 + 1.0 + 1.0 of backoff before the sixth attempt
+    failures = agent.grep(r"registration attempt \d+ failed")
+    assert len(failures) == 5
+    assert "503" in failures[0]  # the original error is kept
+    times = [klog_time(line) for line in failures]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps == pytest.approx([0.2, 0.4, 0.8, 1.0], abs=0.15)  # capped at 1.0
+    ready_at = klog_time(agent.grep("cluster agent Ready")[0])
+    assert ready_at - times[-1] <= 1.0 + 1.0  # cap + 1 s after the last failure
+    assert 'gpu_agent_registration_failures_total{kind="recovery",reason="unavailable"} 5.0' in rig.metrics()
+
+
+def test_renewal_in_flight_when_gpus_arrive_never_overlaps_and_both_complete(rig):
+    cp = rig.start_control_plane("--credential-ttl", "2")
+    rig.set_gpus(2)
+    agent = rig.start_agent()
+    rig.wait_health(200, 5)
+    cp.set_fault(rig.admin_token, mode="delay", delaySeconds=1.0, count=1, path="/v1/credentials/renew")
+    wait_until(lambda: agent.grep("gate acquired by renew"), 5, "a renewal to hold the gate")
+    rig.set_gpus(4)  # GPUs change while the renewal holds the gate
+    wait_until(lambda: agent.grep(r"registered 4 GPUs .*recovery"), 10, "registration of the new GPUs")
+    rig.wait_health(200, 5)
+    intervals, open_ = [], {}
+    for line in agent.grep(r"gate (acquired|released) by"):
+        purpose = line.split(" by ")[1].split()[0]
+        if " acquired " in line:
+            assert not open_, f"{purpose} acquired the gate while {open_} held it"
+            open_[purpose] = klog_time(line)
+        else:
+            intervals.append((purpose, open_.pop(purpose), klog_time(line)))
+    purposes = [p for p, _, _ in intervals]
+    assert "renew" in purposes and purposes.count("recovery") >= 2
+    for (_, _, end), (_, start, _) in zip(intervals, intervals[1:]):
+        assert start >= end
+    # the delayed renewal finished before the recovery registration for 4 GPUs began
+    slow_renew = max((i for i in intervals if i[0] == "renew"), key=lambda i: i[2] - i[1])
+    assert slow_renew[2] - slow_renew[1] >= 0.9
+    recovery_after = [i for i in intervals if i[0] == "recovery" and i[1] >= slow_renew[1]]
+    assert recovery_after and recovery_after[0][1] >= slow_renew[2]
+    assert not agent.grep("renewal attempt .* failed")
+
+
+def test_gpus_removed_while_registration_is_in_flight_discards_the_response(rig):
+    cp = rig.start_control_plane()
+    cp.set_fault(rig.admin_token, mode="delay", delaySeconds=1.5, count=1, path="/v1/register")
+    rig.set_gpus(0)
+    agent = rig.start_agent()
+    rig.set_gpus(4)
+    wait_until(lambda: agent.grep("registering 4 GPUs"), 5, "the registration call to start")
+    rig.set_gpus(0)
+    wait_until(lambda: agent.grep("discarding registration response"), 5, "the stale response to be discarded")
+    code, doc = rig.healthz()
+    assert code == 503 and not doc["components"]["registration"]["ready"]
+    assert not agent.grep("work queues resumed") and not agent.grep("cluster agent Ready")
+    assert "gpu_agent_registration_discarded_total 1.0" in rig.metrics()
+
+
+def test_100_items_killed_mid_run_and_restarted_are_each_executed_exactly_once(rig):
+    cp = rig.start_control_plane()
+    rig.set_gpus(0)
+    flags = ("--lease-seconds", "1", "--executor-work-seconds", "0.02")
+    agent = rig.start_agent(*flags)
+    keys = [f"item-{n:03d}" for n in range(100)]
+    for k in keys:
+        cp.enqueue(rig.admin_token, k, {"n": k})
+    assert cp.status(rig.admin_token)["items"]["queued"] == 100
+    assert rig.executed_keys() == []  # paused: nothing leased without GPUs
+    rig.set_gpus(4)
+    wait_until(lambda: len(rig.executed_keys()) >= 30, 20, "30 items executed")
+    assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
+    done_at_kill = len(rig.executed_keys())
+    assert done_at_kill < 100
+    restarted = rig.start_agent(*flags)
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 100, 60, "all 100 items acknowledged")
+    executed = rig.executed_keys()
+    assert sorted(executed) == keys  # every item, none twice
+    status = cp.status(rig.admin_token)
+    assert status["items"] == {"queued": 0, "leased": 0, "done": 100}
+    assert restarted.alive()
+
+
+def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):
+    rig.start_control_plane()
+    rig.set_gpus(2)
+    agent = rig.start_agent()
+    rig.wait_health(200, 5)
+    rig.fake_file.write_text('{"apiVersion": "fake-gpu.gpu-agent.io/v1", "gpus": [{"uuid": 7}]}')
+    rig.wait_health(503, 3)
+    code, doc = rig.healthz()
+    assert "gpus[0].uuid" in doc["components"]["gpus"]["reason"]
+    assert agent.grep("cannot be read: .*gpus\\[0\\].uuid")
+    assert rig.livez() == 200
+    rig.fake_file.unlink()
+    wait_until(lambda: "does not exist" in rig.healthz()[1]["components"]["gpus"]["reason"], 3, "missing-file reason")
+    rig.set_gpus(3)
+    rig.wait_health(200, 3)
+    assert agent.alive()
+
+
+def test_malformed_control_plane_body_is_retried_and_the_agent_stays_live(rig):
+    cp = rig.start_control_plane()
+    cp.set_fault(rig.admin_token, mode="malformed", count=2, path="/v1/register")
+    rig.set_gpus(1)
+    agent = rig.start_agent("--registration-retry-initial", "0.1", "--registration-retry-max", "0.5")
+    rig.wait_health(200, 10)
+    failures = agent.grep("registration attempt .* failed")
+    assert len(failures) == 2 and all("not valid JSON" in f for f in failures)
+    assert agent.alive()
+
+
+def test_expired_credential_pauses_queues_then_recovers(rig):
+    cp = rig.start_control_plane("--credential-ttl", "1.5")
+    rig.set_gpus(1)
+    agent = rig.start_agent("--registration-retry-initial", "0.2", "--registration-retry-max", "0.4")
+    rig.wait_health(200, 5)
+    cp.set_fault(rig.admin_token, mode="status", status=503, count=6, path="/v1/credentials/renew")
+    wait_until(lambda: "credential expired" in rig.healthz()[1]["components"]["credentials"]["reason"], 5,
+               "the credential to expire")
+    assert rig.healthz()[0] == 503
+    assert rig.healthz()[1]["components"]["queues"]["reason"].startswith("paused")
+    assert rig.livez() == 200
+    rig.wait_health(200, 10)  # faults run out; the expired credential is refused; it registers again
+    assert agent.grep("credential renewal refused .*expired")
+    assert len(agent.grep("registered 1 GPUs")) == 2
+    assert agent.alive()
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--registration-retry-max", "-5"], "registrationRetryMax"),
+    (["-v", "8"], "verbosity"),
+    (["--gpu-source", "tpu"], "gpuSource"),
+    (["--control-plane-url", "not a url"], "controlPlaneUrl"),
+    (["--lease-seconds", "0"], "leaseSeconds"),
+])
+def test_bad_flags_exit_2_naming_the_setting(rig, argv, fragment):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", *argv], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and fragment in r.stderr and "must be" in r.stderr
