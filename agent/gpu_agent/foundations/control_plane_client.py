@@ -76,13 +76,15 @@ class ControlPlaneClient:
     def close(self) -> None:
         self._session.close()
 
-    def _call(self, method: str, path: str, token: Secret | None, body: Any = None) -> tuple[int, Any]:
+    def _call(self, method: str, path: str, token: Secret | None, body: Any = None,
+              extra_timeout: float = 0.0) -> tuple[int, Any]:
         headers = {"Accept": "application/json"}
         if token is not None:
             headers["Authorization"] = "Bearer " + token.reveal()
         where = f"{method} {path}"
         try:
-            resp = self._session.request(method, self.base_url + path, json=body, headers=headers, timeout=self.timeout)
+            resp = self._session.request(method, self.base_url + path, json=body, headers=headers,
+                                         timeout=self.timeout + extra_timeout)
         except requests.Timeout:
             raise ControlPlaneError("unavailable", f"{where}: timed out after {self.timeout:g}s") from None
         except requests.ConnectionError as e:
@@ -124,9 +126,10 @@ class ControlPlaneClient:
         _, doc = self._call("POST", "/v1/credentials/renew", credential, {})
         return self._credential(doc, "POST /v1/credentials/renew")
 
-    def lease(self, credential: Secret, lease_seconds: float) -> WorkItem | None:
+    def lease(self, credential: Secret, lease_seconds: float, wait_seconds: float = 0.0) -> WorkItem | None:
         where = "POST /v1/queue/lease"
-        status, doc = self._call("POST", "/v1/queue/lease", credential, {"leaseSeconds": lease_seconds})
+        status, doc = self._call("POST", "/v1/queue/lease", credential,
+                                 {"leaseSeconds": lease_seconds, "waitSeconds": wait_seconds}, extra_timeout=wait_seconds)
         if status == 204:
             return None
         payload = _field(doc, "payload", dict, where)

@@ -58,6 +58,8 @@ SETTINGS = [
     Setting("requestTimeout", "seconds", 10.0, "timeout of one control-plane call", 0.1, 300),
     Setting("leaseSeconds", "seconds", 30.0, "lease length asked for each work item", 0.1, 3600),
     Setting("queuePollInterval", "seconds", 1.0, "wait between lease attempts on an empty queue", 0.01, 60),
+    Setting("queueLongPoll", "seconds", 5.0, "how long the control plane may hold an empty lease call (0 = plain polling); "
+            "also the longest a shutdown waits for it", 0, 30),
     Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (local executor)"),
     Setting("executorWorkSeconds", "seconds", 0.0, "simulated work time per item (local executor)", 0, 3600),
 ]
@@ -85,7 +87,7 @@ class ClusterAgent:
             self.clock, rng or random.Random(), self.health, self.metrics, self.gate, self._readiness_changed)
         self.queue = QueueConsumer(self.client, self.registration.current_credential, self.executor, self.clock,
                                    self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
-                                   self.registration.credential_refused)
+                                   self.registration.credential_refused, cfg.queueLongPoll)
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed)
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)

@@ -202,3 +202,14 @@ def test_bad_flags_exit_2_naming_the_setting(rig, argv, fragment):
 
     r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", *argv], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and fragment in r.stderr and "must be" in r.stderr
+
+
+def test_sigterm_while_a_lease_is_long_polling_exits_promptly(rig):
+    rig.start_control_plane()
+    rig.set_gpus(1)
+    agent = rig.start_agent("--queue-long-poll", "20")
+    rig.wait_health(200, 5)
+    started = time.monotonic()
+    assert agent.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - started < 3.0
+    assert agent.grep("shutting down")

@@ -185,3 +185,21 @@ def test_tokens_are_stored_hashed(tmp_path, clock):
     server.stop()
     raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
     assert token.encode() not in raw
+
+
+def test_long_poll_lease_returns_as_soon_as_an_item_is_enqueued(cp):
+    import threading
+    import time
+
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    timer = threading.Timer(0.3, lambda: ControlPlaneClient(server.url).enqueue(ADMIN, "late", {}))
+    timer.start()
+    started = time.monotonic()
+    item = client.lease(cred, 10, wait_seconds=5)
+    took = time.monotonic() - started
+    assert item is not None and item.idempotency_key == "late"
+    assert 0.25 <= took < 2.0
+    started = time.monotonic()
+    assert client.lease(cred, 10, wait_seconds=0.4) is None
+    assert time.monotonic() - started >= 0.35

@@ -1,8 +1,9 @@
 """The queue consumer: paused until the agent is ready, then lease, execute, ack.
 
 Pausing stops new leases; an item already leased runs to its end and is acked. An item
-leased in the instant the queue was paused is released back at once rather than run on
-GPUs the agent may no longer have.
+leased in the instant the queue was paused (a long-polled lease call can be waiting at the
+server when it happens) is released back at once rather than run on GPUs the agent may no
+longer have.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
 from gpu_agent.mechanisms.queues.executor import Executor
 
@@ -25,7 +27,7 @@ log = get_logger(__name__)
 class QueueConsumer:
     def __init__(self, client: ControlPlaneClient, credential: Callable[[], Secret | None], executor: Executor,
                  clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
-                 poll_interval: float, on_refused: Callable[[], Awaitable[None]]) -> None:
+                 poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0) -> None:
         self.client = client
         self.credential = credential
         self.executor = executor
@@ -34,6 +36,7 @@ class QueueConsumer:
         self.metrics = metrics
         self.lease_seconds = lease_seconds
         self.poll_interval = poll_interval
+        self.long_poll = long_poll  # the server holds an empty lease call this long (idle CPU)
         self.on_refused = on_refused
         self.open = Toggle(False)
         self.processed = 0
@@ -62,7 +65,7 @@ class QueueConsumer:
         if credential is None:
             return False
         try:
-            item = await asyncio.to_thread(self.client.lease, credential, self.lease_seconds)
+            item = await in_daemon_thread(self.client.lease, credential, self.lease_seconds, self.long_poll)
         except ControlPlaneError as e:
             if e.kind == "unauthorized":
                 await self.on_refused()

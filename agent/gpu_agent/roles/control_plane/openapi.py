@@ -65,9 +65,9 @@ def document() -> dict[str, Any]:
                  "200": {"description": "already present", **_json(_obj(["id"], id=_INT, created={"type": "boolean"}))}},
                 _obj(["idempotencyKey", "payload"], idempotencyKey=_STR, payload={"type": "object"}))},
             "/v1/queue/lease": {"post": _op(
-                "Lease the next item (credential)",
+                "Lease the next item (credential); waitSeconds > 0 long-polls for one",
                 {"200": {"description": "leased", **_json(_ITEM)}, "204": {"description": "queue empty"}},
-                _obj([], leaseSeconds=_NUM))},
+                _obj([], leaseSeconds=_NUM, waitSeconds={"type": "number", "minimum": 0, "maximum": 30}))},
             "/v1/queue/items/{itemId}/ack": {"post": {**_op(
                 "Acknowledge a leased item", {"200": {"description": "acknowledged"}}, _LEASE_REF["content"]["application/json"]["schema"],
                 extra={"409": {"description": "lease is stale", **_ERROR}, "404": {"description": "unknown item", **_ERROR}}),

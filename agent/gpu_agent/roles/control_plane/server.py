@@ -164,7 +164,10 @@ class ControlPlane:
             seconds = _field(body, "leaseSeconds", (int, float), required=False) or s.max_lease_seconds
             if seconds <= 0:
                 raise BadRequest("field 'leaseSeconds' must be > 0")
-            item = self.store.lease(min(float(seconds), s.max_lease_seconds))
+            wait = _field(body, "waitSeconds", (int, float), required=False) or 0
+            if not 0 <= wait <= 30:
+                raise BadRequest("field 'waitSeconds' must be between 0 and 30")
+            item = self.store.lease_waiting(min(float(seconds), s.max_lease_seconds), float(wait))
             return (204, None) if item is None else (200, item)
         if item_match:
             item_id, action = int(item_match.group(1)), item_match.group(2)

@@ -43,6 +43,7 @@ class Store:
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
         self._now = clock
+        self._queue_changed = threading.Condition()
 
     def close(self) -> None:
         with self._lock:
@@ -90,7 +91,25 @@ class Store:
                 return row[0], False
             cur = self._db.execute("INSERT INTO items (idempotency_key, payload, created_at) VALUES (?, ?, ?)",
                                    (key, json.dumps(payload), self._now()))
-            return int(cur.lastrowid), True
+        self._notify()
+        return int(cur.lastrowid), True
+
+    def _notify(self) -> None:
+        with self._queue_changed:
+            self._queue_changed.notify_all()
+
+    def lease_waiting(self, lease_seconds: float, wait_seconds: float) -> dict[str, Any] | None:
+        """Long poll: lease the next item, waiting up to `wait_seconds` for one to appear.
+        Idle consumers then cost one request per wait instead of one per poll interval."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            item = self.lease(lease_seconds)
+            remaining = deadline - time.monotonic()
+            if item is not None or remaining <= 0:
+                return item
+            with self._queue_changed:
+                # Woken by enqueue/release; the 0.5 s bound also catches leases that expire.
+                self._queue_changed.wait(min(remaining, 0.5))
 
     def lease(self, lease_seconds: float) -> dict[str, Any] | None:
         now = self._now()
@@ -130,7 +149,8 @@ class Store:
         with self._lock:
             cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL
                 WHERE id=? AND lease_id=? AND state='leased'""", (item_id, lease_id))
-            return "released" if cur.rowcount else "stale-lease"
+        self._notify()
+        return "released" if cur.rowcount else "stale-lease"
 
     def status(self) -> dict[str, Any]:
         with self._lock:

@@ -1,0 +1,44 @@
+# gpu-agent: the two commands a newcomer needs are `make run` and `make test` (see README.md).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-unit test-integration lint bench gpu-check clean e2e cluster-up cluster-down images
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+## run: the control plane + cluster agent with fake GPUs on loopback (no cluster needed)
+run: setup
+	$(BIN)/gpu-agent local
+
+## test: every test that runs here (lint, unit, integration, then the e2e suite on the CI cluster)
+test: lint test-unit test-integration
+
+lint: setup
+	$(BIN)/lint-imports
+	$(BIN)/python -m compileall -q agent fake-gpu
+
+test-unit: setup
+	$(BIN)/pytest agent/tests/unit fake-gpu/tests
+
+test-integration: setup
+	$(BIN)/pytest agent/tests/integration
+
+## bench: GPU arrival/removal latency, RSS and idle CPU (printed, not asserted)
+bench: setup
+	PYTHONPATH=agent $(BIN)/python agent/bench/bench_agent.py
+
+## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, then /healthz
+gpu-check:
+	bash scripts/gpu-check.sh
+
+clean:
+	rm -rf $(VENV) .run .pytest_cache
