@@ -11,3 +11,20 @@ export TOOLS_BIN=$CI_CACHE/tools
 export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+export BASE_ROOTFS_VERSION=${BASE_ROOTFS_VERSION:-bookworm-py3-1}
+export NODE_NAME=${NODE_NAME:-gpu-ci-node}
+# The node's address lives on lo as a /32: local to this machine only, so nothing the
+# cluster advertises routes anywhere else.
+export NODE_IP=${NODE_IP:-10.250.0.1}
+export API_PORT=${API_PORT:-6443}
+export CLUSTER_CIDR=10.244.0.0/16
+export POD_CIDR=10.244.0.0/24
+export SERVICE_CIDR=10.96.0.0/16
+export API_SERVICE_IP=10.96.0.1
+export DNS_SERVICE_IP=10.96.0.10
+export BRIDGE=gpuci0
+export PKI=$CLUSTER_DIR/pki
+export PIDS=$CLUSTER_DIR/pids
+export LOGS=$CLUSTER_DIR/logs
+export CONTAINERD_SOCK=$CLUSTER_DIR/containerd/containerd.sock
+export PATH=$K8S_BIN:$TOOLS_BIN:$PATH

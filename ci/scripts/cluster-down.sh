@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Stops everything cluster-up started, by PID, and removes what it made: pod processes and
+# their cgroups, mounts, network namespaces, the pod bridge, iptables rules, the node address,
+# changed sysctls and the cluster's state folder. Caches (CI_CACHE) stay.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+source "$here/scripts/common.sh"
+source "$here/scripts/lib.sh"
+t0=$SECONDS
+
+# Node agents first, so nothing restarts the pods being removed.
+stop_daemon kubelet
+stop_daemon kube-proxy
+[[ -x $K8S_BIN/kube-proxy ]] && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1
+
+# Every pod process lives in a kubepods cgroup (cgroupfs driver): kill them, then the shims.
+for controller in /sys/fs/cgroup/*/; do
+  [[ -d $controller/kubepods ]] || continue
+  find "$controller/kubepods" -name cgroup.procs -exec cat {} + 2>/dev/null | xargs -r kill -KILL 2>/dev/null
+done
+pkill -KILL -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null
+stop_daemon containerd
+for controller in /sys/fs/cgroup/*/; do
+  [[ -d $controller/kubepods ]] || continue
+  find "$controller/kubepods" -depth -type d -exec rmdir {} + 2>/dev/null
+done
+
+for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_daemon "$name"; done
+
+# Mounts under the cluster folder (pod volumes, overlay snapshots, sandbox shm), deepest first.
+if [[ -d $CLUSTER_DIR ]]; then
+  awk -v d="$CLUSTER_DIR" '$2 ~ "^"d {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+fi
+for ns in /run/netns/cni-*; do
+  [[ -e $ns ]] || continue
+  ip netns delete "$(basename "$ns")" 2>/dev/null || { umount -l "$ns" 2>/dev/null; rm -f "$ns"; }
+done
+ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE"
+while iptables -t mangle -D FORWARD -i "$BRIDGE" ! -d "$CLUSTER_CIDR" -m comment --comment gpu-agent-ci-fence -j DROP 2>/dev/null; do :; done
+# host-port mappings made by the portmap plugin
+for table in nat filter; do
+  iptables-save -t $table 2>/dev/null | grep -oE '^:CNI-[A-Za-z0-9-]+' | tr -d : | while read -r chain; do
+    iptables -t $table -F "$chain" 2>/dev/null
+  done
+done
+ip addr show dev lo | grep -q " $NODE_IP/32" && ip addr del "$NODE_IP/32" dev lo
+if [[ -f $CLUSTER_DIR/sysctl.saved ]]; then
+  while IFS= read -r line; do sysctl -qw "$line" 2>/dev/null; done < "$CLUSTER_DIR/sysctl.saved"
+fi
+rm -rf "$CLUSTER_DIR"
+log "cluster down in $((SECONDS - t0))s"

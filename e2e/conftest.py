@@ -1,0 +1,79 @@
+"""Fixtures of the e2e suite: a kubeconfig from the chosen provider, API clients, a fresh
+namespace per test (deleted afterwards; its pods, events and logs dumped if the test failed),
+and Helm through pyhelm3 over the real binary."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from e2e import cluster
+from e2e.helpers import wait_until
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(request) -> Path:
+    which = cluster.provider()
+    if which == "ci":
+        if not cluster.CI_KUBECONFIG.exists():
+            raise pytest.UsageError(f"no CI cluster: {cluster.CI_KUBECONFIG} is missing; run `make -C ci cluster-up`")
+        return cluster.CI_KUBECONFIG
+    if which == "existing":
+        return Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
+    if which == "kind":
+        kind_cluster = request.getfixturevalue("kind_cluster")  # pytest-kind-ng
+        return Path(kind_cluster.kubeconfig_path)
+    return cluster.k3d_kubeconfig()
+
+
+@pytest.fixture(scope="session")
+def api(kubeconfig) -> client.ApiClient:
+    return config.new_client_from_config(str(kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def core(api) -> client.CoreV1Api:
+    return client.CoreV1Api(api)
+
+
+@pytest.fixture(scope="session")
+def apps(api) -> client.AppsV1Api:
+    return client.AppsV1Api(api)
+
+
+@pytest.fixture
+def namespace(core, request):
+    name = f"e2e-{request.node.name[:30].lower().replace('_', '-').strip('-')}-{uuid.uuid4().hex[:5]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"e2e": "true"})))
+    # The namespace's default ServiceAccount appears asynchronously; pods need it.
+    wait_until(lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items,
+               30, "default ServiceAccount")
+    yield name
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        dump(core, name)
+    core.delete_namespace(name)
+
+
+def dump(core: client.CoreV1Api, ns: str) -> None:
+    print(f"\n===== namespace {ns} =====")
+    for pod in core.list_namespaced_pod(ns).items:
+        print(f"pod {pod.metadata.name}: {pod.status.phase} {[(c.type, c.status) for c in pod.status.conditions or []]}")
+        for c in pod.spec.containers:
+            try:
+                print(core.read_namespaced_pod_log(pod.metadata.name, ns, container=c.name, tail_lines=50))
+            except client.ApiException as e:
+                print(f"  (no log: {e.reason})")
+    for ev in core.list_namespaced_event(ns).items:
+        print(f"event {ev.involved_object.kind}/{ev.involved_object.name}: {ev.reason}: {ev.message}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    rep = yield
+    setattr(item, "rep_" + rep.when, rep)
+    return rep

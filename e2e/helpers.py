@@ -1,0 +1,36 @@
+"""Helpers of the e2e suite: polling to a deadline and manifests rendered with jinja2."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from kubernetes import client, utils
+
+MANIFESTS = Path(__file__).parent / "manifests"
+IMAGE = "localhost/gpu-agent:dev"
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(MANIFESTS), undefined=jinja2.StrictUndefined)
+
+
+def render(template: str, **values: Any) -> list[dict[str, Any]]:
+    text = _env.get_template(template).render(image=IMAGE, **values)
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def apply(api: client.ApiClient, namespace: str, template: str, **values: Any) -> None:
+    for doc in render(template, namespace=namespace, **values):
+        utils.create_from_dict(api, doc, namespace=namespace)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
