@@ -9,8 +9,10 @@ source "$here/scripts/lib.sh"
 t0=$SECONDS
 
 # Node agents first, so nothing restarts the pods being removed.
+step() { log "down: $1 (+$((SECONDS - t0))s)"; }
 stop_daemon kubelet
 stop_daemon kube-proxy
+step "node agents stopped"
 [[ -x $K8S_BIN/kube-proxy ]] && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1
 
 # Every pod process lives in a kubepods cgroup (cgroupfs driver): kill them, then the shims.
@@ -20,12 +22,14 @@ for controller in /sys/fs/cgroup/*/; do
 done
 pkill -KILL -f "containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK" 2>/dev/null
 stop_daemon containerd
+step "pods and containerd stopped"
 for controller in /sys/fs/cgroup/*/; do
   [[ -d $controller/kubepods ]] || continue
   find "$controller/kubepods" -depth -type d -exec rmdir {} + 2>/dev/null
 done
 
 for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_daemon "$name"; done
+step "control plane stopped"
 
 # Mounts under the cluster folder (pod volumes, overlay snapshots, sandbox shm), deepest first.
 if [[ -d $CLUSTER_DIR ]]; then
@@ -37,13 +41,19 @@ for ns in /run/netns/cni-*; do
 done
 ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE"
 while iptables -t mangle -D FORWARD -i "$BRIDGE" ! -d "$CLUSTER_CIDR" -m comment --comment gpu-agent-ci-fence -j DROP 2>/dev/null; do :; done
-# host-port mappings made by the portmap plugin
-for table in nat filter; do
-  iptables-save -t $table 2>/dev/null | grep -oE '^:CNI-[A-Za-z0-9-]+' | tr -d : | while read -r chain; do
-    iptables -t $table -F "$chain" 2>/dev/null
+# Whatever chains kubelet, kube-proxy and the portmap plugin left (KUBE-*, CNI-*), with the
+# jumps into them. iptables-save quotes its output for a shell, hence the eval.
+for cmd in iptables ip6tables; do
+  for table in filter nat mangle; do
+    "$cmd-save" -t $table 2>/dev/null | grep -E '^-A .*-j (KUBE|CNI)-' | sed 's/^-A/-D/' | while read -r rule; do
+      eval "$cmd -t $table $rule" 2>/dev/null
+    done
+    chains=$("$cmd-save" -t $table 2>/dev/null | grep -oE '^:(KUBE|CNI)-[^ ]+' | tr -d :)
+    for c in $chains; do "$cmd" -t $table -F "$c" 2>/dev/null; done
+    for c in $chains; do "$cmd" -t $table -X "$c" 2>/dev/null; done
   done
 done
-ip addr show dev lo | grep -q " $NODE_IP/32" && ip addr del "$NODE_IP/32" dev lo
+ip -o addr show dev lo | grep -F " $NODE_IP/32" >/dev/null && ip addr del "$NODE_IP/32" dev lo
 if [[ -f $CLUSTER_DIR/sysctl.saved ]]; then
   while IFS= read -r line; do sysctl -qw "$line" 2>/dev/null; done < "$CLUSTER_DIR/sysctl.saved"
 fi

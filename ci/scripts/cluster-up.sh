@@ -18,7 +18,7 @@ mkdir -p "$CLUSTER_DIR" "$PIDS" "$LOGS"
 bash "$here/scripts/pki.sh"
 
 # --- host network: node address, forwarding, and a fence around the pod network -------------
-ip addr show dev lo | grep -q " $NODE_IP/32" || ip addr add "$NODE_IP/32" dev lo
+ip -o addr show dev lo | grep -F " $NODE_IP/32" >/dev/null || ip addr add "$NODE_IP/32" dev lo
 if [[ ! -f $CLUSTER_DIR/sysctl.saved ]]; then
   for key in net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables; do
     echo "$key=$(sysctl -n "$key")"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
+#   ci        bring the CI cluster up (idempotent), build and import images, run, tear down
+#             (KEEP_CLUSTER=1 leaves it running for the next run or for poking at)
+#   existing  the current KUBECONFIG; images must already be loadable by its nodes
+#   kind|k3d  a cluster made by pytest-kind-ng / the k3d CLI (need Docker; not on CI machines)
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$here/.." && pwd)
+source "$here/scripts/common.sh"
+cluster=${1:-ci}
+pytest=${PYTEST:-$repo/.venv/bin/pytest}
+export E2E_CLUSTER=$cluster
+case $cluster in
+  ci)
+    if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then trap 'bash "$here/scripts/cluster-down.sh"' EXIT; fi
+    t=$SECONDS; bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up $((SECONDS - t))s"
+    t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
+    ;;
+  existing|kind|k3d) ;;
+  *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
+esac
+t=$SECONDS
+"$pytest" -p no:cacheprovider "$repo/e2e" "${@:2}"
+log "timing: e2e suite $((SECONDS - t))s"
