@@ -12,15 +12,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,e2e]'
 	touch $@
 
 ## run: the control plane + cluster agent with fake GPUs on loopback (no cluster needed)
 run: setup
 	$(BIN)/gpu-agent local
 
-## test: every test that runs here (lint, unit, integration, then the e2e suite on the CI cluster)
-test: lint test-unit test-integration
+## test: every test (lint, unit, integration, then the e2e suite on the CI cluster; needs root)
+test: lint test-unit test-integration e2e
 
 lint: setup
 	$(BIN)/lint-imports
@@ -31,6 +31,14 @@ test-unit: setup
 
 test-integration: setup
 	$(BIN)/pytest agent/tests/integration
+
+## e2e: CLUSTER=ci (default: brings the CI cluster up, runs the suite, tears it down) | existing | kind | k3d
+CLUSTER ?= ci
+e2e: setup
+	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest)
+
+cluster-up cluster-down images:
+	$(MAKE) -C ci $@
 
 ## bench: GPU arrival/removal latency, RSS and idle CPU (printed, not asserted)
 bench: setup

@@ -28,7 +28,9 @@ for controller in /sys/fs/cgroup/*/; do
   find "$controller/kubepods" -depth -type d -exec rmdir {} + 2>/dev/null
 done
 
-for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_daemon "$name"; done
+for name in kube-scheduler kube-controller-manager kube-apiserver; do stop_daemon "$name" & done
+wait
+stop_daemon etcd
 step "control plane stopped"
 
 # Mounts under the cluster folder (pod volumes, overlay snapshots, sandbox shm), deepest first.

@@ -27,4 +27,4 @@ export PKI=$CLUSTER_DIR/pki
 export PIDS=$CLUSTER_DIR/pids
 export LOGS=$CLUSTER_DIR/logs
 export CONTAINERD_SOCK=$CLUSTER_DIR/containerd/containerd.sock
-export PATH=$K8S_BIN:$TOOLS_BIN:$PATH
+export PATH=$K8S_BIN:$TOOLS_BIN:$PATH:/usr/local/sbin:/usr/sbin:/sbin

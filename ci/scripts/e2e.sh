@@ -13,7 +13,23 @@ pytest=${PYTEST:-$repo/.venv/bin/pytest}
 export E2E_CLUSTER=$cluster
 case $cluster in
   ci)
-    if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then trap 'bash "$here/scripts/cluster-down.sh"' EXIT; fi
+    if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then
+      # Teardown is checked too: the host must look exactly as it did before cluster-up.
+      before=$(mktemp); after=$(mktemp)
+      if [[ ! -d $CLUSTER_DIR ]]; then bash "$here/scripts/host-state.sh" > "$before"; else : > "$before"; fi
+      teardown() {
+        local rc=$?
+        t=$SECONDS; bash "$here/scripts/cluster-down.sh"; log "timing: cluster-down $((SECONDS - t))s"
+        if [[ -s $before ]]; then
+          bash "$here/scripts/host-state.sh" > "$after"
+          if ! diff -u "$before" "$after"; then log "FAILED: cluster-down left the host changed (diff above)"; rc=1
+          else log "teardown check passed: host state identical to before cluster-up"; fi
+        fi
+        rm -f "$before" "$after"
+        exit $rc
+      }
+      trap teardown EXIT
+    fi
     t=$SECONDS; bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up $((SECONDS - t))s"
     t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
     ;;

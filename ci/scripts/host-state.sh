@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Prints what the CI cluster may touch on the host, so a run can prove that teardown left
+# nothing behind: compare the output before cluster-up with the output after cluster-down.
+here=$(cd "$(dirname "$0")/.." && pwd)
+source "$here/scripts/common.sh"
+echo "## links"; ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort
+echo "## addresses"; ip -o addr show | awk '{print $2, $4}' | sort
+echo "## routes"; ip route show | sort
+echo "## netns"; ls /run/netns 2>/dev/null | sort
+for cmd in iptables ip6tables; do
+  for table in filter nat mangle; do
+    echo "## $cmd $table"; "$cmd-save" -t $table 2>/dev/null | grep -vE '^#|^:' | sort
+  done
+done
+echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables 2>/dev/null
+echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd" | sort
+echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause)' | sort | uniq -c
+echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods 2>/dev/null
+echo "## state"; ls -d "$CLUSTER_DIR" 2>/dev/null
+exit 0
