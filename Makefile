@@ -24,7 +24,7 @@ test: lint test-unit test-integration e2e
 
 lint: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m compileall -q agent fake-gpu
+	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests e2e ci/tools
 
 test-unit: setup
 	$(BIN)/pytest agent/tests/unit fake-gpu/tests

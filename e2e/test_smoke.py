@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import tool
-from e2e.helpers import apply, render, wait_until
+from e2e.helpers import apply, wait_until
 
 CHART = Path(__file__).parent / "charts" / "smoke"
 

