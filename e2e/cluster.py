@@ -43,3 +43,22 @@ def k3d_kubeconfig(name: str = "gpu-agent-e2e") -> Path:
     out = Path.home() / ".kube" / f"k3d-{name}.yaml"
     out.write_text(subprocess.run(["k3d", "kubeconfig", "get", name], check=True, capture_output=True, text=True).stdout)
     return out
+
+
+CI_CLUSTER_DIR = Path(os.environ.get("CLUSTER_DIR", "/var/lib/gpu-agent-ci"))
+
+
+def host_paths() -> dict[str, str]:
+    """Host folders the fake GPUs use. kubelet's device-plugin folder is fixed at
+    /var/lib/kubelet/device-plugins whatever its root dir; the state folder of the CI cluster
+    lives under its own state folder, so that it goes when the cluster does."""
+    state = str(CI_CLUSTER_DIR / "fake-gpu") if provider() == "ci" else "/var/lib/gpu-agent/fake-gpu"
+    return {"devicePluginPath": "/var/lib/kubelet/device-plugins", "stateDir": state}
+
+
+def restart_kubelet() -> None:
+    """Only the CI cluster's kubelet can be restarted from here."""
+    if provider() != "ci":
+        raise RuntimeError("restarting kubelet is supported on the CI cluster only")
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run(["bash", str(repo / "ci" / "scripts" / "restart-kubelet.sh")], check=True)

@@ -34,3 +34,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, path: str) -> tuple[int, Any]:
+    """GET through the API server's pod proxy; (status, parsed JSON or text). A 503 is an answer too."""
+    import json
+
+    try:
+        resp = core.connect_get_namespaced_pod_proxy_with_path(f"{pod}:{port}", namespace, path, _preload_content=False)
+        status, body = resp.status, resp.data
+    except client.ApiException as e:
+        status, body = e.status, (e.body or b"")
+    text = body.decode() if isinstance(body, bytes) else str(body)
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text

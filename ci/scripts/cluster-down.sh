@@ -59,5 +59,7 @@ ip -o addr show dev lo | grep -F " $NODE_IP/32" >/dev/null && ip addr del "$NODE
 if [[ -f $CLUSTER_DIR/sysctl.saved ]]; then
   while IFS= read -r line; do sysctl -qw "$line" 2>/dev/null; done < "$CLUSTER_DIR/sysctl.saved"
 fi
+if [[ -f $CLUSTER_DIR/made-var-lib-kubelet ]]; then rm -rf /var/lib/kubelet
+else rm -f /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/fake-gpu.sock; fi
 rm -rf "$CLUSTER_DIR"
 log "cluster down in $((SECONDS - t0))s"

@@ -120,6 +120,9 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%"}
 YAML
+# kubelet's device-plugin folder is fixed at /var/lib/kubelet/device-plugins, outside its
+# root dir: remember whether we made /var/lib/kubelet so that teardown removes only ours.
+[[ -d /var/lib/kubelet || -f $CLUSTER_DIR/made-var-lib-kubelet ]] || touch "$CLUSTER_DIR/made-var-lib-kubelet"
 start_kubelet
 
 cat > "$CLUSTER_DIR/kube-proxy.yaml" <<YAML

@@ -16,5 +16,5 @@ echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables
 echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd" | sort
 echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause)' | sort | uniq -c
 echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods 2>/dev/null
-echo "## state"; ls -d "$CLUSTER_DIR" 2>/dev/null
+echo "## state"; ls -d "$CLUSTER_DIR" 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort
 exit 0

@@ -1,0 +1,167 @@
+"""Fake GPUs on a real cluster: the device plugin, its runtime layout changes, and kubelet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pyhelm3
+import pytest
+from kubernetes import client
+
+from e2e.cluster import host_paths, restart_kubelet, tool
+from e2e.helpers import apply, pod_http_get, wait_until
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "fake-gpu"
+
+
+@pytest.fixture(scope="module")
+def fake_gpus(kubeconfig, core, apps):
+    """charts/fake-gpu installed in its own namespace for this module; uninstalled after."""
+    ns = f"e2e-fake-gpu-{uuid.uuid4().hex[:5]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
+    values = {**host_paths(), "image": {"repository": "localhost/gpu-agent", "tag": "dev", "pullPolicy": "Never"},
+              "maxCount": 8, "logVerbosity": 2}
+
+    async def install():
+        chart = await helm.get_chart(str(CHART))
+        await helm.install_or_upgrade_release("fg", chart, values, namespace=ns, wait=True, timeout="90s")
+
+    asyncio.run(install())
+    wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
+        apps.read_namespaced_daemon_set("fg-fake-gpu", ns)), 60, "fake-gpu DaemonSet ready")
+    node = core.list_node().items[0].metadata.name
+    yield FakeGPUs(kubeconfig, core, ns, node)
+    asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
+    core.delete_namespace(ns)
+
+
+class FakeGPUs:
+    def __init__(self, kubeconfig, core, namespace, node):
+        self.kubeconfig, self.core, self.namespace, self.node = str(kubeconfig), core, namespace, node
+
+    def command(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", self.kubeconfig, "--namespace",
+                               self.namespace, *args], capture_output=True, text=True, timeout=60)
+
+    def allocatable(self) -> int:
+        node = self.core.read_node(self.node)
+        return int((node.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+
+    def set(self, count: int, timeout: float = 10) -> float:
+        """Set the count; returns seconds from the command's return to allocatable matching."""
+        r = self.command("set", "--node", self.node, "--count", str(count))
+        assert r.returncode == 0, r.stderr
+        started = time.monotonic()
+        wait_until(lambda: self.allocatable() == count, timeout, f"allocatable nvidia.com/gpu == {count}", interval=0.05)
+        return time.monotonic() - started
+
+
+def pod_log(core, ns, name, timeout=60):
+    wait_until(lambda: core.read_namespaced_pod(name, ns).status.phase in ("Succeeded", "Failed", "Running"), timeout,
+               f"pod {name} to run")
+    wait_until(lambda: "UUID" in core.read_namespaced_pod_log(name, ns), 30, f"pod {name} to print UUIDs")
+    return core.read_namespaced_pod_log(name, ns)
+
+
+def uuid_lines(text):
+    return [line for line in text.splitlines() if "UUID: GPU-" in line]
+
+
+def test_allocatable_follows_0_4_0_three_cycles_within_2s(fake_gpus):
+    fake_gpus.set(0)
+    latencies = []
+    for _ in range(3):
+        latencies.append(fake_gpus.set(4))
+        latencies.append(fake_gpus.set(0))
+    print(f"\nchange -> allocatable latency over {len(latencies)} changes: median {statistics.median(latencies):.3f}s, "
+          f"worst {max(latencies):.3f}s")
+    assert max(latencies) <= 2.0
+
+
+def test_one_gpu_pod_sees_one_uuid_and_two_pods_get_different_gpus(fake_gpus, api, core, namespace):
+    fake_gpus.set(2)
+    apply(api, namespace, "gpu-pod.yaml.j2", name="one", gpus=1, sleep=60)
+    apply(api, namespace, "gpu-pod.yaml.j2", name="two", gpus=1, sleep=60)
+    first, second = uuid_lines(pod_log(core, namespace, "one")), uuid_lines(pod_log(core, namespace, "two"))
+    assert len(first) == 1 and len(second) == 1
+    assert first[0].split("UUID: ")[1] != second[0].split("UUID: ")[1]
+
+
+def test_pod_asking_for_more_gpus_than_exist_stays_pending_with_the_schedulers_reason(fake_gpus, api, core, namespace):
+    fake_gpus.set(2)
+    apply(api, namespace, "gpu-pod.yaml.j2", name="greedy", gpus=5)
+
+    def unschedulable():
+        pod = core.read_namespaced_pod("greedy", namespace)
+        cond = [c for c in pod.status.conditions or [] if c.type == "PodScheduled"]
+        return cond and cond[0].status == "False" and cond[0].reason == "Unschedulable" and cond[0].message
+    message = wait_until(unschedulable, 30, "the scheduler to report the pod unschedulable")
+    assert "Insufficient nvidia.com/gpu" in message
+    assert core.read_namespaced_pod("greedy", namespace).status.phase == "Pending"
+
+
+def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, api, core, apps, namespace):
+    fake_gpus.set(3)
+    apply(api, namespace, "node-agent.yaml.j2", state_dir=host_paths()["stateDir"])
+    wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
+        apps.read_namespaced_daemon_set("node-agent", namespace)), 60, "node agent ready")
+    agent = core.list_namespaced_pod(namespace, label_selector="app=node-agent").items[0].metadata.name
+    apply(api, namespace, "gpu-pod.yaml.j2", name="all", gpus=3, sleep=60)  # gets every advertised device
+    advertised = sorted(line.split("UUID: ")[1].rstrip(")") for line in uuid_lines(pod_log(core, namespace, "all")))
+    code, health = pod_http_get(core, namespace, agent, 8081, "healthz")
+    assert code == 200
+    assert len(advertised) == 3
+    assert health["components"]["gpus"]["details"]["uuids"] == advertised
+
+
+def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_gpus, core):
+    fake_gpus.set(3)
+    pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]
+    restarted_at = time.time()
+    restart_kubelet()
+
+    def plugin_log():
+        try:  # kubelet serves logs again only once it is back
+            return core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace)
+        except client.ApiException:
+            return ""
+
+    def heartbeat_after_restart():
+        node = core.read_node(fake_gpus.node)
+        ready = [c for c in node.status.conditions if c.type == "Ready"][0]
+        return ready.status == "True" and ready.last_heartbeat_time.timestamp() > restarted_at
+
+    wait_until(lambda: "registration 2" in plugin_log(), 60, "the plugin to register again with the new kubelet")
+    wait_until(heartbeat_after_restart, 60, "a node status from the restarted kubelet")
+    wait_until(lambda: fake_gpus.allocatable() == 3, 30, "allocatable nvidia.com/gpu == 3 from the new kubelet")
+    after = core.read_namespaced_pod(pod.metadata.name, fake_gpus.namespace)
+    assert after.metadata.uid == pod.metadata.uid
+    assert after.status.container_statuses[0].restart_count == pod.status.container_statuses[0].restart_count
+
+
+def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
+    fake_gpus.set(2)
+    for args, words in [(["--count", "-1"], "count must be 0 or more"),
+                        (["--count", "9"], "at most maxCount=8"),
+                        (["--count", "1", "--memory-mib", "0"], "memoryMiB must be a positive"),
+                        (["--count", "1", "--node", "no-such-node"], "unknown node 'no-such-node'")]:
+        argv = ["set", "--node", fake_gpus.node, *args] if "--node" not in args else ["set", *args]
+        r = fake_gpus.command(*argv)
+        assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
+    # An edit that bypasses the command is refused by the DaemonSet itself.
+    core.patch_namespaced_config_map("gpu-agent-fake-gpu-layout", fake_gpus.namespace,
+                                     {"data": {fake_gpus.node: '{"count": "lots"}'}})
+    pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]
+    wait_until(lambda: "refusing layout" in core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace), 10,
+               "the DaemonSet to refuse the layout")
+    assert fake_gpus.allocatable() == 2
+    status = json.loads(fake_gpus.command("status", "--node", "any").stdout)
+    assert status["nodes"][fake_gpus.node]["allocatable"] == "2"
