@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from pathlib import Path
 
@@ -25,7 +26,9 @@ from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
-from gpu_agent.mechanisms.queues.executor import RecordingExecutor
+from gpu_agent.foundations.kube import api_client
+from gpu_agent.mechanisms.queues.executor import Executor, RecordingExecutor
+from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
 from gpu_agent.roles.endpoints import EndpointServer
 
@@ -52,9 +55,21 @@ SETTINGS = [
     Setting("queuePollInterval", "seconds", 1.0, "wait between lease attempts on an empty queue", 0.01, 60),
     Setting("queueLongPoll", "seconds", 5.0, "how long the control plane may hold an empty lease call (0 = plain polling); "
             "also the longest a shutdown waits for it", 0, 30),
-    Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (local executor)"),
-    Setting("executorWorkSeconds", "seconds", 0.0, "simulated work time per item (local executor)", 0, 3600),
+    Setting("executor", "choice", "record", "how a work item runs: record (a local journal) or pod (a Pod per item)",
+            choices=("record", "pod")),
+    Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (record executor)"),
+    Setting("executorWorkSeconds", "seconds", 0.0, "simulated work time per item (record executor)", 0, 3600),
+    Setting("workNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of work Pods (pod executor)"),
+    Setting("workImage", "str", "localhost/gpu-agent:dev", "image of work Pods (pod executor)"),
+    Setting("releaseName", "str", "", "Helm release, recorded on work Pods for cleanup", optional=True),
+    Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
 ]
+
+
+def make_executor(cfg: Config) -> Executor:
+    if cfg.executor == "pod":
+        return PodExecutor(api_client(cfg.kubeconfig), cfg.workNamespace, cfg.workImage, cfg.releaseName)
+    return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds)
 
 
 class ClusterAgent:
@@ -65,7 +80,7 @@ class ClusterAgent:
         self.metrics = AgentMetrics()
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
-        self.executor = RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds)
+        self.executor = make_executor(cfg)
         self.registration = RegistrationManager(
             self.client, cfg.controlPlaneToken,
             RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
@@ -119,4 +134,6 @@ class ClusterAgent:
             self.endpoints.stop()
             self.monitor.source.close()
             self.client.close()
-            self.executor.close()
+            close = getattr(self.executor, "close", None)
+            if close is not None:
+                close()

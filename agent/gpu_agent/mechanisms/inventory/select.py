@@ -11,7 +11,8 @@ from gpu_agent.mechanisms.inventory.nvml import NVMLSource
 from gpu_agent.mechanisms.inventory.source import GPUSource
 
 GPU_SOURCE_SETTINGS = [
-    Setting("gpuSource", "choice", "fake", "where GPUs are read from", choices=("fake", "nvml")),
+    Setting("gpuSource", "choice", "fake", "where GPUs are read from: fake (state file), nvml (this node), "
+            "cluster (allocatable nvidia.com/gpu of Ready nodes)", choices=("fake", "nvml", "cluster")),
     Setting("fakeGpuStateFile", "path", str(fake_state.default_path()), "fake GPU state file (gpuSource=fake)"),
     Setting("gpuPollInterval", "seconds", 0.5, "how often the GPU source is read", 0.05, 60),
 ]
@@ -20,4 +21,9 @@ GPU_SOURCE_SETTINGS = [
 def make_source(cfg: Config) -> GPUSource:
     if cfg.gpuSource == "nvml":
         return NVMLSource()
+    if cfg.gpuSource == "cluster":
+        from gpu_agent.foundations.kube import api_client
+        from gpu_agent.mechanisms.inventory.cluster import ClusterSource
+
+        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")))
     return FakeFileSource(Path(cfg.fakeGpuStateFile))

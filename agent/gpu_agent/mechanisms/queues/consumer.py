@@ -93,16 +93,19 @@ class QueueConsumer:
         if outcome == "duplicate":
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         # An ack that fails leaves the lease to expire; the redelivery is then a "duplicate".
-        await self._quietly(self.client.ack, credential, item)
+        if await self._quietly(self.client.ack, credential, item):
+            await asyncio.to_thread(self.executor.after_ack, item)
         self.processed += 1
         self.metrics.items.labels(outcome).inc()
         self.health.set("queues", self.open.is_on, "leasing work" if self.open.is_on else "paused", processed=self.processed)
 
-    async def _quietly(self, call: Callable[..., object], *args: object) -> None:
+    async def _quietly(self, call: Callable[..., object], *args: object) -> bool:
         try:
             await asyncio.to_thread(call, *args)
         except ControlPlaneError as e:
             log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
+            return False
+        return True
 
     async def run(self) -> None:
         while True:

@@ -24,6 +24,10 @@ class Executor(Protocol):
         """Run the item; return "executed" or "duplicate" (already run under this key)."""
         ...
 
+    def after_ack(self, item: WorkItem) -> None:
+        """Clean up once the control plane has the ack (e.g. delete the item's Pod)."""
+        ...
+
 
 class RecordingExecutor:
     def __init__(self, journal: Path, work_seconds: float = 0.0) -> None:
@@ -51,6 +55,9 @@ class RecordingExecutor:
             except sqlite3.IntegrityError:
                 return "duplicate"
         return "executed"
+
+    def after_ack(self, item: WorkItem) -> None:
+        return None
 
     def executed_keys(self) -> list[str]:
         with self._lock:
