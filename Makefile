@@ -24,10 +24,10 @@ test: lint test-unit test-integration e2e
 
 lint: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests e2e ci/tools
+	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests hooks e2e ci/tools
 
 test-unit: setup
-	$(BIN)/pytest agent/tests/unit fake-gpu/tests
+	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests
 
 test-integration: setup
 	$(BIN)/pytest agent/tests/integration

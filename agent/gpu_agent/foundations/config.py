@@ -23,6 +23,11 @@ from gpu_agent.foundations.secrets import Secret
 
 ENV_PREFIX = "GPU_AGENT_"
 
+# Feature gates and their defaults; `--feature-gates=Name=true,Other=false` overrides them.
+FEATURE_GATES = {
+    "LongPollLeases": True,  # the work queue is long-polled instead of polled every queuePollInterval
+}
+
 
 class ConfigError(Exception):
     pass
@@ -61,6 +66,8 @@ class Setting:
             return "true or false"
         if self.kind == "url":
             return "an http:// or https:// URL"
+        if self.kind == "featureGates":
+            return "comma-separated Name=true|false with Name one of " + ", ".join(sorted(FEATURE_GATES))
         if self.kind == "address":
             return "HOST:PORT with a port between 0 and 65535"
         return "a non-empty string"
@@ -93,6 +100,14 @@ class Setting:
                 return False
             raise bad()
         text = "" if raw is None else str(raw)
+        if self.kind == "featureGates":
+            gates = dict(FEATURE_GATES)
+            for part in filter(None, (p.strip() for p in text.split(","))):
+                name, sep, value = part.partition("=")
+                if not sep or name not in FEATURE_GATES or value.lower() not in ("true", "false"):
+                    raise bad()
+                gates[name] = value.lower() == "true"
+            return gates
         if not text:
             if self.optional:
                 return ""
@@ -182,7 +197,8 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
             value, origin = raw[s.name]
             values[s.name] = s.convert(value, origin)
         else:
-            values[s.name] = Secret(s.default or "") if s.kind == "secret" else s.default
+            values[s.name] = Secret(s.default or "") if s.kind == "secret" else s.convert(s.default, "default") \
+                if s.kind == "featureGates" else s.default
     # A secret may also come from a file named by its companion setting, e.g. controlPlaneTokenFile.
     for s in settings:
         if s.kind != "secret" or values[s.name]:

@@ -122,6 +122,9 @@ class ControlPlaneClient:
             reregister_after=float(_field(doc, "reregisterAfterSeconds", (int, float), where)),
         )
 
+    def deregister(self, token: Secret, cluster_id: str) -> None:
+        self._call("POST", "/v1/deregister", token, {"clusterId": cluster_id})
+
     def renew(self, credential: Secret) -> Credential:
         _, doc = self._call("POST", "/v1/credentials/renew", credential, {})
         return self._credential(doc, "POST /v1/credentials/renew")

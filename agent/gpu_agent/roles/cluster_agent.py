@@ -62,6 +62,7 @@ SETTINGS = [
     Setting("workNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of work Pods (pod executor)"),
     Setting("workImage", "str", "localhost/gpu-agent:dev", "image of work Pods (pod executor)"),
     Setting("releaseName", "str", "", "Helm release, recorded on work Pods for cleanup", optional=True),
+    Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
     Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
 ]
 
@@ -88,7 +89,8 @@ class ClusterAgent:
             self.clock, rng or random.Random(), self.health, self.metrics, self.gate, self._readiness_changed)
         self.queue = QueueConsumer(self.client, self.registration.current_credential, self.executor, self.clock,
                                    self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
-                                   self.registration.credential_refused, cfg.queueLongPoll)
+                                   self.registration.credential_refused,
+                                   cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0)
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed)
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)

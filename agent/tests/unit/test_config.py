@@ -78,3 +78,10 @@ def test_cli_exits_2_with_a_clear_message():
     r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--no-such-flag"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--no-such-flag" in r.stderr
+
+
+def test_feature_gates_parse_and_unknown_gates_are_refused():
+    assert parse([]).featureGates == {"LongPollLeases": True}
+    assert parse(["--feature-gates", "LongPollLeases=false"]).featureGates == {"LongPollLeases": False}
+    with pytest.raises(ConfigError, match="featureGates.*LongPollLeases"):
+        parse(["--feature-gates", "Warp=true"])

@@ -56,6 +56,10 @@ def document() -> dict[str, Any]:
                                                                    registrationId=_STR, credential=_CREDENTIAL,
                                                                    reregisterAfterSeconds=_NUM))}},
                 _obj(["clusterId", "generation", "gpus"], clusterId=_STR, generation=_INT, gpus={"type": "array", "items": _GPU}))},
+            "/v1/deregister": {"post": _op(
+                "Forget the cluster's registration and credentials (registration token)",
+                {"200": {"description": "deregistered", **_json(_obj(["deregistered"], deregistered={"type": "boolean"}))}},
+                _obj(["clusterId"], clusterId=_STR))},
             "/v1/credentials/renew": {"post": _op(
                 "Exchange a valid credential for a fresh one",
                 {"200": {"description": "renewed", **_json(_obj(["credential"], credential=_CREDENTIAL))}})},

@@ -1,7 +1,7 @@
 """The reference control plane's HTTP/JSON server (stdlib `ThreadingHTTPServer`, HTTP/1.1).
 
 Every endpoint but `/healthz` needs a bearer token:
-  registration token  POST /v1/register
+  registration token  POST /v1/register, /v1/deregister
   credential          POST /v1/credentials/renew, /v1/queue/lease, .../ack, .../release
   admin token         POST /v1/queue/items, /admin/faults
   admin or credential GET /v1/status, /openapi.json
@@ -119,6 +119,7 @@ class ControlPlane:
             return 200, {"status": "ok"}
         routes: dict[tuple[str, str], set[str]] = {
             ("POST", "/v1/register"): {"registration"},
+            ("POST", "/v1/deregister"): {"registration"},
             ("POST", "/v1/credentials/renew"): {"credential"},
             ("POST", "/v1/queue/items"): {"admin"},
             ("POST", "/v1/queue/lease"): {"credential"},
@@ -149,6 +150,11 @@ class ControlPlane:
             log.info("cluster %s registered %d GPUs (generation %d)", cid, len(gpus), generation)
             return 200, {"registrationId": registration_id, "reregisterAfterSeconds": s.reregister_after,
                          "credential": {"token": token_value, "expiresInSeconds": s.credential_ttl, "expiresAt": expires_at}}
+        if path == "/v1/deregister":
+            cid = _field(body, "clusterId", str)
+            found = self.store.deregister(cid)
+            log.info("cluster %s deregistered%s", cid, "" if found else " (was not registered)")
+            return 200, {"deregistered": found}
         if path == "/v1/credentials/renew":
             token_value, expires_at = self.store.issue_credential(cluster_id or "", s.credential_ttl)
             self.store.revoke(token)

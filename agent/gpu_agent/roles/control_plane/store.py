@@ -82,6 +82,12 @@ class Store:
                              (cluster_id, registration_id, generation, json.dumps(gpus), self._now()))
         return registration_id
 
+    def deregister(self, cluster_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM registrations WHERE cluster_id = ?", (cluster_id,))
+            self._db.execute("DELETE FROM credentials WHERE cluster_id = ?", (cluster_id,))
+        return bool(cur.rowcount)
+
     # queue ---------------------------------------------------------------------------------
     def enqueue(self, key: str, payload: dict[str, Any]) -> tuple[int, bool]:
         """(id, created): an existing key returns its item unchanged."""

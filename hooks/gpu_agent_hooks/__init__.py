@@ -1,0 +1,11 @@
+"""Helm hooks of the gpu-agent chart, as plain Python commands (`gpu-agent-hook`).
+
+  crds        pre-install, pre-upgrade, pre-rollback: server-side apply the chart's CRDs
+              (Helm itself never upgrades CRDs) and wait until they are Established
+  skew-check  pre-upgrade, pre-rollback: refuse an upgrade or downgrade the stored objects or
+              the running agents cannot survive, saying why and how to proceed
+  cleanup     pre-delete: deregister from the control plane, clear this release's GPUDomain
+              entries, delete leftover work Pods; bounded in time, never blocks an uninstall
+
+Each check is a pure function (unit-tested); the commands only fetch and apply.
+"""

@@ -1,0 +1,3 @@
+from gpu_agent_hooks.cli import main
+
+raise SystemExit(main())

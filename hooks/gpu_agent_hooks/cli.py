@@ -1,0 +1,150 @@
+"""`gpu-agent-hook crds | skew-check | cleanup`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.kube import api_client
+from gpu_agent.foundations.secrets import Secret
+from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
+
+FIELD_MANAGER = "gpu-agent-hooks"
+
+
+def say(msg: str) -> None:
+    print(f"gpu-agent-hook: {msg}", flush=True)
+
+
+def load_crds(folder: Path) -> list[dict[str, Any]]:
+    crds = [doc for p in sorted(folder.glob("*.yaml")) for doc in yaml.safe_load_all(p.read_text()) if doc]
+    if not crds:
+        raise SystemExit(f"gpu-agent-hook: no CRDs in {folder}")
+    return crds
+
+
+def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None:
+    ext = client.ApiextensionsV1Api(api)
+    for crd in load_crds(folder):
+        name = crd["metadata"]["name"]
+        ext.patch_custom_resource_definition(name, crd, field_manager=FIELD_MANAGER, force=True,
+                                             _content_type="application/apply-patch+yaml")
+        deadline = time.monotonic() + timeout
+        while True:
+            conds = ext.read_custom_resource_definition(name).status.conditions or []
+            if any(c.type == "Established" and c.status == "True" for c in conds):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"gpu-agent-hook: CRD {name} not Established after {timeout:.0f}s")
+            time.sleep(0.5)
+        say(f"applied CRD {name} (server-side, field manager {FIELD_MANAGER}); Established")
+
+
+def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
+    try:
+        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
+        deployed = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        deployed = ""
+    say(check_versions(deployed, to_version) if deployed else f"no deployed agent found; installing {to_version}")
+    ext = client.ApiextensionsV1Api(api)
+    for crd in load_crds(folder):
+        try:
+            existing = api.sanitize_for_serialization(ext.read_custom_resource_definition(crd["metadata"]["name"]))
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            existing = None
+        say(check_stored_versions(existing, crd))
+
+
+def _bounded(name: str, seconds: float, fn: Any) -> None:
+    """Run one cleanup step on a thread; give up on it (with a warning) after `seconds`."""
+    outcome: list[str] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append("ok")
+        except Exception as e:  # noqa: BLE001 - cleanup is best effort, reported step by step
+            outcome.append(f"failed: {type(e).__name__}: {str(e)[:200]}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(max(0.1, seconds))
+    say(f"cleanup {name}: {outcome[0] if outcome else f'gave up after {seconds:.0f}s'}")
+
+
+def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
+            timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    selector = f"app.kubernetes.io/instance={release}"
+
+    def deregister() -> None:
+        if not token_file.exists():
+            raise RuntimeError(f"no registration token at {token_file}")
+        cp = ControlPlaneClient(url, timeout=5)
+        try:
+            cp.deregister(Secret(token_file.read_text().strip()), cluster_id)
+        except ControlPlaneError as e:
+            raise RuntimeError(str(e)) from None
+
+    def clear_domains() -> None:
+        domains = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomains",
+                                                       label_selector=selector)
+        for d in domains.get("items", []):
+            custom.patch_namespaced_custom_object_status(
+                "gpu-agent.io", "v1alpha1", namespace, "gpudomains", d["metadata"]["name"],
+                {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}})
+
+    def delete_work_pods() -> None:
+        for pod in core.list_namespaced_pod(namespace, label_selector=f"gpu-agent.io/work-item=true,{selector}").items:
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+
+    for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods)):
+        _bounded(name, deadline - time.monotonic(), step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu-agent-hook", description="Helm hooks of the gpu-agent chart")
+    p.add_argument("--kubeconfig", default="", help="kubeconfig; empty: in-cluster")
+    sub = p.add_subparsers(dest="hook", required=True)
+    c = sub.add_parser("crds", help="server-side apply the chart's CRDs")
+    c.add_argument("--dir", type=Path, required=True)
+    s = sub.add_parser("skew-check", help="refuse upgrades and downgrades the stored state cannot survive")
+    s.add_argument("--namespace", required=True)
+    s.add_argument("--deployment", required=True)
+    s.add_argument("--to-version", required=True)
+    s.add_argument("--crds", type=Path, required=True)
+    u = sub.add_parser("cleanup", help="pre-delete cleanup, bounded in time")
+    u.add_argument("--namespace", required=True)
+    u.add_argument("--release", required=True)
+    u.add_argument("--cluster-id", required=True)
+    u.add_argument("--control-plane-url", required=True)
+    u.add_argument("--token-file", type=Path, required=True)
+    u.add_argument("--timeout", type=float, default=60)
+    a = p.parse_args(argv)
+    api = api_client(a.kubeconfig)
+    try:
+        if a.hook == "crds":
+            apply_crds(api, a.dir)
+        elif a.hook == "skew-check":
+            skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
+        else:
+            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout)
+    except SkewError as e:
+        print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
