@@ -4,14 +4,20 @@ and Helm through pyhelm3 over the real binary."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
+import pyhelm3
 import pytest
 from kubernetes import client, config
 
 from e2e import cluster
+from e2e.cluster import host_paths, tool
 from e2e.helpers import wait_until
 
 
@@ -77,3 +83,52 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     setattr(item, "rep_" + rep.when, rep)
     return rep
+
+
+FAKE_GPU_CHART = Path(__file__).resolve().parent.parent / "charts" / "fake-gpu"
+
+
+@pytest.fixture(scope="session")
+def fake_gpus(kubeconfig, core, apps):
+    """charts/fake-gpu installed once for the session (one device plugin per node): every test that
+    needs GPUs sets the count it needs."""
+    ns = f"e2e-fake-gpu-{uuid.uuid4().hex[:5]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
+    values = {**host_paths(), "image": {"repository": "localhost/gpu-agent", "tag": "dev", "pullPolicy": "Never"},
+              "maxCount": 8, "logVerbosity": 2}
+
+    async def install():
+        chart = await helm.get_chart(str(FAKE_GPU_CHART))
+        await helm.install_or_upgrade_release("fg", chart, values, namespace=ns, wait=True, timeout="90s")
+
+    asyncio.run(install())
+    wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
+        apps.read_namespaced_daemon_set("fg-fake-gpu", ns)), 60, "fake-gpu DaemonSet ready")
+    node = core.list_node().items[0].metadata.name
+    yield FakeGPUs(kubeconfig, core, ns, node)
+    asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
+    core.delete_namespace(ns)
+
+
+class FakeGPUs:
+    def __init__(self, kubeconfig, core, namespace, node):
+        self.kubeconfig, self.core, self.namespace, self.node = str(kubeconfig), core, namespace, node
+
+    def command(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", self.kubeconfig, "--namespace",
+                               self.namespace, *args], capture_output=True, text=True, timeout=60)
+
+    def allocatable(self) -> int:
+        node = self.core.read_node(self.node)
+        return int((node.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+
+    def set(self, count: int, timeout: float = 10) -> float:
+        """Set the count; returns seconds from the command's return to allocatable matching."""
+        r = self.command("set", "--node", self.node, "--count", str(count))
+        assert r.returncode == 0, r.stderr
+        started = time.monotonic()
+        wait_until(lambda: self.allocatable() == count, timeout, f"allocatable nvidia.com/gpu == {count}", interval=0.05)
+        return time.monotonic() - started
+
+

@@ -50,3 +50,11 @@ def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, pa
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def exec_python(api: client.ApiClient, namespace: str, pod: str, code: str) -> str:
+    """Run Python in a pod's container (the image carries the agent's own client)."""
+    from kubernetes.stream import stream
+
+    return stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
+                  command=["python3", "-c", code], stderr=True, stdin=False, stdout=True, tty=False)

@@ -51,7 +51,8 @@ class ClusterSource:
         self.resync_seconds = resync_seconds
         self._lock = threading.Lock()
         self._table: dict[str, int] = {}
-        self._error: str | None = "waiting for the first list of nodes"
+        self._error: str | None = None
+        self._listed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
         self._thread.start()
@@ -63,6 +64,7 @@ class ClusterSource:
                 with self._lock:
                     self._table = {n.metadata.name: node_gpus(n) for n in nodes.items}
                     self._error = None
+                    self._listed = True
                 w = watch.Watch()
                 for event in w.stream(self.core.list_node, resource_version=nodes.metadata.resource_version,
                                       timeout_seconds=self.resync_seconds):
@@ -82,7 +84,9 @@ class ClusterSource:
 
     def read(self) -> Reading:
         with self._lock:
-            table, error = dict(self._table), self._error
+            table, error, listed = dict(self._table), self._error, self._listed
+        if not listed and not error:
+            return Reading(Inventory(), note="waiting for the first list of nodes")
         if error:
             return Reading(Inventory(), error=error)
         inventory = inventory_of(table)

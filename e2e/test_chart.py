@@ -1,0 +1,301 @@
+"""charts/gpu-agent and its hooks, for real on the cluster."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from e2e.cluster import host_paths, tool
+from e2e.helpers import exec_python, pod_http_get, wait_until
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
+BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
+CA = "app.kubernetes.io/component=cluster-agent"
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=300)
+    if check and r.returncode:
+        raise AssertionError(f"helm {' '.join(args)} failed: {r.stderr}")
+    return r
+
+
+def render(*sets: str) -> list[dict]:
+    out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def cluster_agent_deployment(docs):
+    return [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent")][0]
+
+
+def test_helm_lint_and_rendered_manifests_pass_the_api_servers_validation(kubeconfig, namespace):
+    assert "0 chart(s) failed" in helm("lint", str(CHART), *BASE).stdout
+    rendered = helm("template", "v", str(CHART), "--namespace", namespace, *BASE, "--set", "gracefulNoGPU=true").stdout
+    r = subprocess.run([tool("kubectl"), "--kubeconfig", str(kubeconfig), "apply", "--dry-run=server", "--validate=strict",
+                        "-n", namespace, "-f", "-"], input=rendered, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("(server dry run)") == len([d for d in yaml.safe_load_all(rendered) if d])
+
+
+BAD_VALUES = [
+    (["--set", "logVerbosity=9"], "logVerbosity"),
+    (["--set", "logVerbosity=-1"], "logVerbosity"),
+    (["--set", "gracefulNoGPU=maybe"], "gracefulNoGPU"),
+    (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+    (["--set", "clusterAgent.gpuSource=tpu"], "gpuSource"),
+    (["--set", "clusterAgent.executor=shell"], "executor"),
+    (["--set", "clusterAgent.registrationRetryMax=0"], "registrationRetryMax"),
+    (["--set", "clusterAgent.strategy.type=BlueGreen"], "strategy"),
+    (["--set", "clusterAgent.clusterId=Not_A_Name"], "clusterId"),
+    (["--set", "nodeAgent.gpuSource=cuda"], "gpuSource"),
+    (["--set", "nodeAgent.fakeGpuStateDir=relative/dir"], "fakeGpuStateDir"),
+    (["--set", "featureGates.WarpDrive=true"], "featureGates"),
+    (["--set", "hooks.activeDeadlineSeconds=1"], "activeDeadlineSeconds"),
+    (["--set", "controlPlane.url=ftp://x"], "url"),
+    (["--set", "controlPlane.enabled=false"], "controlPlane.url is required"),
+    (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=http://cp"], "controlPlane.existingSecret is required"),
+    (["--set", "unknownValue=1"], "unknownValue"),
+]
+
+
+@pytest.mark.parametrize("sets,named", BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_bad_values_are_refused_naming_the_value(sets, named):
+    r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr
+
+
+def test_rendered_strategy_default_graceful_and_explicit():
+    default = cluster_agent_deployment(render())
+    assert "strategy" not in default["spec"]  # exactly as before the option existed
+    graceful = cluster_agent_deployment(render("--set", "gracefulNoGPU=true"))
+    assert graceful["spec"]["strategy"] == {"type": "Recreate"}
+    explicit = cluster_agent_deployment(render("--set", "gracefulNoGPU=true", "--set", "clusterAgent.strategy.type=RollingUpdate"))
+    assert explicit["spec"]["strategy"] == {"type": "RollingUpdate"}
+
+
+class Release:
+    """A gpu-agent release on the fake GPUs, with probes through the API server."""
+
+    def __init__(self, api, core, apps, kubeconfig, namespace, name="ga"):
+        self.api, self.core, self.apps, self.namespace, self.name = api, core, apps, namespace, name
+        self.kubeconfig = str(kubeconfig)
+        self.fullname = f"{name}-gpu-agent" if "gpu-agent" not in name else name
+
+    def args(self, *extra):
+        return ["--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, str(CHART), *BASE,
+                "--set", "image.pullPolicy=Never", "--set", "nodeAgent.gpuSource=fake", "--set", "nodeAgent.nodeSelector=null",
+                "--set", f"nodeAgent.fakeGpuStateDir={host_paths()['stateDir']}", "--set", "logVerbosity=2", *extra]
+
+    def install(self, *extra):
+        return helm("install", *self.args(*extra), "--timeout", "120s")
+
+    def upgrade(self, *extra):
+        return helm("upgrade", *self.args(*extra), "--timeout", "120s")
+
+    def uninstall(self):
+        return helm("uninstall", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, "--wait", "--timeout", "120s")
+
+    def pods(self, selector):
+        return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+
+    def agent_pod(self):
+        pods = [p for p in self.pods(CA) if p.metadata.deletion_timestamp is None and p.status.phase == "Running"]
+        return pods[0].metadata.name if len(pods) == 1 else None
+
+    def healthz(self):
+        """(status, body) of the agent's own /healthz; (0, None) until the agent itself answers
+        (the API server's proxy says 503 too while a pod is not serving yet)."""
+        pod = self.agent_pod()
+        if pod is None:
+            return 0, None
+        code, body = pod_http_get(self.core, self.namespace, pod, 8080, "healthz")
+        return (code, body) if isinstance(body, dict) and "components" in body else (0, None)
+
+    def control_plane(self, code: str) -> str:
+        pod = self.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
+        prelude = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
+                   "from gpu_agent.foundations.secrets import Secret\n"
+                   "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
+                   "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
+        return exec_python(self.api, self.namespace, pod, prelude + code)
+
+    def tokens(self):
+        secret = self.core.read_namespaced_secret(f"{self.fullname}-control-plane-tokens", self.namespace)
+        return [base64.b64decode(v).decode() for v in secret.data.values()]
+
+
+@pytest.fixture
+def release(api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(0)
+    r = Release(api, core, apps, kubeconfig, namespace)
+    yield r
+    helm("uninstall", "--kubeconfig", str(kubeconfig), "-n", namespace, r.name, "--wait", "--timeout", "120s", check=False)
+
+
+def all_running(release):
+    pods = release.pods("app.kubernetes.io/instance=ga")
+    return len(pods) >= 3 and all(p.status.phase == "Running" and p.metadata.deletion_timestamp is None for p in pods)
+
+
+def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a_pod(release, fake_gpus, core):
+    started = time.monotonic()
+    release.install("--set", "gracefulNoGPU=true")
+    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    wait_until(lambda: all(c.ready for p in release.pods("app.kubernetes.io/component=node-agent")
+                           for c in p.status.container_statuses or []), 30, "node agents Ready")
+    wait_until(lambda: release.agent_pod() and pod_http_get(core, release.namespace, release.agent_pod(), 8080, "livez")[0] == 200,
+               30, "cluster agent live")
+    install_to_running = time.monotonic() - started
+    code, health = release.healthz()
+    assert code == 503 and health["components"]["queues"]["reason"].startswith("paused")
+    assert health["components"]["gpus"]["reason"].startswith("no GPUs available")
+    print(f"\ninstall -> all pods running, node agents Ready, cluster agent live: {install_to_running:.1f}s")
+
+    release.control_plane("print(c.enqueue(t, 'e2e-chart-item', {'gpus': 1}))")
+    time.sleep(0)  # the item waits: the queue is paused
+    assert '"queued": 1' in release.control_plane("import json; print(json.dumps(c.status(t)['items']))")
+    fake_gpus.set(2)
+    arrived = time.monotonic()
+    wait_until(lambda: release.healthz()[0] == 200, 20, "cluster agent Ready once GPUs arrive")
+    print(f"GPUs -> cluster agent Ready: {time.monotonic() - arrived:.1f}s")
+    wait_until(lambda: '"done": 1' in release.control_plane("import json; print(json.dumps(c.status(t)['items']))"), 60,
+               "the queued item to be executed and acknowledged")
+    events = core.list_namespaced_event(release.namespace).items
+    work = {e.involved_object.name for e in events if e.involved_object.name.startswith("gpu-work-e2e-chart-item-")}
+    assert len(work) == 1  # one Pod, with the deterministic name
+    assert any(e.reason == "Started" and e.involved_object.name in work for e in events)
+    wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30, "the work Pod to be cleaned up")
+
+    # no token in any pod log or event of this release
+    tokens = release.tokens()
+    texts = [e.message or "" for e in core.list_namespaced_event(release.namespace).items]
+    for p in release.pods("app.kubernetes.io/instance=ga"):
+        for c in p.spec.containers:
+            texts.append(core.read_namespaced_pod_log(p.metadata.name, release.namespace, container=c.name))
+    assert texts and not [t for t in texts for tok in tokens if tok in t]
+
+    # pre-delete cleanup removes leftover work Pods of the release
+    core.create_namespaced_pod(release.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "ga"}},
+        "spec": {"containers": [{"name": "c", "image": "localhost/gpu-agent:dev", "imagePullPolicy": "Never",
+                                 "command": ["sleep", "600"]}]}})
+    release.uninstall()
+    wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30, "leftover work Pod deleted by the pre-delete hook")
+    wait_until(lambda: not release.pods("app.kubernetes.io/instance=ga"), 60, "every release pod gone after uninstall")
+
+
+def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(release, apps):
+    release.install("--set", "gracefulNoGPU=true")
+    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    wait_until(lambda: release.healthz()[0] == 503, 30, "the cluster agent to answer /healthz (NotReady: no GPUs)")
+    first = release.agent_pod()
+    samples, sets, stop = [], [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            pods = release.pods(CA)
+            samples.append([p.metadata.name for p in pods if p.status.phase not in ("Succeeded", "Failed")])
+            rs = apps.list_namespaced_replica_set(release.namespace, label_selector=CA).items
+            sets.append(sum(1 for r in rs if (r.status.replicas or 0) > 0))
+            stop.wait(0.25)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    release.upgrade("--set", "gracefulNoGPU=true", "--set", "logVerbosity=3")  # a new pod template
+    wait_until(lambda: release.agent_pod() not in (None, first), 90, "the replacement cluster agent")
+    wait_until(lambda: release.healthz()[0] == 503, 30, "the replacement to answer /healthz")
+    stop.set()
+    t.join()
+    print(f"\nRecreate sampler: {len(samples)} samples, max non-terminal agent pods {max(map(len, samples))}, "
+          f"max active ReplicaSets {max(sets)}")
+    assert max(len(s) for s in samples) <= 1
+    assert max(sets) <= 1
+    code, health = release.healthz()
+    assert code == 503 and health["components"]["queues"]["reason"].startswith("paused")
+
+
+def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_path, api):
+    ext = client.ApiextensionsV1Api(api)
+    old_chart = tmp_path / "gpu-agent"
+    shutil.copytree(CHART, old_chart)
+    crd_file = old_chart / "files" / "crds" / "gpudomain.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["nodeSelector"]
+    crd_file.write_text(yaml.safe_dump(crd))
+    try:
+        ext.delete_custom_resource_definition("gpudomains.gpu-agent.io")
+        wait_until(lambda: not [c for c in ext.list_custom_resource_definition().items
+                                if c.metadata.name == "gpudomains.gpu-agent.io"], 30, "the CRD to go")
+    except client.ApiException as e:
+        assert e.status == 404
+
+    def spec_fields():
+        c = ext.read_custom_resource_definition("gpudomains.gpu-agent.io")
+        return set(c.spec.versions[0].schema.open_apiv3_schema.properties["spec"].properties)
+
+    args = release.args()
+    args[args.index(str(CHART))] = str(old_chart)
+    helm("install", *args, "--timeout", "120s")
+    assert spec_fields() == {"expectedNodes"}
+    release.upgrade()
+    assert spec_fields() == {"expectedNodes", "nodeSelector"}
+    managers = {m.manager for m in ext.read_custom_resource_definition("gpudomains.gpu-agent.io").metadata.managed_fields}
+    assert "gpu-agent-hooks" in managers
+
+
+def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_path, core):
+    release.install()
+    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    future = tmp_path / "gpu-agent"
+    shutil.copytree(CHART, future)
+    chart_yaml = yaml.safe_load((future / "Chart.yaml").read_text())
+    chart_yaml["appVersion"] = "2.0.0"
+    (future / "Chart.yaml").write_text(yaml.safe_dump(chart_yaml))
+    args = release.args()
+    args[args.index(str(CHART))] = str(future)
+    r = helm("upgrade", *args, "--set", "hooks.backoffLimit=0", "--timeout", "120s", check=False)
+    assert r.returncode != 0 and "pre-upgrade" in r.stderr
+    job_pods = core.list_namespaced_pod(release.namespace, label_selector="job-name=ga-gpu-agent-skew-check").items
+    log = core.read_namespaced_pod_log(job_pods[0].metadata.name, release.namespace)
+    assert "refused: upgrade from 0.1.0 to 2.0.0 skips major version 1" in log
+    history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, "ga", "-o", "json").stdout)
+    assert history[0]["status"] == "deployed" and history[0]["app_version"] == "0.1.0"
+
+
+def can_i(api, namespace, sa, verb, resource, ns=None, group=""):
+    review = client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
+        user=f"system:serviceaccount:{namespace}:{sa}",
+        groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+        resource_attributes=client.V1ResourceAttributes(verb=verb, resource=resource, group=group, namespace=ns)))
+    return client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed
+
+
+def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(release, api):
+    release.install()
+    ns, other = release.namespace, f"other-{uuid.uuid4().hex[:4]}"
+    table = [
+        ("cluster-agent", "list", "nodes", None, True), ("cluster-agent", "watch", "nodes", None, True),
+        ("cluster-agent", "create", "pods", ns, True), ("cluster-agent", "delete", "pods", ns, True),
+        ("cluster-agent", "create", "pods", other, False), ("cluster-agent", "get", "secrets", ns, False),
+        ("cluster-agent", "patch", "nodes", None, False), ("cluster-agent", "delete", "nodes", None, False),
+        ("node-agent", "list", "pods", ns, False), ("node-agent", "get", "nodes", None, False),
+        ("control-plane", "get", "secrets", ns, False), ("control-plane", "list", "pods", ns, False),
+    ]
+    rows = []
+    for component, verb, resource, where, expected in table:
+        allowed = can_i(api, ns, f"{release.fullname}-{component}", verb, resource, where)
+        rows.append(f"{component:<14}{verb:<8}{resource:<10}{where or '(cluster)':<44}{'yes' if allowed else 'no'}")
+        assert allowed == expected, rows[-1]
+    print("\n" + "\n".join(rows))
