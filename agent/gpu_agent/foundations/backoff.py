@@ -2,8 +2,11 @@
 
 The base delay of attempt n is `initial * factor**n`, capped at `cap`; a configured
 `initial` above `cap` is kept as it is (a deliberately slow interval is never shortened).
-Jitter only ever shortens a delay: the delay is drawn from `[base * (1 - jitter), base]`,
-so the cap is a hard upper bound and lock-step retries still spread out.
+Jitter modes:
+  shorten    (default) the delay is drawn from `[base * (1 - jitter), base]`: the cap is a hard
+             upper bound and lock-step retries still spread out;
+  symmetric  `base * U[1 - jitter, 1 + jitter)`, as NVIDIA's DRA driver does (x U[0.75, 1.25));
+  full       `U[0, base)`, "full jitter": the widest spread, for many writers on one object.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class Backoff:
     jitter: float = 0.2
     rng: random.Random = field(default_factory=random.Random)
     attempt: int = 0
+    mode: str = "shorten"
 
     def __post_init__(self) -> None:
         if self.initial <= 0:
@@ -28,6 +32,8 @@ class Backoff:
             raise ValueError("cap must be > 0")
         if not 0.0 <= self.jitter < 1.0:
             raise ValueError("jitter must be in [0, 1)")
+        if self.mode not in ("shorten", "symmetric", "full"):
+            raise ValueError("mode must be shorten, symmetric or full")
 
     def base(self, attempt: int) -> float:
         if self.initial >= self.cap:
@@ -43,8 +49,12 @@ class Backoff:
     def next_delay(self) -> float:
         base = self.base(self.attempt)
         self.attempt += 1
+        if self.mode == "full":
+            return base * self.rng.random()
         if not self.jitter:
             return base
+        if self.mode == "symmetric":
+            return base * (1.0 - self.jitter + 2.0 * self.jitter * self.rng.random())
         return base * (1.0 - self.jitter * self.rng.random())
 
     def reset(self) -> None:

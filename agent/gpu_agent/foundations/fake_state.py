@@ -7,15 +7,16 @@ one. The parser names the field at fault so that a bad file is easy to fix.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.gpus import GPU, Inventory
+
+__all__ = ["API_VERSION", "FakeStateError", "Inventory", "default_path", "parse", "read", "render", "write_atomic"]
 
 API_VERSION = "fake-gpu.gpu-agent.io/v1"
 KIND = "FakeGPUState"
@@ -84,20 +85,3 @@ def read(path: Path) -> Inventory:
 def render(inventory: Inventory, node: str = "") -> str:
     doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": inventory.to_json()}
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-

@@ -4,7 +4,8 @@
 
 It is ready whenever its GPU source can be read, with any number of GPUs (zero included): it
 reports the truth about the node. A source that cannot be read makes it NotReady, with the
-reason. (Publishing the node's entry into the shared GPUDomain comes with domain formation.)
+reason. With `domainName` set it also keeps this node's entry in that shared GPUDomain
+(mechanisms/domain) and removes it on shutdown, bounded by `shutdownTimeout`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import asyncio
 import json
 import os
 import socket
+from pathlib import Path
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, Config, Setting
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import api_client
 from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
+from gpu_agent.mechanisms.domain.writer import STRATEGIES, DomainWriter
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.roles.endpoints import EndpointServer
@@ -30,6 +35,16 @@ SETTINGS = [
     Setting("listenAddress", "address", "127.0.0.1:8081", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     Setting("nodeName", "str", os.environ.get("NODE_NAME") or socket.gethostname(), "this node's name"),
     *GPU_SOURCE_SETTINGS,
+    Setting("domainName", "str", "", "GPUDomain to publish this node's entry into (empty: none)", optional=True),
+    Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of the GPUDomain"),
+    Setting("nodeIp", "str", os.environ.get("NODE_IP", ""), "this node's IP, published in its entry", optional=True),
+    Setting("domainWriteStrategy", "choice", "fulljitter", "how concurrent entry writes back off (see make bench-domain)",
+            choices=STRATEGIES),
+    Setting("domainWriteRate", "number", 25.0, "successful writes per second the API server takes on one object "
+            "(sets the fulljitter cap to nodes / rate)", 0.1, 10000),
+    Setting("peersFile", "path", "", "file the sorted peer list is rendered into (empty: none)", optional=True),
+    Setting("shutdownTimeout", "seconds", 10.0, "how long shutdown may spend removing this node's entry", 0.1, 300),
+    Setting("kubeconfig", "path", "", "kubeconfig; empty: in-cluster", optional=True),
 ]
 
 
@@ -37,7 +52,13 @@ class NodeAgent:
     def __init__(self, cfg: Config, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.clock = clock or SystemClock()
-        self.health = HealthRegistry(self.clock, ["gpus"])
+        self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
+        self.domain: DomainReconciler | None = None
+        if cfg.domainName:
+            writer = DomainWriter(api_client(cfg.kubeconfig), cfg.domainNamespace, cfg.domainName,
+                                  cfg.domainWriteStrategy, cfg.domainWriteRate)
+            self.domain = DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp,
+                                           Path(cfg.peersFile) if cfg.peersFile else None)
         self.metrics = AgentMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
                                         self._gpus_changed, zero_is_ready=True)
@@ -47,6 +68,8 @@ class NodeAgent:
     async def _gpus_changed(self, event: InventoryEvent) -> None:
         self.metrics.gpus.set(event.inventory.count)
         self.metrics.gpu_generation.set(event.generation)
+        if self.domain is not None:
+            self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -60,10 +83,14 @@ class NodeAgent:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self._heartbeat()), tg.create_task(self.monitor.run())]
+                if self.domain is not None:
+                    tasks.append(tg.create_task(self.domain.run()))
                 await stop.wait()
                 log.info("shutting down")
                 for t in tasks:
                     t.cancel()
+            if self.domain is not None:
+                await asyncio.to_thread(self.domain.remove_entry, self.cfg.shutdownTimeout)
         finally:
             self.endpoints.stop()
             self.monitor.source.close()

@@ -1,0 +1,79 @@
+"""Pure functions over a GPUDomain's status: the only place entries are changed.
+
+Every write starts from the object as last read (with its resourceVersion) and changes one
+entry, this node's; other nodes' entries are carried over untouched, so a write from a stale
+view is refused by the API server (409) instead of silently dropping a peer.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    ip: str
+    gpu_uuids: tuple[str, ...]
+    ready: bool
+
+    def as_status(self, index: int) -> dict[str, Any]:
+        return {"name": self.name, "ip": self.ip, "index": index, "status": "Ready" if self.ready else "NotReady",
+                "gpuUUIDs": list(self.gpu_uuids)}
+
+
+def nodes_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(((obj.get("status") or {}).get("nodes")) or [])
+
+
+def lowest_free_index(nodes: list[dict[str, Any]], me: str) -> int:
+    """This node's index: its current one if it has one, else the lowest not in use (gaps fill)."""
+    for n in nodes:
+        if n.get("name") == me and isinstance(n.get("index"), int):
+            return n["index"]
+    used = {n.get("index") for n in nodes if n.get("name") != me}
+    index = 0
+    while index in used:
+        index += 1
+    return index
+
+
+def overall(nodes: list[dict[str, Any]], expected: int) -> tuple[str, int]:
+    ready = sum(1 for n in nodes if n.get("status") == "Ready")
+    return ("Ready" if expected > 0 and ready >= expected else "NotReady"), ready
+
+
+def with_entry(obj: dict[str, Any], entry: Entry) -> dict[str, Any] | None:
+    """The object with this node's entry set, or None when it is already exactly so."""
+    nodes = nodes_of(obj)
+    index = lowest_free_index(nodes, entry.name)
+    wanted = entry.as_status(index)
+    current = next((n for n in nodes if n.get("name") == entry.name), None)
+    expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
+    others = [n for n in nodes if n.get("name") != entry.name]
+    new_nodes = sorted(others + [wanted], key=lambda n: n["index"])
+    status, ready = overall(new_nodes, expected)
+    old_status = (obj.get("status") or {})
+    if current == wanted and old_status.get("status") == status and old_status.get("readyNodes") == ready:
+        return None
+    out = copy.deepcopy(obj)
+    out["status"] = {**old_status, "nodes": new_nodes, "status": status, "readyNodes": ready}
+    return out
+
+
+def without_entry(obj: dict[str, Any], name: str) -> dict[str, Any] | None:
+    nodes = nodes_of(obj)
+    if not any(n.get("name") == name for n in nodes):
+        return None
+    remaining = [n for n in nodes if n.get("name") != name]
+    expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
+    status, ready = overall(remaining, expected)
+    out = copy.deepcopy(obj)
+    out["status"] = {**(obj.get("status") or {}), "nodes": remaining, "status": status, "readyNodes": ready}
+    return out
+
+
+def has_entry(obj: dict[str, Any], entry: Entry) -> bool:
+    return with_entry(obj, entry) is None

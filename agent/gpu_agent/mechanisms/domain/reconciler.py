@@ -1,0 +1,138 @@
+"""The node agent's "ensure my entry" reconciler, on a one-key work queue.
+
+Every event (GPUs changed, the domain object changed, a periodic resync) bumps a generation
+and wakes the loop; a retry loop in flight sees the newer generation and stops (a newer event
+supersedes the retry loop of an older one), and the loop starts over with the newest state.
+A watch on the domain object feeds the writer's cache and notices when this node's entry is
+missing or stale. The peers file is rendered from the sorted entries after every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from kubernetes import client, watch
+
+from gpu_agent.foundations.files import write_atomic
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.mechanisms.domain.entries import Entry, has_entry, nodes_of
+from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
+
+log = get_logger(__name__)
+
+PEERS_TEMPLATE = jinja2.Environment(autoescape=False, keep_trailing_newline=True).from_string(
+    "# GPUDomain {{ namespace }}/{{ name }}: {{ nodes | length }} node(s), sorted by index\n"
+    "{% for n in nodes %}{{ n.index }} {{ n.name }} {{ n.ip or '-' }} {{ n.status }}\n{% endfor %}")
+
+
+def render_peers(namespace: str, name: str, obj: dict[str, Any]) -> str:
+    nodes = sorted(nodes_of(obj), key=lambda n: (n.get("index", 0), n.get("name", "")))
+    return PEERS_TEMPLATE.render(namespace=namespace, name=name, nodes=nodes)
+
+
+class DomainReconciler:
+    def __init__(self, writer: DomainWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
+                 resync_seconds: float = 60.0) -> None:
+        self.writer = writer
+        self.health = health
+        self.node = node
+        self.ip = ip
+        self.peers_file = peers_file
+        self.resync_seconds = resync_seconds
+        self.entry = Entry(node, ip, (), False)
+        self.generation = 0
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._peers_text = ""
+        self._peer_count = -1
+        self.health.set("domain", False, f"joining {writer.where}")
+
+    # ---- events ---------------------------------------------------------------------------------
+    def trigger(self, why: str) -> None:
+        self.generation += 1
+        log.v(4, "domain reconcile requested: %s (generation %d)", why, self.generation)
+        self._wake.set()
+
+    def set_gpus(self, uuids: list[str], ready: bool) -> None:
+        entry = Entry(self.node, self.ip, tuple(sorted(uuids)), ready)
+        if entry != self.entry:
+            self.entry = entry
+            self.trigger("GPUs changed")
+
+    def _observed(self, obj: dict[str, Any]) -> None:
+        """Called on the watch thread."""
+        self.writer.observe(obj)
+        self._write_peers(obj)
+        if not has_entry(obj, self.entry) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
+
+    # ---- peers file ----------------------------------------------------------------------------
+    def _write_peers(self, obj: dict[str, Any]) -> None:
+        nodes = nodes_of(obj)
+        if len(nodes) != self._peer_count:
+            self._peer_count = len(nodes)
+            log.info("domain %s has %d peer(s)", self.writer.where, len(nodes))
+        if log.enabled(3):
+            log.v(3, "domain peers: %s", ", ".join(f"{n.get('index')}={n.get('name')}"
+                                                   for n in sorted(nodes, key=lambda n: n.get("index", 0))))
+        if self.peers_file is None:
+            return
+        text = render_peers(self.writer.namespace, self.writer.name, obj)
+        if text != self._peers_text:
+            write_atomic(self.peers_file, text)
+            self._peers_text = text
+
+    # ---- loops ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        custom = client.CustomObjectsApi(self.writer.api)
+        while not self._stop.is_set():
+            try:
+                obj = custom.get_namespaced_custom_object(GROUP, VERSION, self.writer.namespace, PLURAL, self.writer.name)
+                self._observed(obj)
+                w = watch.Watch()
+                for event in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, self.writer.namespace, PLURAL,
+                                      field_selector=f"metadata.name={self.writer.name}",
+                                      resource_version=obj["metadata"]["resourceVersion"], timeout_seconds=240):
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self._observed(event["object"])
+                    if self._stop.is_set():
+                        w.stop()
+            except Exception as e:  # noqa: BLE001 - domain missing or API hiccup: report, try again
+                self.health.set("domain", False, f"cannot watch {self.writer.where}: {str(e)[:160]}")
+                self._stop.wait(2.0)
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._watch, name="domain-watch", daemon=True).start()
+        self.trigger("start")
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.resync_seconds):
+                        await self._wake.wait()
+                except TimeoutError:
+                    self.trigger("resync")
+                self._wake.clear()
+                generation, entry = self.generation, self.entry
+                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda: self.generation != generation)
+                if ok:
+                    self.health.set("domain", True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
+                                                    f"in {self.writer.where}", **self.writer.stats.__dict__)
+                    if self.writer.cached is not None:
+                        self._write_peers(self.writer.cached)
+        finally:
+            self._stop.set()
+
+    def remove_entry(self, timeout: float) -> bool:
+        """On shutdown: take this node's entry out, bounded by `timeout`."""
+        started = time.monotonic()
+        ok = self.writer.remove(self.node, deadline=started + timeout)
+        log.info("domain entry of %s %s in %.2fs", self.node, "removed" if ok else "NOT removed", time.monotonic() - started)
+        return ok

@@ -1,0 +1,159 @@
+"""Domain entries and the OCC writer against an in-memory API with scripted conflicts."""
+
+import copy
+import random
+
+import pytest
+from kubernetes import client
+
+from gpu_agent.foundations.backoff import Backoff
+from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, with_entry, without_entry
+from gpu_agent.mechanisms.domain.reconciler import render_peers
+from gpu_agent.mechanisms.domain.writer import DomainWriter, make_backoff
+from tests.unit.test_backoff import FixedRandom
+
+
+def domain(nodes=(), expected=2, rv=1):
+    return {"metadata": {"name": "d1", "namespace": "default", "resourceVersion": str(rv)},
+            "spec": {"expectedNodes": expected}, "status": {"nodes": list(nodes)}}
+
+
+def node(name, index, status="Ready"):
+    return {"name": name, "ip": "", "index": index, "status": status, "gpuUUIDs": []}
+
+
+def test_index_is_kept_and_gaps_are_filled_lowest_first():
+    nodes = [node("a", 0), node("c", 2), node("d", 3)]
+    assert lowest_free_index(nodes, "c") == 2
+    assert lowest_free_index(nodes, "new") == 1
+    assert lowest_free_index(nodes + [node("b", 1)], "new") == 4
+
+
+def test_with_entry_changes_only_its_own_entry_and_the_overall_status():
+    obj = domain([node("a", 0), node("c", 2, "NotReady")])
+    new = with_entry(obj, Entry("b", "10.0.0.2", ("GPU-1",), True))
+    assert [n["name"] for n in new["status"]["nodes"]] == ["a", "b", "c"]
+    assert new["status"]["nodes"][1] == {"name": "b", "ip": "10.0.0.2", "index": 1, "status": "Ready", "gpuUUIDs": ["GPU-1"]}
+    assert new["status"]["nodes"][2] == node("c", 2, "NotReady")
+    assert (new["status"]["status"], new["status"]["readyNodes"]) == ("Ready", 2)
+    assert with_entry(new, Entry("b", "10.0.0.2", ("GPU-1",), True)) is None  # already so: no write
+    gone = without_entry(new, "a")
+    assert (gone["status"]["status"], gone["status"]["readyNodes"]) == ("NotReady", 1)
+    assert without_entry(gone, "a") is None
+
+
+class FakeCustom:
+    """An API server holding one object: replace succeeds only at the current resourceVersion."""
+
+    def __init__(self, obj, script=()):
+        self.obj = obj
+        self.script = list(script)  # exceptions to raise on the next replace calls
+        self.gets = self.replaces = 0
+
+    def get_namespaced_custom_object(self, *a):
+        self.gets += 1
+        return copy.deepcopy(self.obj)
+
+    def replace_namespaced_custom_object_status(self, g, v, ns, plural, name, body):
+        self.replaces += 1
+        if self.script:
+            raise self.script.pop(0)
+        if body["metadata"]["resourceVersion"] != self.obj["metadata"]["resourceVersion"]:
+            raise client.ApiException(status=409, reason="Conflict")
+        body = copy.deepcopy(body)
+        body["metadata"]["resourceVersion"] = str(int(self.obj["metadata"]["resourceVersion"]) + 1)
+        self.obj = body
+        return copy.deepcopy(body)
+
+
+def writer(fake, strategy="fulljitter", rng=None):
+    sleeps = []
+    w = DomainWriter(client.ApiClient(), "default", "d1", strategy, 25.0, rng or FixedRandom([0.5] * 50), sleeps.append)
+    w.custom = fake
+    return w, sleeps
+
+
+def conflict():
+    return client.ApiException(status=409, reason="Conflict")
+
+
+def test_conflicts_back_off_with_full_jitter_under_a_cap_of_nodes_over_rate():
+    fake = FakeCustom(domain(expected=100), [conflict()] * 12)
+    w, sleeps = writer(fake)
+    assert w.ensure(Entry("a", "", (), True))
+    cap = 100 / 25.0
+    bases = [min(cap, 0.005 * 2**n) for n in range(12)]
+    assert sleeps == pytest.approx([b * 0.5 for b in bases])
+    assert w.stats.conflicts == 12 and fake.gets == 13  # a fresh read after every conflict
+    assert [n["name"] for n in fake.obj["status"]["nodes"]] == ["a"]
+
+
+def test_dra_strategy_is_5ms_to_6s_times_u_075_125():
+    b = make_backoff("dra", 10, 25.0, FixedRandom([0.0, 1.0 - 1e-12, 0.5] * 20))
+    got = [b.next_delay() for _ in range(12)]
+    bases = [min(6.0, 0.005 * 2**n) for n in range(12)]
+    factors = [0.75, 1.25, 1.0] * 4
+    assert got == pytest.approx([x * f for x, f in zip(bases, factors)])
+
+
+def test_a_429_waits_at_least_its_retry_after():
+    throttled = client.ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "3"}
+    w, sleeps = writer(FakeCustom(domain(), [throttled]))
+    assert w.ensure(Entry("a", "", (), True))
+    assert sleeps == [3.0] and w.stats.throttled == 1
+
+
+def test_a_newer_event_supersedes_the_retry_loop():
+    fake = FakeCustom(domain(), [conflict()] * 100)
+    w, sleeps = writer(fake)
+    calls = iter([False, False, True])
+    assert w.ensure(Entry("a", "", (), True), superseded=lambda: next(calls)) is False
+    assert fake.replaces == 3 and len(sleeps) == 2
+
+
+def test_own_write_is_the_cache_so_the_next_ensure_needs_no_read():
+    fake = FakeCustom(domain())
+    w, _ = writer(fake)
+    assert w.ensure(Entry("a", "", (), True))
+    gets = fake.gets
+    assert w.ensure(Entry("a", "", (), False))  # a state transition is written, from the cache
+    assert fake.gets == gets and fake.obj["status"]["nodes"][0]["status"] == "NotReady"
+    w.observe(domain(rv=1))  # an older view from a lagging watch does not replace our write
+    assert w.cached["metadata"]["resourceVersion"] == fake.obj["metadata"]["resourceVersion"]
+
+
+def test_many_writers_keep_every_entry_and_unique_indices():
+    fake = FakeCustom(domain(expected=30))
+    writers = [writer(fake, rng=random.Random(i))[0] for i in range(30)]
+    pending = {f"n{i}": writers[i] for i in range(30)}
+    # interleave: every writer reads, then only the first write of each round lands
+    rounds = 0
+    while pending:
+        rounds += 1
+        for name, w in list(pending.items()):
+            if w.ensure(Entry(name, "", (), True), superseded=lambda: True):
+                del pending[name]
+    nodes = fake.obj["status"]["nodes"]
+    assert sorted(n["name"] for n in nodes) == sorted(f"n{i}" for i in range(30))
+    assert sorted(n["index"] for n in nodes) == list(range(30))
+    assert fake.obj["status"]["status"] == "Ready"
+
+
+def test_remove_gives_up_at_its_deadline():
+    fake = FakeCustom(domain([node("a", 0)]), [conflict()] * 100)
+    w, _ = writer(fake, strategy="dra", rng=random.Random(0))
+    w.sleep = lambda s: None
+    import time
+
+    assert w.remove("a", deadline=time.monotonic() - 1) is False
+
+
+def test_peers_file_is_sorted_by_index():
+    text = render_peers("default", "d1", domain([node("z", 1), node("a", 0, "NotReady")]))
+    assert text.splitlines()[1:] == ["0 a - NotReady", "1 z - Ready"]
+
+
+def test_full_jitter_backoff_mode():
+    b = Backoff(0.01, 1.0, rng=FixedRandom([0.25, 0.75]), mode="full")
+    assert [b.next_delay(), b.next_delay()] == pytest.approx([0.0025, 0.015])
