@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-unit test-integration lint bench gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup run test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ cluster-up cluster-down images:
 ## bench: GPU arrival/removal latency, RSS and idle CPU (printed, not asserted)
 bench: setup
 	PYTHONPATH=agent $(BIN)/python agent/bench/bench_agent.py
+
+## bench-domain: N simulated node agents on one GPUDomain on the CI cluster, per write strategy, then the simulator
+bench-domain: setup
+	$(MAKE) -C ci cluster-up
+	PYTHONPATH=agent $(BIN)/python agent/bench/bench_domain.py
 
 ## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, then /healthz
 gpu-check:

@@ -1,0 +1,144 @@
+"""Domain formation on the real API server: many writers, kills and restarts, shutdown, NotReady and back."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from e2e.helpers import wait_until
+from gpu_agent.foundations import fake_state
+from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.mechanisms.domain.entries import Entry
+from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
+from gpu_agent_hooks.cli import apply_crds
+
+CRDS = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent" / "files" / "crds"
+
+
+@pytest.fixture(scope="module")
+def crd(api):
+    apply_crds(api, CRDS)
+
+
+def make_domain(api, namespace, name, expected):
+    client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomain", "metadata": {"name": name},
+        "spec": {"expectedNodes": expected}})
+
+
+def get_domain(api, namespace, name):
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+
+def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_entry(crd, api, kubeconfig, namespace):
+    from kubernetes import config
+
+    make_domain(api, namespace, "d50", 50)
+    rng = random.Random(50)
+    kills = {i: rng.choice(["none", "mid-retry", "after-write"]) for i in range(50)}
+    restarts = []
+
+    def agent(i):
+        name = f"node-{i:02d}"
+        entry = Entry(name, f"10.2.0.{i}", (f"GPU-{i:08d}-0000-0000-0000-000000000000",), True)
+        w = DomainWriter(config.new_client_from_config(str(kubeconfig)), namespace, "d50", "fulljitter", 25.0, random.Random(i))
+        if kills[i] == "mid-retry":
+            budget = iter(range(rng.randint(0, 2), -1, -1))
+            w.ensure(entry, superseded=lambda: next(budget, 0) == 0)  # killed at a random point of its retry loop
+        elif kills[i] == "after-write":
+            w.ensure(entry)  # wrote its entry, then died
+        if kills[i] != "none":
+            time.sleep(rng.random() * 0.5)
+            restarts.append(name)
+            w = DomainWriter(config.new_client_from_config(str(kubeconfig)), namespace, "d50", "fulljitter", 25.0,
+                             random.Random(1000 + i))  # a restarted agent: fresh client, empty cache
+        assert w.ensure(entry, deadline=time.monotonic() + 120)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(50)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    obj = get_domain(api, namespace, "d50")
+    nodes = obj["status"]["nodes"]
+    print(f"\n50 writers, {len(restarts)} killed and restarted: converged in {time.monotonic() - started:.1f}s")
+    assert sorted(n["name"] for n in nodes) == [f"node-{i:02d}" for i in range(50)]
+    assert sorted(n["index"] for n in nodes) == list(range(50))
+    assert obj["status"]["status"] == "Ready" and obj["status"]["readyNodes"] == 50
+    assert len(restarts) >= 10
+
+
+class LocalNodeAgent:
+    """A real node agent process against the cluster's API server, on fake GPUs."""
+
+    def __init__(self, tmp: Path, kubeconfig, namespace, domain, node, gpus=1):
+        self.node, self.tmp = node, tmp
+        self.state = tmp / f"{node}.json"
+        fake_state.write_atomic(self.state, fake_state.render(Inventory(tuple(
+            GPU(f"GPU-{abs(hash(node)) % 10**8:08d}-0000-0000-0000-00000000000{i}", "fake", 1 << 30, index=i)
+            for i in range(gpus))), node))
+        self.peers = tmp / f"{node}.peers"
+        self.log = tmp / f"{node}.log"
+        self.argv = [sys.executable, "-m", "gpu_agent", "node-agent", "-v", "3", "--listen-address", "127.0.0.1:0",
+                     "--node-name", node, "--fake-gpu-state-file", str(self.state), "--domain-name", domain,
+                     "--domain-namespace", namespace, "--kubeconfig", str(kubeconfig), "--peers-file", str(self.peers),
+                     "--gpu-poll-interval", "0.2"]
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(self.argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def entry_names(api, namespace, name):
+    return {n["name"]: n["status"] for n in (get_domain(api, namespace, name).get("status") or {}).get("nodes") or []}
+
+
+def test_shutdown_removes_the_entry_within_its_timeout(crd, api, kubeconfig, namespace, tmp_path):
+    make_domain(api, namespace, "d1", 1)
+    agent = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d1", "solo").start()
+    wait_until(lambda: entry_names(api, namespace, "d1").get("solo") == "Ready", 30, "the agent's entry, Ready")
+    assert get_domain(api, namespace, "d1")["status"]["status"] == "Ready"
+    started = time.monotonic()
+    assert agent.stop() == 0
+    took = time.monotonic() - started
+    assert "solo" not in entry_names(api, namespace, "d1")
+    assert took < 10.0
+    assert "domain entry of solo removed" in agent.log.read_text()
+    print(f"\nSIGTERM -> entry removed and process exited: {took:.2f}s")
+
+
+def test_a_domain_with_one_node_gone_turns_not_ready_and_back(crd, api, kubeconfig, namespace, tmp_path):
+    make_domain(api, namespace, "d2", 2)
+    a = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-a").start()
+    b = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-b").start()
+    try:
+        wait_until(lambda: get_domain(api, namespace, "d2").get("status", {}).get("status") == "Ready", 30, "domain Ready")
+        wait_until(lambda: a.peers.exists() and len(a.peers.read_text().splitlines()) == 3, 10, "peers file with 2 nodes")
+        b.stop()
+        wait_until(lambda: get_domain(api, namespace, "d2")["status"]["status"] == "NotReady", 15, "domain NotReady")
+        wait_until(lambda: len(a.peers.read_text().splitlines()) == 2, 10, "peers file with 1 node")
+        b.start()
+        wait_until(lambda: get_domain(api, namespace, "d2")["status"]["status"] == "Ready", 30, "domain Ready again")
+        indices = sorted(n["index"] for n in get_domain(api, namespace, "d2")["status"]["nodes"])
+        assert indices == [0, 1]
+        assert "peer(s)" in a.log.read_text()
+    finally:
+        for agent in (a, b):
+            if agent.proc.poll() is None:
+                agent.stop()
