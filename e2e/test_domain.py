@@ -39,28 +39,41 @@ def get_domain(api, namespace, name):
     return client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
 
 
-def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_entry(crd, api, kubeconfig, namespace):
+@pytest.mark.parametrize("mode", ["aggregate", "fulljitter"])
+def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_entry(crd, api, kubeconfig, namespace, mode):
     from kubernetes import config
 
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator, MemberWriter
+
     make_domain(api, namespace, "d50", 50)
+    aggregator = None
+    if mode == "aggregate":
+        aggregator = Aggregator(api, namespace, "d50")
+        threading.Thread(target=aggregator.run, daemon=True).start()
     rng = random.Random(50)
     kills = {i: rng.choice(["none", "mid-retry", "after-write"]) for i in range(50)}
     restarts = []
 
+    def new_writer(i):
+        api_i = config.new_client_from_config(str(kubeconfig))
+        if mode == "aggregate":
+            return MemberWriter(api_i, namespace, "d50")
+        return DomainWriter(api_i, namespace, "d50", mode, 25.0, random.Random(i))
+
     def agent(i):
         name = f"node-{i:02d}"
         entry = Entry(name, f"10.2.0.{i}", (f"GPU-{i:08d}-0000-0000-0000-000000000000",), True)
-        w = DomainWriter(config.new_client_from_config(str(kubeconfig)), namespace, "d50", "fulljitter", 25.0, random.Random(i))
+        w = new_writer(i)
         if kills[i] == "mid-retry":
             budget = iter(range(rng.randint(0, 2), -1, -1))
-            w.ensure(entry, superseded=lambda: next(budget, 0) == 0)  # killed at a random point of its retry loop
+            if mode != "aggregate":  # a member is one call: a kill "mid-retry" is a kill before it
+                w.ensure(entry, superseded=lambda: next(budget, 0) == 0)  # killed at a random point of its retry loop
         elif kills[i] == "after-write":
             w.ensure(entry)  # wrote its entry, then died
         if kills[i] != "none":
             time.sleep(rng.random() * 0.5)
             restarts.append(name)
-            w = DomainWriter(config.new_client_from_config(str(kubeconfig)), namespace, "d50", "fulljitter", 25.0,
-                             random.Random(1000 + i))  # a restarted agent: fresh client, empty cache
+            w = new_writer(1000 + i)  # a restarted agent: fresh client, empty cache
         assert w.ensure(entry, deadline=time.monotonic() + 120)
 
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(50)]
@@ -69,9 +82,13 @@ def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_en
         t.start()
     for t in threads:
         t.join(180)
+    wait_until(lambda: len(get_domain(api, namespace, "d50").get("status", {}).get("nodes") or []) == 50, 30,
+               "all 50 entries in the domain")
+    if aggregator is not None:
+        aggregator.stop()
     obj = get_domain(api, namespace, "d50")
     nodes = obj["status"]["nodes"]
-    print(f"\n50 writers, {len(restarts)} killed and restarted: converged in {time.monotonic() - started:.1f}s")
+    print(f"\n{mode}: 50 writers, {len(restarts)} killed and restarted: converged in {time.monotonic() - started:.1f}s")
     assert sorted(n["name"] for n in nodes) == [f"node-{i:02d}" for i in range(50)]
     assert sorted(n["index"] for n in nodes) == list(range(50))
     assert obj["status"]["status"] == "Ready" and obj["status"]["readyNodes"] == 50
@@ -81,7 +98,7 @@ def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_en
 class LocalNodeAgent:
     """A real node agent process against the cluster's API server, on fake GPUs."""
 
-    def __init__(self, tmp: Path, kubeconfig, namespace, domain, node, gpus=1):
+    def __init__(self, tmp: Path, kubeconfig, namespace, domain, node, strategy, gpus=1):
         self.node, self.tmp = node, tmp
         self.state = tmp / f"{node}.json"
         fake_state.write_atomic(self.state, fake_state.render(Inventory(tuple(
@@ -92,7 +109,7 @@ class LocalNodeAgent:
         self.argv = [sys.executable, "-m", "gpu_agent", "node-agent", "-v", "3", "--listen-address", "127.0.0.1:0",
                      "--node-name", node, "--fake-gpu-state-file", str(self.state), "--domain-name", domain,
                      "--domain-namespace", namespace, "--kubeconfig", str(kubeconfig), "--peers-file", str(self.peers),
-                     "--gpu-poll-interval", "0.2"]
+                     "--gpu-poll-interval", "0.2", "--domain-write-strategy", strategy]
         self.proc = None
 
     def start(self):
@@ -109,24 +126,45 @@ def entry_names(api, namespace, name):
     return {n["name"]: n["status"] for n in (get_domain(api, namespace, name).get("status") or {}).get("nodes") or []}
 
 
-def test_shutdown_removes_the_entry_within_its_timeout(crd, api, kubeconfig, namespace, tmp_path):
+@pytest.fixture(params=["aggregate", "fulljitter"])
+def strategy(request, api, namespace):
+    """Each domain test runs with the default (aggregate: plus the aggregator the cluster agent
+    runs, here on a thread) and with optimistic concurrency on the domain object."""
+    aggregators = []
+
+    def start(domain):
+        if request.param == "aggregate":
+            from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+            agg = Aggregator(api, namespace, domain)
+            threading.Thread(target=agg.run, daemon=True).start()
+            aggregators.append(agg)
+        return request.param
+
+    yield start
+    for agg in aggregators:
+        agg.stop()
+
+
+def test_shutdown_removes_the_entry_within_its_timeout(crd, api, kubeconfig, namespace, tmp_path, strategy):
     make_domain(api, namespace, "d1", 1)
-    agent = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d1", "solo").start()
+    agent = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d1", "solo", strategy("d1")).start()
     wait_until(lambda: entry_names(api, namespace, "d1").get("solo") == "Ready", 30, "the agent's entry, Ready")
     assert get_domain(api, namespace, "d1")["status"]["status"] == "Ready"
     started = time.monotonic()
     assert agent.stop() == 0
+    wait_until(lambda: "solo" not in entry_names(api, namespace, "d1"), 10, "the entry to leave the domain")
     took = time.monotonic() - started
-    assert "solo" not in entry_names(api, namespace, "d1")
     assert took < 10.0
     assert "domain entry of solo removed" in agent.log.read_text()
-    print(f"\nSIGTERM -> entry removed and process exited: {took:.2f}s")
+    print(f"\nSIGTERM -> entry removed from the domain: {took:.2f}s")
 
 
-def test_a_domain_with_one_node_gone_turns_not_ready_and_back(crd, api, kubeconfig, namespace, tmp_path):
+def test_a_domain_with_one_node_gone_turns_not_ready_and_back(crd, api, kubeconfig, namespace, tmp_path, strategy):
     make_domain(api, namespace, "d2", 2)
-    a = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-a").start()
-    b = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-b").start()
+    mode = strategy("d2")
+    a = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-a", mode).start()
+    b = LocalNodeAgent(tmp_path, kubeconfig, namespace, "d2", "node-b", mode).start()
     try:
         wait_until(lambda: get_domain(api, namespace, "d2").get("status", {}).get("status") == "Ready", 30, "domain Ready")
         wait_until(lambda: a.peers.exists() and len(a.peers.read_text().splitlines()) == 3, 10, "peers file with 2 nodes")

@@ -4,8 +4,8 @@ own client and node name, write their entries into one GPUDomain on a real API s
     make bench-domain            (brings the CI cluster up if needed; BENCH_SIZES=50,144,256)
 
 First R is measured: one writer alone in a tight read-update loop. Then for each N and each
-strategy, N threads are released at once and each runs the node agent's own DomainWriter
-until its entry is in; the table gives the time to a Ready domain, t / (N / R), calls per
+strategy, N threads are released at once and each runs the node agent's own writer until
+its entry is in (aggregate: its member applied, and the one aggregator's write holding all N); the table gives the time to a Ready domain, t / (N / R), calls per
 writer, and the 409 and 429 answers, and checks that no entry was lost and indices are
 unique. The simulator (domain_sim.py), calibrated with the measured R, follows.
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 from kubernetes import client, config
 
 from bench.domain_sim import table as sim_table
+from gpu_agent.mechanisms.domain.aggregate import Aggregator, MemberWriter
 from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSION, DomainWriter
 from gpu_agent_hooks.cli import apply_crds
@@ -63,7 +64,13 @@ def run(n: int, strategy: str, rate: float) -> str:
     name = f"bench-{strategy}-{n}"
     custom = client.CustomObjectsApi(new_client())
     make_domain(custom, name, n)
-    writers = [DomainWriter(new_client(), NAMESPACE, name, strategy, rate, random.Random(i)) for i in range(n)]
+    aggregator = None
+    if strategy == "aggregate":
+        writers: list = [MemberWriter(new_client(), NAMESPACE, name) for _ in range(n)]
+        aggregator = Aggregator(new_client(), NAMESPACE, name)
+        threading.Thread(target=aggregator.run, daemon=True).start()
+    else:
+        writers = [DomainWriter(new_client(), NAMESPACE, name, strategy, rate, random.Random(i)) for i in range(n)]
     barrier = threading.Barrier(n + 1)
     finished = [0.0] * n
     ok = [False] * n
@@ -81,6 +88,15 @@ def run(n: int, strategy: str, rate: float) -> str:
     started = time.monotonic()
     for t in threads:
         t.join(660)
+    if aggregator is not None:
+        # the domain is formed when the aggregator's write holds every member
+        def complete() -> bool:
+            cached = aggregator.writer.cached or {}
+            return len(((cached.get("status") or {}).get("nodes")) or []) == n
+        while not complete() and time.monotonic() - started < 600:
+            time.sleep(0.005)
+        finished.append(time.monotonic())
+        aggregator.stop()
     elapsed = max(finished) - started
     obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
     nodes = (obj.get("status") or {}).get("nodes") or []
@@ -93,8 +109,9 @@ def run(n: int, strategy: str, rate: float) -> str:
     ready = (obj.get("status") or {}).get("status")
     for w in writers:
         w.api.close()
+    note = f" (+{aggregator.writes} aggregator writes)" if aggregator is not None else ""
     return (f"{n:>5} {strategy:<11} {elapsed:>8.1f} {elapsed / (n / rate):>8.2f} {calls:>8.1f} {conflicts:>7} {throttled:>5} "
-            f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9} {'' if all(ok) else ' (some writers gave up)'}")
+            f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{'' if all(ok) else ' (some writers gave up)'}")
 
 
 def main() -> int:
@@ -111,7 +128,7 @@ def main() -> int:
     print(f"{'N':>5} {'strategy':<11} {'t (s)':>8} {'t/(N/R)':>8} {'calls/w':>8} {'409s':>7} {'429s':>5} {'lost':>5} "
           f"{'unique':>7} {'domain':>9}")
     for n in sizes:
-        for strategy in STRATEGIES:
+        for strategy in ("aggregate", *STRATEGIES):
             print(run(n, strategy, rate), flush=True)
     print()
     print(sim_table(rate))

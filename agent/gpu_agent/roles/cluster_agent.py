@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import random
+import threading
 from pathlib import Path
 
 from gpu_agent.foundations.clock import Clock, SystemClock
@@ -23,6 +24,7 @@ from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.mechanisms.domain.aggregate import Aggregator
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
@@ -62,6 +64,9 @@ SETTINGS = [
     Setting("workNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of work Pods (pod executor)"),
     Setting("workImage", "str", "localhost/gpu-agent:dev", "image of work Pods (pod executor)"),
     Setting("releaseName", "str", "", "Helm release, recorded on work Pods for cleanup", optional=True),
+    Setting("domainName", "str", "", "GPUDomain whose members this agent folds into its status "
+            "(node agents with domainWriteStrategy=aggregate); empty: none", optional=True),
+    Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
     Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
 ]
@@ -121,6 +126,11 @@ class ClusterAgent:
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
         self.endpoints.start()
+        aggregator = None
+        if self.cfg.domainName:
+            aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName)
+            threading.Thread(target=aggregator.run, name="domain-aggregator", daemon=True).start()
+            log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         log.info("serving /livez /healthz /version /metrics on http://%s", self.endpoints.address)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -133,6 +143,8 @@ class ClusterAgent:
                 for t in tasks:
                     t.cancel()
         finally:
+            if aggregator is not None:
+                aggregator.stop()
             self.endpoints.stop()
             self.monitor.source.close()
             self.client.close()

@@ -22,6 +22,7 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import api_client
 from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import STRATEGIES, DomainWriter
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
@@ -38,8 +39,9 @@ SETTINGS = [
     Setting("domainName", "str", "", "GPUDomain to publish this node's entry into (empty: none)", optional=True),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of the GPUDomain"),
     Setting("nodeIp", "str", os.environ.get("NODE_IP", ""), "this node's IP, published in its entry", optional=True),
-    Setting("domainWriteStrategy", "choice", "fulljitter", "how concurrent entry writes back off (see make bench-domain)",
-            choices=STRATEGIES),
+    Setting("domainWriteStrategy", "choice", "aggregate", "how this node's entry reaches the shared GPUDomain: "
+            "aggregate (its own GPUDomainMember, folded in by the cluster agent), or optimistic concurrency on the "
+            "GPUDomain itself with dra or fulljitter backoff (see make bench-domain)", choices=("aggregate", *STRATEGIES)),
     Setting("domainWriteRate", "number", 25.0, "successful writes per second the API server takes on one object "
             "(sets the fulljitter cap to nodes / rate)", 0.1, 10000),
     Setting("peersFile", "path", "", "file the sorted peer list is rendered into (empty: none)", optional=True),
@@ -55,8 +57,12 @@ class NodeAgent:
         self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
         self.domain: DomainReconciler | None = None
         if cfg.domainName:
-            writer = DomainWriter(api_client(cfg.kubeconfig), cfg.domainNamespace, cfg.domainName,
-                                  cfg.domainWriteStrategy, cfg.domainWriteRate)
+            api = api_client(cfg.kubeconfig)
+            writer: DomainWriter | MemberWriter
+            if cfg.domainWriteStrategy == "aggregate":
+                writer = MemberWriter(api, cfg.domainNamespace, cfg.domainName)
+            else:
+                writer = DomainWriter(api, cfg.domainNamespace, cfg.domainName, cfg.domainWriteStrategy, cfg.domainWriteRate)
             self.domain = DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp,
                                            Path(cfg.peersFile) if cfg.peersFile else None)
         self.metrics = AgentMetrics()

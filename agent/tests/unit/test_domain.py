@@ -157,3 +157,29 @@ def test_peers_file_is_sorted_by_index():
 def test_full_jitter_backoff_mode():
     b = Backoff(0.01, 1.0, rng=FixedRandom([0.25, 0.75]), mode="full")
     assert [b.next_delay(), b.next_delay()] == pytest.approx([0.0025, 0.015])
+
+
+def test_fold_keeps_indices_fills_gaps_and_drops_departed_members():
+    from gpu_agent.mechanisms.domain.aggregate import fold
+
+    obj = domain([node("a", 0), node("b", 1), node("c", 2)], expected=3)
+    members = {"a": {"ready": True}, "c": {"ready": False, "ip": "10.0.0.3"}, "d": {"ready": True}, "e": {"ready": True}}
+    new = fold(obj, members)
+    assert [(n["name"], n["index"]) for n in new["status"]["nodes"]] == [("a", 0), ("d", 1), ("c", 2), ("e", 3)]
+    assert new["status"]["nodes"][2]["status"] == "NotReady" and new["status"]["nodes"][2]["ip"] == "10.0.0.3"
+    assert (new["status"]["status"], new["status"]["readyNodes"]) == ("Ready", 3)
+    assert fold(new, members) is None  # nothing changed: no write
+
+
+def test_member_writer_reapplies_only_after_its_grace():
+    from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+
+    w = MemberWriter(client.ApiClient(), "default", "d1")
+    e = Entry("a", "", (), True)
+    assert w.needs_reapply(domain(), e)  # never applied: missing means apply
+    import time
+
+    w.applied_at = time.monotonic()
+    assert not w.needs_reapply(domain(), e)  # just applied: the aggregator has not folded it yet
+    w.applied_at -= MemberWriter.REAPPLY_AFTER + 1
+    assert w.needs_reapply(domain(), e)

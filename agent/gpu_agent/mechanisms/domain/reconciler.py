@@ -22,6 +22,7 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.domain.entries import Entry, has_entry, nodes_of
+from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
 
 log = get_logger(__name__)
@@ -37,7 +38,7 @@ def render_peers(namespace: str, name: str, obj: dict[str, Any]) -> str:
 
 
 class DomainReconciler:
-    def __init__(self, writer: DomainWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
+    def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
                  resync_seconds: float = 60.0) -> None:
         self.writer = writer
         self.health = health
@@ -70,7 +71,11 @@ class DomainReconciler:
         """Called on the watch thread."""
         self.writer.observe(obj)
         self._write_peers(obj)
-        if not has_entry(obj, self.entry) and self._loop is not None:
+        present = has_entry(obj, self.entry)
+        if present:
+            self.health.set("domain", True, f"entry {self.entry.name} {'Ready' if self.entry.ready else 'NotReady'} "
+                                            f"in {self.writer.where}", **self.writer.stats.__dict__)
+        if self.writer.needs_reapply(obj, self.entry) and self._loop is not None:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
 
     # ---- peers file ----------------------------------------------------------------------------
@@ -122,7 +127,8 @@ class DomainReconciler:
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
                 ok = await asyncio.to_thread(self.writer.ensure, entry, lambda: self.generation != generation)
-                if ok:
+                # "my entry is missing" is never success: ready only once the domain shows it
+                if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self.health.set("domain", True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
                                                     f"in {self.writer.where}", **self.writer.stats.__dict__)
                     if self.writer.cached is not None:

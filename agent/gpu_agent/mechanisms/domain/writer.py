@@ -86,7 +86,7 @@ class DomainWriter:
         self.observe(obj)
         return obj
 
-    def _update(self, change: Callable[[dict[str, Any]], dict[str, Any] | None], what: str,
+    def update(self, change: Callable[[dict[str, Any]], dict[str, Any] | None], what: str,
                 superseded: Callable[[], bool], deadline: float | None) -> bool:
         obj = self.cached if self.cached is not None else None
         attempt = 0
@@ -144,7 +144,11 @@ class DomainWriter:
 
     def ensure(self, entry: Entry, superseded: Callable[[], bool] = lambda: False, deadline: float | None = None) -> bool:
         what = f"set node {entry.name} status {'Ready' if entry.ready else 'NotReady'}"
-        return self._update(lambda obj: with_entry(obj, entry), what, superseded, deadline)
+        return self.update(lambda obj: with_entry(obj, entry), what, superseded, deadline)
+
+    def needs_reapply(self, obj: dict[str, Any], entry: Entry) -> bool:
+        """Whether an observed domain object means this node's entry must be written again."""
+        return with_entry(obj, entry) is not None
 
     def remove(self, name: str, deadline: float | None = None) -> bool:
-        return self._update(lambda obj: without_entry(obj, name), f"remove node {name}", lambda: False, deadline)
+        return self.update(lambda obj: without_entry(obj, name), f"remove node {name}", lambda: False, deadline)
