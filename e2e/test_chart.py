@@ -299,3 +299,22 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
         rows.append(f"{component:<14}{verb:<8}{resource:<10}{where or '(cluster)':<44}{'yes' if allowed else 'no'}")
         assert allowed == expected, rows[-1]
     print("\n" + "\n".join(rows))
+
+
+def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release, fake_gpus, api):
+    fake_gpus.set(1)
+    release.install("--set", "domain.name=gpus", "--set", "domain.expectedNodes=1")
+    custom = client.CustomObjectsApi(api)
+
+    def domain():
+        try:
+            return custom.get_namespaced_custom_object("gpu-agent.io", "v1alpha1", release.namespace, "gpudomains", "gpus")
+        except client.ApiException:
+            return {}
+
+    wait_until(lambda: (domain().get("status") or {}).get("status") == "Ready", 60, "the chart's GPUDomain Ready")
+    nodes = domain()["status"]["nodes"]
+    assert [(n["name"], n["index"], n["status"]) for n in nodes] == [(fake_gpus.node, 0, "Ready")]
+    assert len(nodes[0]["gpuUUIDs"]) == 1 and nodes[0]["gpuUUIDs"][0].startswith("GPU-")
+    fake_gpus.set(0)  # a node without GPUs is NotReady in the domain, and the domain with it
+    wait_until(lambda: (domain().get("status") or {}).get("status") == "NotReady", 30, "the GPUDomain NotReady")
