@@ -43,6 +43,12 @@ class HealthRegistry:
         with self._lock:
             return self._entries[component]
 
+    async def keep_beating(self, interval: float = 1.0) -> None:
+        """The event loop's heartbeat: runs as a task; if the loop stalls, /livez sees it."""
+        while True:
+            self.beat()
+            await self._clock.sleep(interval)
+
     def beat(self) -> None:
         with self._lock:
             self._heartbeat = self._clock.monotonic()

@@ -118,11 +118,6 @@ class ClusterAgent:
         else:
             log.info("cluster agent NotReady: %s", reason)
 
-    async def _heartbeat(self) -> None:
-        while True:
-            self.health.beat()
-            await self.clock.sleep(1.0)
-
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
         self.endpoints.start()
@@ -134,7 +129,7 @@ class ClusterAgent:
         log.info("serving /livez /healthz /version /metrics on http://%s", self.endpoints.address)
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._heartbeat(), name="heartbeat"),
+                tasks = [tg.create_task(self.health.keep_beating(), name="heartbeat"),
                          tg.create_task(self.monitor.run(), name="inventory-monitor"),
                          tg.create_task(self.registration.run(), name="registration"),
                          tg.create_task(self.queue.run(), name="queue-consumer")]

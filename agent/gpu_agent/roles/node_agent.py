@@ -77,18 +77,13 @@ class NodeAgent:
         if self.domain is not None:
             self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0)
 
-    async def _heartbeat(self) -> None:
-        while True:
-            self.health.beat()
-            await self.clock.sleep(1.0)
-
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
         self.endpoints.start()
         log.info("node agent for %s serving on http://%s", self.cfg.nodeName, self.endpoints.address)
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self._heartbeat()), tg.create_task(self.monitor.run())]
+                tasks = [tg.create_task(self.health.keep_beating()), tg.create_task(self.monitor.run())]
                 if self.domain is not None:
                     tasks.append(tg.create_task(self.domain.run()))
                 await stop.wait()
