@@ -86,7 +86,7 @@ def _bounded(name: str, seconds: float, fn: Any) -> None:
 
 
 def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
-            timeout: float) -> None:
+            timeout: float, domain: str = "") -> None:
     deadline = time.monotonic() + timeout
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
@@ -113,7 +113,18 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
         for pod in core.list_namespaced_pod(namespace, label_selector=f"gpu-agent.io/work-item=true,{selector}").items:
             core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
 
-    for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods)):
+    def delete_members() -> None:
+        # members whose agents were killed before they could remove them (aggregate strategy)
+        if not domain:
+            return
+        members = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomainmembers",
+                                                       label_selector=f"gpu-agent.io/domain={domain}")
+        for m in members.get("items", []):
+            custom.delete_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomainmembers",
+                                                   m["metadata"]["name"])
+
+    for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
+                       ("GPUDomain members", delete_members)):
         _bounded(name, deadline - time.monotonic(), step)
 
 
@@ -135,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--control-plane-url", required=True)
     u.add_argument("--token-file", type=Path, required=True)
     u.add_argument("--timeout", type=float, default=60)
+    u.add_argument("--domain", default="", help="GPUDomain whose leftover members to delete")
     a = p.parse_args(argv)
     api = api_client(a.kubeconfig)
     try:
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.hook == "skew-check":
             skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
         else:
-            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout)
+            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain)
     except SkewError as e:
         print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
         return 1
