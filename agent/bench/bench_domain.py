@@ -101,7 +101,10 @@ def run(n: int, strategy: str, rate: float) -> str:
     obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
     nodes = (obj.get("status") or {}).get("nodes") or []
     indices = [e["index"] for e in nodes]
-    lost = n - len({e["name"] for e in nodes})
+    present = {e["name"] for e in nodes}
+    # lost: a writer was told its entry was in, and it is not; gave up: a writer hit the deadline
+    lost = sum(1 for i in range(n) if ok[i] and f"node-{i:04d}" not in present)
+    gave_up = n - sum(ok)
     unique = len(indices) == len(set(indices))
     calls = sum(w.stats.calls for w in writers) / n
     conflicts = sum(w.stats.conflicts for w in writers)
@@ -111,7 +114,7 @@ def run(n: int, strategy: str, rate: float) -> str:
         w.api.close()
     note = f" (+{aggregator.writes} aggregator writes)" if aggregator is not None else ""
     return (f"{n:>5} {strategy:<11} {elapsed:>8.1f} {elapsed / (n / rate):>8.2f} {calls:>8.1f} {conflicts:>7} {throttled:>5} "
-            f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{'' if all(ok) else ' (some writers gave up)'}")
+            f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{f' ({gave_up} writers gave up at the deadline)' if gave_up else ''}")
 
 
 def main() -> int:
