@@ -15,16 +15,14 @@ import json
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, Config, Setting
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import api_client
 from gpu_agent.foundations.metrics import AgentMetrics
-from gpu_agent.mechanisms.domain.aggregate import MemberWriter
-from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
-from gpu_agent.mechanisms.domain.writer import STRATEGIES, DomainWriter
+from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.roles.endpoints import EndpointServer
@@ -41,7 +39,7 @@ SETTINGS = [
     Setting("nodeIp", "str", os.environ.get("NODE_IP", ""), "this node's IP, published in its entry", optional=True),
     Setting("domainWriteStrategy", "choice", "aggregate", "how this node's entry reaches the shared GPUDomain: "
             "aggregate (its own GPUDomainMember, folded in by the cluster agent), or optimistic concurrency on the "
-            "GPUDomain itself with dra or fulljitter backoff (see make bench-domain)", choices=("aggregate", *STRATEGIES)),
+            "GPUDomain itself with dra or fulljitter backoff (see make bench-domain)", choices=("aggregate", *OCC_STRATEGIES)),
     Setting("domainWriteRate", "number", 25.0, "successful writes per second the API server takes on one object "
             "(sets the fulljitter cap to nodes / rate)", 0.1, 10000),
     Setting("peersFile", "path", "", "file the sorted peer list is rendered into (empty: none)", optional=True),
@@ -55,8 +53,14 @@ class NodeAgent:
         self.cfg = cfg
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
-        self.domain: DomainReconciler | None = None
+        self.domain: Any = None
         if cfg.domainName:
+            # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
+            from gpu_agent.foundations.kube import api_client
+            from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+            from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
+            from gpu_agent.mechanisms.domain.writer import DomainWriter
+
             api = api_client(cfg.kubeconfig)
             writer: DomainWriter | MemberWriter
             if cfg.domainWriteStrategy == "aggregate":

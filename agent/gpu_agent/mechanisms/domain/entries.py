@@ -11,6 +11,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+# Optimistic-concurrency write strategies (writer.py); "aggregate" is aggregate.py's.
+OCC_STRATEGIES = ("dra", "fulljitter")
+
 
 @dataclass(frozen=True)
 class Entry:

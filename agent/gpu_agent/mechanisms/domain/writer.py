@@ -25,11 +25,11 @@ from kubernetes import client
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.mechanisms.domain.entries import Entry, with_entry, without_entry
+from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
 
 log = get_logger(__name__)
 GROUP, VERSION, PLURAL = "gpu-agent.io", "v1alpha1", "gpudomains"
-STRATEGIES = ("dra", "fulljitter")
+STRATEGIES = OCC_STRATEGIES
 
 
 def make_backoff(strategy: str, expected_nodes: int, write_rate: float, rng: random.Random) -> Backoff:
