@@ -197,8 +197,12 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
             value, origin = raw[s.name]
             values[s.name] = s.convert(value, origin)
         else:
-            values[s.name] = Secret(s.default or "") if s.kind == "secret" else s.convert(s.default, "default") \
-                if s.kind == "featureGates" else s.default
+            if s.kind == "secret":
+                values[s.name] = Secret(s.default or "")
+            elif s.kind == "featureGates":
+                values[s.name] = s.convert(s.default, "default")
+            else:
+                values[s.name] = s.default
     # A secret may also come from a file named by its companion setting, e.g. controlPlaneTokenFile.
     for s in settings:
         if s.kind != "secret" or values[s.name]:

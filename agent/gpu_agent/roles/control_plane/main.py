@@ -30,10 +30,11 @@ SETTINGS = [
 
 
 def build_server(cfg: Config, listen: str) -> ControlPlaneServer:
-    missing = [name for name in ("registrationToken", "adminToken") if not getattr(cfg, name)]
-    if missing:
-        raise ConfigError(f"{missing[0]} is required: set GPU_AGENT_{'REGISTRATION' if missing[0] == 'registrationToken' else 'ADMIN'}_TOKEN "
-                          f"or --{'registration' if missing[0] == 'registrationToken' else 'admin'}-token-file")
+    for name in ("registrationToken", "adminToken"):
+        if not getattr(cfg, name):
+            setting = next(x for x in SETTINGS if x.name == name)
+            file_setting = next(x for x in SETTINGS if x.name == name + "File")
+            raise ConfigError(f"{name} is required: set {setting.env} or {file_setting.flag}")
     store = Store(Path(cfg.database))
     cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
                                             cfg.maxLeaseSeconds, cfg.reregisterAfter))
