@@ -26,7 +26,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, overall
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.mechanisms.domain.entries import has_entry
-from gpu_agent.mechanisms.domain.writer import GROUP, VERSION, DomainWriter, WriteStats, _rv
+from gpu_agent.mechanisms.domain.writer import GROUP, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
@@ -37,7 +37,7 @@ def member_name(domain: str, node: str) -> str:
     return f"{domain}-{node}"[:253]
 
 
-class MemberWriter:
+class MemberWriter(DomainView):
     """A node agent's side: its own member object, applied in one call. It offers the same
     face as DomainWriter (ensure, remove, observe, cached), so the reconciler needs no mode."""
 
@@ -57,14 +57,6 @@ class MemberWriter:
         self.applied_at = float("-inf")
         self.rng = rng or random.Random()
         self.sleep = sleep
-
-    @property
-    def where(self) -> str:
-        return f"GPUDomain {self.namespace}/{self.domain}"
-
-    def observe(self, obj: dict[str, Any]) -> None:
-        if _rv(obj) >= _rv(self.cached):
-            self.cached = obj
 
     def needs_reapply(self, obj: dict[str, Any], entry: Entry) -> bool:
         return not has_entry(obj, entry) and time.monotonic() - self.applied_at > self.REAPPLY_AFTER

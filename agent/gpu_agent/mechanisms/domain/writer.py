@@ -56,8 +56,25 @@ class WriteStats:
     writes: int = 0
 
 
+class DomainView:
+    """What both writers share: the domain they write, and their newest view of it (a watch's
+    older view never replaces their own newer write: the mutation cache)."""
+
+    namespace: str
+    name: str
+    cached: dict[str, Any] | None
+
+    @property
+    def where(self) -> str:
+        return f"GPUDomain {self.namespace}/{self.name}"
+
+    def observe(self, obj: dict[str, Any]) -> None:
+        if _rv(obj) >= _rv(self.cached):
+            self.cached = obj
+
+
 @dataclass
-class DomainWriter:
+class DomainWriter(DomainView):
     api: client.ApiClient
     namespace: str
     name: str
@@ -70,15 +87,6 @@ class DomainWriter:
 
     def __post_init__(self) -> None:
         self.custom = client.CustomObjectsApi(self.api)
-
-    @property
-    def where(self) -> str:
-        return f"GPUDomain {self.namespace}/{self.name}"
-
-    def observe(self, obj: dict[str, Any]) -> None:
-        """A newer view from a watch replaces the cache; an older one (our write is newer) does not."""
-        if _rv(obj) >= _rv(self.cached):
-            self.cached = obj
 
     def read(self) -> dict[str, Any]:
         self.stats.calls += 1
