@@ -11,6 +11,7 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import Awaitable
 from typing import Protocol
 
 
@@ -31,6 +32,18 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
+
+
+async def sleep_or(clock: Clock, seconds: float, wake: Awaitable[object]) -> None:
+    """Sleep on `clock` for `seconds`, cut short as soon as `wake` completes (an event set, a
+    toggle flipped). Both waits are cancelled on the way out."""
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    waker = asyncio.ensure_future(wake)
+    try:
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        waker.cancel()
 
 
 class ManualClock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, WorkItem
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
@@ -40,24 +40,25 @@ class QueueConsumer:
         self.on_refused = on_refused
         self.open = Toggle(False)
         self.processed = 0
-        self.health.set("queues", False, "paused: waiting for GPUs, registration and credentials")
+        self.pause_reason = "waiting for GPUs, registration and credentials"
+        self._report()
+
+    def _report(self) -> None:
+        on = self.open.is_on
+        self.health.set("queues", on, "leasing work" if on else f"paused: {self.pause_reason}", processed=self.processed)
 
     async def set_open(self, on: bool, reason: str) -> None:
         if on != self.open.is_on:
             log.info("work queues %s%s", "resumed" if on else "paused", "" if on else f": {reason}")
+        if not on:
+            self.pause_reason = reason
         await self.open.set(on)
         self.metrics.queue_paused.set(0 if on else 1)
-        self.health.set("queues", on, "leasing work" if on else f"paused: {reason}", processed=self.processed)
+        self._report()
 
     async def _idle(self) -> None:
         """Wait for the next poll, or less if the queue is paused meanwhile."""
-        sleeper = asyncio.ensure_future(self.clock.sleep(self.poll_interval))
-        closer = asyncio.ensure_future(self.open.wait_for(False))
-        try:
-            await asyncio.wait({sleeper, closer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            closer.cancel()
+        await sleep_or(self.clock, self.poll_interval, self.open.wait_for(False))
 
     async def step(self) -> bool:
         """Lease and run at most one item; False when there was nothing to do."""
@@ -97,7 +98,7 @@ class QueueConsumer:
             await asyncio.to_thread(self.executor.after_ack, item)
         self.processed += 1
         self.metrics.items.labels(outcome).inc()
-        self.health.set("queues", self.open.is_on, "leasing work" if self.open.is_on else "paused", processed=self.processed)
+        self._report()
 
     async def _quietly(self, call: Callable[..., object], *args: object) -> bool:
         try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_agent.foundations.backoff import Backoff
-from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential
 from gpu_agent.foundations.gate import Gate
 from gpu_agent.foundations.gpus import Inventory
@@ -131,14 +131,20 @@ class RegistrationManager:
         self._gpu_changed.set()
         await self._publish()
 
+    async def _drop_credentials(self, register_at_once: bool) -> None:
+        """Forget the credential and the registration it came with; readiness drops. With
+        `register_at_once` the recovery loop registers again now instead of after its backoff."""
+        self.credential = None
+        self.registered_generation = None
+        if register_at_once:
+            self._gpu_changed.set()
+        await self._publish()
+
     async def credential_refused(self) -> None:
         """A queue call was answered 401/403: the credential is no longer good."""
         if self.credential is not None:
             log.warning("control plane refused the credential: registering again")
-            self.credential = None
-            self.registered_generation = None
-            self._gpu_changed.set()
-            await self._publish()
+            await self._drop_credentials(register_at_once=True)
 
     # ---- the one gated step: capture, call, check generation, apply -------------------------
 
@@ -157,9 +163,9 @@ class RegistrationManager:
                 self.last_error = str(e)
                 if e.kind == "unauthorized":
                     # The registration token itself is refused: nothing we hold is valid any more.
-                    self.credential = None
-                    self.registered_generation = None
-                await self._publish()
+                    await self._drop_credentials(register_at_once=False)
+                else:
+                    await self._publish()
                 raise
             if self.generation != generation:
                 self.metrics.registration_discarded.inc()
@@ -188,10 +194,7 @@ class RegistrationManager:
                 self.metrics.renewal_failures.labels(e.kind).inc()
                 if e.kind == "unauthorized":
                     log.warning("credential renewal refused (%s): registering again", e)
-                    self.credential = None
-                    self.registered_generation = None
-                    self._gpu_changed.set()
-                    await self._publish()
+                    await self._drop_credentials(register_at_once=True)
                     return "refused"
                 raise
             if self.credential is not credential:
@@ -214,15 +217,8 @@ class RegistrationManager:
 
     async def _sleep_unless(self, seconds: float, event: asyncio.Event) -> None:
         """Sleep on the injected clock, cut short when `event` is set."""
-        if event.is_set():
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        waiter = asyncio.ensure_future(event.wait())
-        try:
-            await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waiter.cancel()
+        if not event.is_set():
+            await sleep_or(self.clock, seconds, event.wait())
 
     async def recovery_loop(self) -> None:
         while True:

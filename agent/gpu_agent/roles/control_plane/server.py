@@ -31,6 +31,19 @@ FAULT_MODES = ("status", "delay", "drop", "malformed")
 ITEM_ACTION = re.compile(r"^/v1/queue/items/(\d+)/(ack|release)$")
 MAX_BODY = 1 << 20
 
+# Which token each endpoint takes (the item ack/release routes are matched by ITEM_ACTION).
+ROUTES: dict[tuple[str, str], set[str]] = {
+    ("POST", "/v1/register"): {"registration"},
+    ("POST", "/v1/deregister"): {"registration"},
+    ("POST", "/v1/credentials/renew"): {"credential"},
+    ("POST", "/v1/queue/items"): {"admin"},
+    ("POST", "/v1/queue/lease"): {"credential"},
+    ("GET", "/v1/status"): {"admin", "credential"},
+    ("POST", "/admin/faults"): {"admin"},
+    ("DELETE", "/admin/faults"): {"admin"},
+    ("GET", "/openapi.json"): {"admin", "credential", "registration"},
+}
+
 
 class BadRequest(Exception):
     pass
@@ -117,19 +130,8 @@ class ControlPlane:
         s = self.settings
         if method == "GET" and path == "/healthz":
             return 200, {"status": "ok"}
-        routes: dict[tuple[str, str], set[str]] = {
-            ("POST", "/v1/register"): {"registration"},
-            ("POST", "/v1/deregister"): {"registration"},
-            ("POST", "/v1/credentials/renew"): {"credential"},
-            ("POST", "/v1/queue/items"): {"admin"},
-            ("POST", "/v1/queue/lease"): {"credential"},
-            ("GET", "/v1/status"): {"admin", "credential"},
-            ("POST", "/admin/faults"): {"admin"},
-            ("DELETE", "/admin/faults"): {"admin"},
-            ("GET", "/openapi.json"): {"admin", "credential", "registration"},
-        }
         item_match = ITEM_ACTION.match(path)
-        allowed = {"credential"} if (method == "POST" and item_match) else routes.get((method, path))
+        allowed = {"credential"} if (method == "POST" and item_match) else ROUTES.get((method, path))
         if allowed is None:
             return 404, {"error": f"no endpoint {method} {path}"}
         status, error, cluster_id = self.authorize(token, allowed)
