@@ -13,8 +13,9 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from kubernetes import client, config, watch
+from kubernetes import client, config
 
 from fake_gpu.layout import LayoutError, build
 from fake_gpu.layout_source import CONFIGMAP, layout_for
@@ -22,6 +23,7 @@ from fake_gpu.plugin import Devices, PluginRunner
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import items_of, list_then_watch
 
 log = get_logger("fake_gpu.daemon")
 
@@ -58,19 +60,14 @@ class LayoutApplier:
 
 
 def watch_layout(core: client.CoreV1Api, namespace: str, applier: LayoutApplier, stopping: threading.Event) -> None:
-    while not stopping.is_set():
-        try:
-            cms = core.list_namespaced_config_map(namespace, field_selector=f"metadata.name={CONFIGMAP}")
-            applier.apply(cms.items[0].data if cms.items else None)
-            w = watch.Watch()
-            for event in w.stream(core.list_namespaced_config_map, namespace, field_selector=f"metadata.name={CONFIGMAP}",
-                                  resource_version=cms.metadata.resource_version, timeout_seconds=60):
-                applier.apply(None if event["type"] == "DELETED" else event["object"].data)
-                if stopping.is_set():
-                    w.stop()
-        except Exception as e:  # noqa: BLE001 - API hiccups: list again after a pause
-            log.warning("watching ConfigMap %s/%s failed: %s; retrying", namespace, CONFIGMAP, e)
-            stopping.wait(1.0)
+    def listed(cms: Any) -> None:
+        items = items_of(cms)
+        applier.apply(items[0].data if items else None)
+
+    list_then_watch(core.list_namespaced_config_map, namespace, field_selector=f"metadata.name={CONFIGMAP}",
+                    on_list=listed, on_event=lambda kind, cm: applier.apply(None if kind == "DELETED" else cm.data),
+                    on_error=lambda e: log.warning("watching ConfigMap %s/%s failed: %s; retrying", namespace, CONFIGMAP, e),
+                    stop=stopping, resync_seconds=60)
 
 
 def run(node: str, namespace: str, state_file: Path, host_state_file: str, plugin_dir: Path, default_count: int) -> int:

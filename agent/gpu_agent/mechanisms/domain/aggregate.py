@@ -20,9 +20,10 @@ import threading
 import time
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, overall
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.mechanisms.domain.entries import has_entry
@@ -139,29 +140,25 @@ class Aggregator:
         self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random())
         self.writes = 0
 
+    def _listed_members(self, listed: Any) -> None:
+        with self._lock:
+            self.members = {m["spec"]["node"]: m["spec"] for m in items_of(listed)}
+        self._changed.set()
+
+    def _member_event(self, kind: str, member: dict[str, Any]) -> None:
+        spec = member["spec"]
+        with self._lock:
+            if kind == "DELETED":
+                self.members.pop(spec["node"], None)
+            else:
+                self.members[spec["node"]] = spec
+        self._changed.set()
+
     def _watch(self) -> None:
-        selector = f"gpu-agent.io/domain={self.domain}"
-        while not self._stop.is_set():
-            try:
-                listed = self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, label_selector=selector)
-                with self._lock:
-                    self.members = {m["spec"]["node"]: m["spec"] for m in listed["items"]}
-                self._changed.set()
-                for event in watch.Watch().stream(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace,
-                                                  MEMBERS, label_selector=selector, timeout_seconds=240,
-                                                  resource_version=listed["metadata"]["resourceVersion"]):
-                    spec = event["object"]["spec"]
-                    with self._lock:
-                        if event["type"] == "DELETED":
-                            self.members.pop(spec["node"], None)
-                        else:
-                            self.members[spec["node"]] = spec
-                    self._changed.set()
-                    if self._stop.is_set():
-                        return
-            except Exception as e:  # noqa: BLE001 - list again after a pause
-                log.warning("watching members of GPUDomain %s/%s failed: %s", self.namespace, self.domain, e)
-                self._stop.wait(1.0)
+        list_then_watch(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, MEMBERS,
+                        label_selector=f"gpu-agent.io/domain={self.domain}", on_list=self._listed_members,
+                        on_event=self._member_event, stop=self._stop,
+                        on_error=lambda e: log.warning("watching members of %s failed: %s", self.writer.where, e))
 
     def run(self) -> None:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from kubernetes import client, watch
+from kubernetes import client
 
 from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.domain.entries import Entry, has_entry, nodes_of
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
@@ -95,23 +96,20 @@ class DomainReconciler:
             self._peers_text = text
 
     # ---- loops ---------------------------------------------------------------------------------
+    def _listed_domain(self, listed: Any) -> None:
+        items = items_of(listed)
+        if items:
+            self._observed(items[0])
+        else:  # the watch reports it when it is created
+            self.health.set("domain", False, f"{self.writer.where} does not exist")
+
     def _watch(self) -> None:
-        custom = client.CustomObjectsApi(self.writer.api)
-        while not self._stop.is_set():
-            try:
-                obj = custom.get_namespaced_custom_object(GROUP, VERSION, self.writer.namespace, PLURAL, self.writer.name)
-                self._observed(obj)
-                w = watch.Watch()
-                for event in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, self.writer.namespace, PLURAL,
-                                      field_selector=f"metadata.name={self.writer.name}",
-                                      resource_version=obj["metadata"]["resourceVersion"], timeout_seconds=240):
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self._observed(event["object"])
-                    if self._stop.is_set():
-                        w.stop()
-            except Exception as e:  # noqa: BLE001 - domain missing or API hiccup: report, try again
-                self.health.set("domain", False, f"cannot watch {self.writer.where}: {str(e)[:160]}")
-                self._stop.wait(2.0)
+        list_then_watch(
+            client.CustomObjectsApi(self.writer.api).list_namespaced_custom_object, GROUP, VERSION, self.writer.namespace,
+            PLURAL, field_selector=f"metadata.name={self.writer.name}", on_list=self._listed_domain,
+            on_event=lambda kind, obj: self._observed(obj) if kind in ("ADDED", "MODIFIED") else None,
+            on_error=lambda e: self.health.set("domain", False, f"cannot watch {self.writer.where}: {str(e)[:160]}"),
+            stop=self._stop, retry_seconds=2.0)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()

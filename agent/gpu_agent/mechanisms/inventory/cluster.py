@@ -13,9 +13,10 @@ import threading
 import uuid
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
 
 from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.inventory.source import Reading
 
@@ -57,30 +58,27 @@ class ClusterSource:
         self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
         self._thread.start()
 
+    def _listed_nodes(self, nodes: Any) -> None:
+        with self._lock:
+            self._table = {n.metadata.name: node_gpus(n) for n in items_of(nodes)}
+            self._error = None
+            self._listed = True
+
+    def _node_event(self, kind: str, node: Any) -> None:
+        with self._lock:
+            if kind == "DELETED":
+                self._table.pop(node.metadata.name, None)
+            else:
+                self._table[node.metadata.name] = node_gpus(node)
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            self._error = f"watching nodes failed: {type(e).__name__}: {str(e)[:200]}"
+        log.warning("%s; retrying in 2s", self._error)
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                nodes = self.core.list_node()
-                with self._lock:
-                    self._table = {n.metadata.name: node_gpus(n) for n in nodes.items}
-                    self._error = None
-                    self._listed = True
-                w = watch.Watch()
-                for event in w.stream(self.core.list_node, resource_version=nodes.metadata.resource_version,
-                                      timeout_seconds=self.resync_seconds):
-                    node = event["object"]
-                    with self._lock:
-                        if event["type"] == "DELETED":
-                            self._table.pop(node.metadata.name, None)
-                        else:
-                            self._table[node.metadata.name] = node_gpus(node)
-                    if self._stop.is_set():
-                        w.stop()
-            except Exception as e:  # noqa: BLE001 - an API outage: report it, list again shortly
-                with self._lock:
-                    self._error = f"watching nodes failed: {type(e).__name__}: {str(e)[:200]}"
-                log.warning("%s; retrying in 2s", self._error)
-                self._stop.wait(2.0)
+        list_then_watch(self.core.list_node, on_list=self._listed_nodes, on_event=self._node_event, on_error=self._failed,
+                        stop=self._stop, retry_seconds=2.0, resync_seconds=self.resync_seconds)
 
     def read(self) -> Reading:
         with self._lock:
