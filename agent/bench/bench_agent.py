@@ -36,24 +36,7 @@ def main() -> int:
         rig = Rig(Path(tmp))
         rig.start_control_plane()
         rig.set_gpus(0)
-        rig.agent_url = ""
-        agent = rig.start_agent(verbosity=0)
-        # start_agent sets a fast poll for tests; restart with the defaults for honest figures
-        agent.stop()
-        import subprocess
-
-        rig.agent = None
-        from tests.integration.harness import Process, wait_until
-
-        port = rig.agent_url.rsplit(":", 1)[1]
-        agent = Process("cluster-agent", [sys.executable, "-m", "gpu_agent", "cluster-agent", *sys.argv[1:],
-                                          "--listen-address", f"127.0.0.1:{port}", "--control-plane-url", rig.cp_url,
-                                          "--control-plane-token-file", str(rig.root / "registration-token"),
-                                          "--fake-gpu-state-file", str(rig.fake_file),
-                                          "--executor-journal", str(rig.root / "executions.sqlite")],
-                        rig.root / "bench-agent.log")
-        rig.agent = agent
-        wait_until(lambda: rig.livez() == 200, 15, "agent /livez")
+        agent = rig.start_agent(*sys.argv[1:], verbosity=0, fast_polls=False)  # the defaults: honest figures
         arrive, leave = [], []
         for _ in range(ROUNDS):
             t0 = time.monotonic()
@@ -72,7 +55,6 @@ def main() -> int:
         idle_cpu = (cpu_seconds(agent.pid) - c0) / (time.monotonic() - w0) * 100
         rss = rss_mib(agent.pid)
         rig.stop()
-        del subprocess
     print(f"gpu-agent cluster agent benchmark ({ROUNDS} rounds, default poll 0.5 s; fake-gpu command time included)")
     print(f"{'measure':<34}{'median':>10}{'worst':>10}{'goal':>10}")
     print(f"{'GPU arrival -> /healthz 200 (s)':<34}{statistics.median(arrive):>10.3f}{max(arrive):>10.3f}{'<= 2':>10}")
