@@ -16,6 +16,9 @@ case $cluster in
     if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then
       # Teardown is checked too: the host must look exactly as it did before cluster-up.
       before=$(mktemp); after=$(mktemp)
+      # Packages first: what an install step adds (iptables' empty tables, say) is the host's new
+      # baseline, not something the cluster left behind.
+      t=$SECONDS; bash "$here/scripts/install-deps.sh"; log "timing: host packages $((SECONDS - t))s"
       if [[ ! -d $CLUSTER_DIR ]]; then bash "$here/scripts/host-state.sh" > "$before"; else : > "$before"; fi
       teardown() {
         local rc=$?

@@ -7,9 +7,10 @@ echo "## links"; ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sor
 echo "## addresses"; ip -o addr show | awk '{print $2, $4}' | sort
 echo "## routes"; ip route show | sort
 echo "## netns"; ls /run/netns 2>/dev/null | sort
+# Rules only: an empty table is not state (it appears the first time any tool lists it).
 for cmd in iptables ip6tables; do
   for table in filter nat mangle; do
-    echo "## $cmd $table"; "$cmd-save" -t $table 2>/dev/null | grep -vE '^#|^:' | sort
+    echo "## $cmd $table"; "$cmd-save" -t $table 2>/dev/null | grep -vE '^#|^:|^\*|^COMMIT' | sort
   done
 done
 echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables 2>/dev/null
