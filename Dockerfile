@@ -1,16 +1,22 @@
 # The gpu-agent image (cluster agent, node agent, control plane, hooks, fake-gpu).
-#   With Docker:   make wheels && docker build -t gpu-agent:dev .          (base from a registry)
+#   With Docker:   make wheels && docker build --build-arg BUILD_COMMIT=$(git rev-parse --short=12 HEAD) \
+#                    --build-arg BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ) -t gpu-agent:dev .   (base from a registry)
 #   Without one:   make -C ci images   (ci/tools/oci_image.py runs this file on a debootstrap
 #                  base: BASE=local resolves to that root filesystem; no network inside the build)
 ARG BASE=python:3.11-slim-bookworm
 FROM ${BASE}
 ARG BUILD_COMMIT=unknown
+ARG BUILD_DATE=unknown
+ARG VERSION=dev
 COPY build/wheels/ /tmp/wheels/
 RUN python3 -m venv /opt/gpu-agent \
  && /opt/gpu-agent/bin/pip install --quiet --no-index --no-cache-dir --find-links=/tmp/wheels gpu-agent \
  && rm -rf /tmp/wheels
 ENV PATH=/opt/gpu-agent/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 ENV GPU_AGENT_BUILD_COMMIT=${BUILD_COMMIT}
-LABEL org.opencontainers.image.title=gpu-agent org.opencontainers.image.source=https://example.invalid/gpu-agent
+ENV GPU_AGENT_BUILD_DATE=${BUILD_DATE}
+LABEL org.opencontainers.image.title=gpu-agent org.opencontainers.image.source=https://example.invalid/gpu-agent \
+      org.opencontainers.image.version=${VERSION} org.opencontainers.image.revision=${BUILD_COMMIT} \
+      org.opencontainers.image.created=${BUILD_DATE}
 USER 65532:65532
 ENTRYPOINT ["gpu-agent"]

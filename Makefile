@@ -5,19 +5,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels run test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,e2e]'
-	touch $@
+$(STAMP): pyproject.toml scripts/setup.sh
+	@PYTHON=$(PYTHON) bash scripts/setup.sh
+	@touch $@
+
+## wheels: the project's wheels in build/wheels (what the image installs), stamped with commit and build date
+wheels:
+	bash scripts/build-wheels.sh
 
 ## run: the control plane + cluster agent with fake GPUs on loopback (no cluster needed)
+ARGS ?=
 run: setup
-	$(BIN)/gpu-agent local
+	$(BIN)/gpu-agent local $(ARGS)
 
 ## test: every test (lint, unit, integration, then the e2e suite on the CI cluster; needs root)
 test: lint test-unit test-integration e2e

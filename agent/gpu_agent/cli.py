@@ -5,7 +5,8 @@
     gpu-agent node-agent      the node agent (one per GPU node)
     gpu-agent control-plane   the reference control plane alone
     gpu-agent inventory       read the GPU source once and print the inventory as JSON
-    gpu-agent version
+    gpu-agent queue list|add  the control plane's work queue (admin token), e.g. beside `make run`
+    gpu-agent version         (or `gpu-agent --version`)
 
 Bad flags and bad values exit with code 2 and a message naming the setting.
 """
@@ -20,6 +21,7 @@ import sys
 
 from gpu_agent.foundations import klog
 from gpu_agent.foundations.config import VERBOSITY, ConfigError, Setting, add_arguments, load
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.version import version_info
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.roles import cluster_agent, local, node_agent
@@ -33,15 +35,74 @@ ROLES: dict[str, tuple[list[Setting], str]] = {
 }
 
 
+QUEUE_SETTINGS = [
+    VERBOSITY,
+    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
+    Setting("adminToken", "secret", "", "the control plane's admin token (env only; or adminTokenFile)"),
+    Setting("adminTokenFile", "path", ".run/admin-token", "file holding the admin token (`make run` writes it there)",
+            optional=True),
+]
+
+
+def _version_line() -> str:
+    v = version_info()
+    return f"gpu-agent {v['version']} (commit {v['commit']}, built {v['buildDate']})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     for name, (settings, help_text) in ROLES.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)
-    add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON"),
+    add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON",
+                                 description="read the GPU source once and print the inventory as JSON"),
                   [VERBOSITY, *GPU_SOURCE_SETTINGS])
-    sub.add_parser("version", help="print version, commit and build date")
+    queue = sub.add_parser("queue", help="list or add work items at the control plane (admin token)",
+                           description="list or add work items at the control plane (admin token)")
+    actions = queue.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add_arguments(actions.add_parser("list", help="the newest 200 items with their state, and the queue's counts",
+                                     description="the newest 200 items with their state, and the queue's counts"),
+                  QUEUE_SETTINGS)
+    add = actions.add_parser("add", help="enqueue one item (idempotent on its key)",
+                             description="enqueue one item (idempotent on its key)")
+    add.add_argument("key", help="the item's idempotency key, e.g. demo-9 (adding the same key twice adds it once)")
+    add.add_argument("--payload", default="{}", metavar="JSON", help="the item's payload, a JSON object (default: {})")
+    add_arguments(add, QUEUE_SETTINGS)
+    sub.add_parser("version", help="print version, commit and build date as JSON",
+                   description="print version, commit and build date as JSON")
     return parser
+
+
+def _queue(args: argparse.Namespace, cfg) -> int:  # type: ignore[no-untyped-def]
+    if not cfg.adminToken:
+        raise ConfigError("no admin token: set GPU_AGENT_ADMIN_TOKEN or --admin-token-file "
+                          f"(`make run` writes it to .run/admin-token; tried {cfg.adminTokenFile or 'nothing'})")
+    client = ControlPlaneClient(cfg.controlPlaneUrl)
+    try:
+        if args.action == "add":
+            try:
+                payload = json.loads(args.payload)
+            except ValueError:
+                payload = None
+            if not isinstance(payload, dict):
+                raise ConfigError(f"--payload must be a JSON object, e.g. '{{\"n\": 1}}'; got {args.payload!r}")
+            item_id = client.enqueue(cfg.adminToken, args.key, payload)
+            print(f"item {args.key} queued (id {item_id})")
+            return 0
+        items = client.list_items(cfg.adminToken)
+        counts = client.status(cfg.adminToken).get("items", {})
+        print(f"{'ID':>6}  {'KEY':<32} {'STATE':<7} DELIVERIES")
+        for i in items:
+            print(f"{i.get('id', '?'):>6}  {str(i.get('idempotencyKey', '?')):<32} {str(i.get('state', '?')):<7} "
+                  f"{i.get('deliveries', '?')}")
+        print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        return 0
+    except ControlPlaneError as e:
+        print(f"gpu-agent queue {args.action}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
 
 
 async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
@@ -80,12 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "version":
         print(json.dumps(version_info()))
         return 0
-    settings = ROLES[args.role][0] if args.role in ROLES else [VERBOSITY, *GPU_SOURCE_SETTINGS]
+    if args.role in ROLES:
+        settings = ROLES[args.role][0]
+    elif args.role == "queue":
+        settings = QUEUE_SETTINGS
+    else:
+        settings = [VERBOSITY, *GPU_SOURCE_SETTINGS]
     try:
         cfg = load(settings, args)
         klog.setup(cfg.verbosity)
         if args.role == "inventory":
             return _print_inventory(cfg)
+        if args.role == "queue":
+            return _queue(args, cfg)
         asyncio.run(_serve(args.role, cfg))
     except ConfigError as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)

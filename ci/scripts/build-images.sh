@@ -31,12 +31,13 @@ fi
 
 # project images: wheels for the image are built here, so the Dockerfile needs no network
 repo=$(cd "$here/.." && pwd)
-rm -rf "$repo/build/wheels"
-python3 -m pip wheel --quiet --wheel-dir "$repo/build/wheels" "$repo"
+bash "$repo/scripts/build-wheels.sh" >&2
 t=$SECONDS
 python3 "$here/tools/oci_image.py" build --name localhost/gpu-agent:dev --out "$images/gpu-agent.oci.tar" \
   --file "$repo/Dockerfile" --context "$repo" --base-rootfs "$images/base-rootfs-$BASE_ROOTFS_VERSION.tar" \
-  --build-arg "BASE=local" --build-arg "BUILD_COMMIT=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  --build-arg "BASE=local" --build-arg "BUILD_COMMIT=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
+  --build-arg "BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+  --build-arg "VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")"
 log "gpu-agent image built in $((SECONDS - t))s"
 if [[ -S $CONTAINERD_SOCK ]] && running containerd; then
   ctr_ images import "$images/gpu-agent.oci.tar" >/dev/null

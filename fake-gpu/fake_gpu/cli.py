@@ -49,7 +49,7 @@ def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fake-gpu", description="fake GPUs that arrive and leave at runtime")
     parser.add_argument("--state-file", type=Path, default=None, help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace of the fake-gpu install (cluster mode)")
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the fake-gpu install (cluster mode; default {DEFAULT_NAMESPACE!r}, env FAKE_GPU_NAMESPACE)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_set = sub.add_parser("set", help="set the number of fake GPUs")
@@ -57,21 +57,24 @@ def _parser() -> argparse.ArgumentParser:
     p_status = sub.add_parser("status", help="print the current fake GPUs as JSON")
     for p in (p_set, p_cycle):
         p.add_argument("--product", default=DEFAULT_PRODUCT, help=f"product name (default {DEFAULT_PRODUCT!r})")
-        p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB, help="memory per GPU in MiB")
+        p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB, help=f"memory per GPU in MiB (default {DEFAULT_MEMORY_MIB})")
         p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted locally (default {MAX_GPUS})")
     for p in (p_set, p_cycle, p_status):
         p.add_argument("--node", default=None, help="a cluster node: change its layout on the cluster instead of a local file")
-    p_set.add_argument("--count", type=int, required=True, help="number of GPUs, 0 or more")
-    p_cycle.add_argument("--from", type=int, dest="low", default=0)
-    p_cycle.add_argument("--to", type=int, dest="high", default=4)
-    p_cycle.add_argument("--times", type=int, default=3)
-    p_cycle.add_argument("--interval", type=float, default=2.0, help="seconds between changes")
+    p_set.add_argument("--count", type=int, required=True, help="number of GPUs, 0 or more (required)")
+    p_cycle.add_argument("--from", type=int, dest="low", default=0, help="the count each cycle ends at (default 0)")
+    p_cycle.add_argument("--to", type=int, dest="high", default=4, help="the count each cycle starts at (default 4)")
+    p_cycle.add_argument("--times", type=int, default=3, help="how many cycles of --to then --from (default 3)")
+    p_cycle.add_argument("--interval", type=float, default=2.0, help="seconds between changes (default 2)")
     p_daemon = sub.add_parser("daemon", help="(in the DaemonSet) apply this node's layout and run the device plugin")
-    p_daemon.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), required=not os.environ.get("NODE_NAME"))
-    p_daemon.add_argument("--plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
+    p_daemon.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), required=not os.environ.get("NODE_NAME"),
+                          help="this node's name (default: $NODE_NAME)")
+    p_daemon.add_argument("--plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+                          help="kubelet's device-plugin folder (default /var/lib/kubelet/device-plugins)")
     p_daemon.add_argument("--host-state-file", default=None, help="the state file's path on the host (for Allocate's mount)")
-    p_daemon.add_argument("--default-count", type=int, default=0)
-    p_daemon.add_argument("-v", type=int, default=0, dest="verbosity")
+    p_daemon.add_argument("--default-count", type=int, default=0,
+                          help="fake GPUs on a node whose layout is not set yet (default 0)")
+    p_daemon.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity 0..7 (default 0)")
     p_smi = sub.add_parser("smi", help="(in a workload) list the fake GPUs this container was given, like nvidia-smi -L")
     p_smi.add_argument("-L", action="store_true", dest="list_gpus", required=True)
     return parser

@@ -152,15 +152,38 @@ class Config:
         return out
 
 
+def _help_default(s: Setting) -> str:
+    if s.kind == "featureGates":
+        return ",".join(f"{k}={str(v).lower()}" for k, v in sorted(FEATURE_GATES.items()))
+    if s.default in ("", None):
+        return "unset"
+    if isinstance(s.default, bool):
+        return str(s.default).lower()
+    if isinstance(s.default, float):
+        return f"{s.default:g}" + ("s" if s.kind == "seconds" else "")
+    return str(s.default)
+
+
 def add_arguments(parser: argparse.ArgumentParser, settings: list[Setting]) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (camelCase keys)")
+    """One flag per setting; its help gives the meaning, the default and the environment variable.
+    argparse treats `%` in help as a format character, hence the escaping."""
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings (camelCase keys); "
+                        "environment and flags override it")
+    secrets = []
     for s in settings:
+        text = s.help.replace("%", "%%")
         if s.kind == "secret":
-            continue  # secrets come from the environment or a *File setting only
-        if s.name == "verbosity":
-            parser.add_argument("-v", "--v", dest=s.name, metavar="N", help=s.help)
+            secrets.append(s)  # from the environment or a *File setting only
             continue
-        parser.add_argument(s.flag, dest=s.name, metavar=s.kind.upper(), help=f"{s.help} (env {s.env})")
+        if s.name == "verbosity":
+            parser.add_argument("-v", "--v", dest=s.name, metavar="N", help=f"{text} (default: 0; env {s.env})")
+            continue
+        default = _help_default(s).replace("%", "%%")
+        parser.add_argument(s.flag, dest=s.name, metavar=s.kind.upper(), help=f"{text} (default: {default}; env {s.env})")
+    if secrets:
+        # An epilog is not %-formatted (only help strings are).
+        parser.epilog = ("Secrets are never flags; set them in the environment (or the matching *File setting): "
+                         + "; ".join(f"{s.env} ({s.help})" for s in settings if s.kind == "secret"))
 
 
 def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:

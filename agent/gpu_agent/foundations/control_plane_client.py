@@ -15,13 +15,17 @@ Error kinds decide what the caller does:
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 
 from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
+
+log = get_logger(__name__)
 
 
 class ControlPlaneError(Exception):
@@ -82,14 +86,18 @@ class ControlPlaneClient:
         if token is not None:
             headers["Authorization"] = "Bearer " + token.reveal()
         where = f"{method} {path}"
+        started = time.monotonic()
         try:
             resp = self._session.request(method, self.base_url + path, json=body, headers=headers,
                                          timeout=self.timeout + extra_timeout)
         except requests.Timeout:
+            log.v(6, "control plane: %s -> timed out (%.1f ms)", where, (time.monotonic() - started) * 1000)
             raise ControlPlaneError("unavailable", f"{where}: timed out after {self.timeout:g}s") from None
         except requests.ConnectionError as e:
+            log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
             raise ControlPlaneError("unavailable", f"{where}: connection failed ({type(e).__name__})") from None
         status = resp.status_code
+        log.v(6, "control plane: %s -> %d (%.1f ms)", where, status, (time.monotonic() - started) * 1000)
         if status in (401, 403):
             raise ControlPlaneError("unauthorized", f"{where}: {status} {_reason(resp)}", status)
         if status == 429 or status >= 500:
@@ -153,6 +161,13 @@ class ControlPlaneClient:
     def enqueue(self, admin_token: Secret, idempotency_key: str, payload: dict[str, Any]) -> int:
         _, doc = self._call("POST", "/v1/queue/items", admin_token, {"idempotencyKey": idempotency_key, "payload": payload})
         return _field(doc, "id", int, "POST /v1/queue/items")
+
+    def list_items(self, admin_token: Secret) -> list[dict[str, Any]]:
+        _, doc = self._call("GET", "/v1/queue/items", admin_token)
+        items = _field(doc, "items", list, "GET /v1/queue/items")
+        if not all(isinstance(i, dict) for i in items):
+            raise ControlPlaneError("protocol", "GET /v1/queue/items: field 'items' holds a non-object")
+        return items
 
     def status(self, token: Secret) -> dict[str, Any]:
         _, doc = self._call("GET", "/v1/status", token)

@@ -99,6 +99,7 @@ class ClusterAgent:
                                    self.registration.credential_refused,
                                    cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0)
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed)
+        self.started = asyncio.Event()  # set once the endpoints serve
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
 
@@ -121,7 +122,9 @@ class ClusterAgent:
             log.info("cluster agent NotReady: %s", reason)
 
     async def run(self, stop: asyncio.Event) -> None:
-        log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
+        log.info("effective configuration (secrets redacted):")
+        for name, value in self.cfg.redacted().items():
+            log.info("  %s: %s", name, json.dumps(value) if isinstance(value, (dict, list)) or value == "" else value)
         self.endpoints.start()
         aggregator: Any = None
         if self.cfg.domainName:
@@ -132,6 +135,7 @@ class ClusterAgent:
             threading.Thread(target=aggregator.run, name="domain-aggregator", daemon=True).start()
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         log.info("serving /livez /healthz /version /metrics on http://%s", self.endpoints.address)
+        self.started.set()
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.health.keep_beating(), name="heartbeat"),

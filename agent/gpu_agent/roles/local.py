@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shutil
+import sys
 from pathlib import Path
 
 from gpu_agent.foundations import fake_state
@@ -42,6 +44,38 @@ def _token(path: Path) -> Secret:
     return Secret(path.read_text().strip())
 
 
+def _command(name: str) -> str:
+    """How to type one of this install's commands from the current folder: `.venv/bin/fake-gpu`
+    after `make setup`, or the bare name when that resolves to this install anyway."""
+    here = Path(sys.executable).parent / name
+    if shutil.which(name) == str(here) or not here.exists():
+        return name
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
+
+
+def banner(agent_url: str, control_plane_url: str, state: Path, fake_file: Path, default_fake_file: bool) -> str:
+    fake_gpu = _command("fake-gpu") + ("" if default_fake_file else f" --state-file {fake_file}")
+    gpu_agent = _command("gpu-agent")
+    queue = "" if str(state) == ".run" else f" --admin-token-file {state / 'admin-token'}"
+    queue += "" if control_plane_url == "http://127.0.0.1:8700" else f" --control-plane-url {control_plane_url}"
+    return "\n".join([
+        "",
+        "gpu-agent local is up (Ctrl-C stops it). In a second terminal:",
+        f"  agent           {agent_url}  (/livez /healthz /version /metrics)",
+        f"  control plane   {control_plane_url}  (tokens: {state / 'admin-token'} for the queue, "
+        f"{state / 'registration-token'} for agents)",
+        f"  readiness       curl -s {agent_url}/healthz",
+        f"  GPUs arrive     {fake_gpu} set --count 4",
+        f"  GPUs leave      {fake_gpu} set --count 0",
+        f"  list the queue  {gpu_agent} queue list{queue}",
+        f"  enqueue work    {gpu_agent} queue add demo-9{queue}",
+        "",
+    ])
+
+
 async def run(cfg: Config, stop: asyncio.Event) -> None:
     state = Path(cfg.stateDir)
     registration_token = _token(state / "registration-token")
@@ -49,7 +83,7 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
     fake_file = Path(cfg.fakeGpuStateFile)
     if cfg.gpuSource == "fake" and not fake_file.exists():
         fake_state.write_atomic(fake_file, fake_state.render(Inventory(), node="local"))
-        log.info("created %s with 0 GPUs; add some with: fake-gpu set --count 4", fake_file)
+        log.info("created %s with 0 GPUs", fake_file)
     server = build_server(cfg.replace(registrationToken=registration_token, adminToken=admin_token),
                           cfg.controlPlaneListen)
     server.start()
@@ -60,6 +94,17 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
             await asyncio.to_thread(client.enqueue, admin_token, f"demo-{n}", {"kind": "demo", "n": n})
         client.close()
         agent = cluster_agent.ClusterAgent(cfg.replace(controlPlaneUrl=server.url, controlPlaneToken=registration_token))
-        await agent.run(stop)
+
+        async def announce() -> None:
+            await agent.started.wait()
+            text = banner(f"http://{agent.endpoints.address}", server.url, state, fake_file,
+                          fake_file == fake_state.default_path())
+            print(text, file=sys.stderr, flush=True)
+
+        announcing = asyncio.create_task(announce())
+        try:
+            await agent.run(stop)
+        finally:
+            announcing.cancel()
     finally:
         server.stop()

@@ -56,12 +56,13 @@ def klog_time(line: str) -> float:
 
 
 class Process:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name, self.argv, self.log = name, argv, log
         LOGS.append(log)
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._file = open(log, "ab")
-        self.proc = subprocess.Popen(argv, stdout=self._file, stderr=subprocess.STDOUT, env=self._env)
+        self.proc = subprocess.Popen(argv, stdout=self._file, stderr=subprocess.STDOUT, env=self._env, cwd=cwd)
 
     @property
     def pid(self) -> int:

@@ -121,7 +121,7 @@ async def test_failed_registrations_back_off_exponentially_to_the_cap_then_succe
         assert h.ready and h.transitions[-1][0] == 31
         assert h.manager.backoff.attempt == 0
         text = h.metrics.render().decode()
-        assert 'gpu_agent_registration_failures_total{kind="recovery",reason="unavailable"} 6.0' in text
+        assert 'gpu_agent_registration_failures_total{kind="initial",reason="unavailable"} 6.0' in text
 
 
 async def test_jitter_spaces_attempts_exactly_as_drawn():

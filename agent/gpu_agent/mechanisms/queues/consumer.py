@@ -84,6 +84,7 @@ class QueueConsumer:
 
     async def _run(self, credential: Secret, item: WorkItem) -> None:
         log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
+        started = self.clock.monotonic()
         try:
             outcome = await asyncio.to_thread(self.executor.execute, item)
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
@@ -94,8 +95,13 @@ class QueueConsumer:
         if outcome == "duplicate":
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         # An ack that fails leaves the lease to expire; the redelivery is then a "duplicate".
-        if await self._quietly(self.client.ack, credential, item):
+        acked = await self._quietly(self.client.ack, credential, item)
+        if acked:
             await asyncio.to_thread(self.executor.after_ack, item)
+        # The one line per item a person watching the queue looks for (a state change of the queue).
+        log.info("work item %s done (%.1f s)%s%s", item.idempotency_key, self.clock.monotonic() - started,
+                 " (already executed before; acknowledged only)" if outcome == "duplicate" else "",
+                 "" if acked else " (ack failed: it will be redelivered and acknowledged then)")
         self.processed += 1
         self.metrics.items.labels(outcome).inc()
         self._report()

@@ -2,7 +2,8 @@
 
 Three loops share one `Gate`, held from capturing the inventory to applying the response:
 
-  recovery   registers when the GPU generation has no registration yet; failures back off
+  recovery   registers when the GPU generation has no registration yet ("initial" the first time);
+             failures back off
              exponentially with jitter, capped; the backoff resets on success and on every
              GPU change (which also cuts a pending retry sleep short);
   periodic   re-registers every `reregistrationInterval` while registered;
@@ -152,7 +153,7 @@ class RegistrationManager:
         """Returns "ok", "skipped", "stale" or "failed"."""
         async with self.gate.hold(kind):
             generation, inventory = self.generation, self.inventory
-            if inventory.count == 0 or (kind == "recovery" and self.registered):
+            if inventory.count == 0 or (kind in ("initial", "recovery") and self.registered):
                 return "skipped"
             self.metrics.registration_attempts.labels(kind).inc()
             log.v(2, "registering %d GPUs (generation %d, %s)", inventory.count, generation, kind)
@@ -227,7 +228,8 @@ class RegistrationManager:
                 await self._gpu_changed.wait()
                 continue
             try:
-                outcome = await self.register("recovery")
+                # "initial" until the first success, so the logs do not call a first start a recovery.
+                outcome = await self.register("recovery" if self.registration_id else "initial")
             except ControlPlaneError as e:
                 delay = self.backoff.next_delay()
                 self.next_retry_in = delay

@@ -63,7 +63,12 @@ def document() -> dict[str, Any]:
             "/v1/credentials/renew": {"post": _op(
                 "Exchange a valid credential for a fresh one",
                 {"200": {"description": "renewed", **_json(_obj(["credential"], credential=_CREDENTIAL))}})},
-            "/v1/queue/items": {"post": _op(
+            "/v1/queue/items": {"get": _op(
+                "The newest 200 items, oldest first (admin token)",
+                {"200": {"description": "items", **_json(_obj(["items"], items={"type": "array", "items": _obj(
+                    ["id", "idempotencyKey", "state", "deliveries", "createdAt"], id=_INT, idempotencyKey=_STR,
+                    state={"type": "string", "enum": ["queued", "leased", "done"]}, deliveries=_INT, createdAt=_NUM,
+                    ackedAt=_NUM)}))}}), "post": _op(
                 "Enqueue a work item (admin token); idempotent on idempotencyKey",
                 {"201": {"description": "created", **_json(_obj(["id"], id=_INT, created={"type": "boolean"}))},
                  "200": {"description": "already present", **_json(_obj(["id"], id=_INT, created={"type": "boolean"}))}},

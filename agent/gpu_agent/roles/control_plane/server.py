@@ -30,6 +30,7 @@ log = get_logger(__name__)
 FAULT_MODES = ("status", "delay", "drop", "malformed")
 ITEM_ACTION = re.compile(r"^/v1/queue/items/(\d+)/(ack|release)$")
 MAX_BODY = 1 << 20
+LIST_LIMIT = 200  # GET /v1/queue/items shows the newest items only
 
 # Which token each endpoint takes (the item ack/release routes are matched by ITEM_ACTION).
 ROUTES: dict[tuple[str, str], set[str]] = {
@@ -37,6 +38,7 @@ ROUTES: dict[tuple[str, str], set[str]] = {
     ("POST", "/v1/deregister"): {"registration"},
     ("POST", "/v1/credentials/renew"): {"credential"},
     ("POST", "/v1/queue/items"): {"admin"},
+    ("GET", "/v1/queue/items"): {"admin"},
     ("POST", "/v1/queue/lease"): {"credential"},
     ("GET", "/v1/status"): {"admin", "credential"},
     ("POST", "/admin/faults"): {"admin"},
@@ -162,6 +164,8 @@ class ControlPlane:
             self.store.revoke(token)
             log.v(1, "cluster %s renewed its credential", cluster_id)
             return 200, {"credential": {"token": token_value, "expiresInSeconds": s.credential_ttl, "expiresAt": expires_at}}
+        if path == "/v1/queue/items" and method == "GET":
+            return 200, {"items": self.store.list_items(LIST_LIMIT)}
         if path == "/v1/queue/items":
             key = _field(body, "idempotencyKey", str)
             if not key:

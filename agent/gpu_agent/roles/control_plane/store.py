@@ -158,6 +158,14 @@ class Store:
         self._notify()
         return "released" if cur.rowcount else "stale-lease"
 
+    def list_items(self, limit: int) -> list[dict[str, Any]]:
+        """The newest `limit` items, oldest first: what `gpu-agent queue list` shows."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, idempotency_key, state, deliveries, created_at, acked_at FROM items "
+                                    "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [{"id": r[0], "idempotencyKey": r[1], "state": r[2], "deliveries": r[3], "createdAt": r[4],
+                 **({"ackedAt": r[5]} if r[5] is not None else {})} for r in reversed(rows)]
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             counts = dict(self._db.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall())

@@ -1,0 +1,62 @@
+"""Every command's --help works and lists every option with its default and meaning."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from gpu_agent import cli
+from gpu_agent.foundations.version import version_info
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, path + (name,))
+
+
+PARSERS = list(_parsers(cli.build_parser()))
+
+
+@pytest.mark.parametrize("path,parser", PARSERS, ids=[" ".join(p) or "gpu-agent" for p, _ in PARSERS])
+def test_help_renders_and_every_option_has_a_default_and_meaning(path, parser):
+    text = parser.format_help()  # raised TypeError on the `80%` of a help text before
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "version", "config"):
+            continue
+        assert action.help, f"{' '.join(path)} {action.option_strings[0]} has no help"
+        if action.dest in ("payload",):
+            continue
+        assert "default:" in action.help, f"{' '.join(path)} {action.option_strings[0]} does not show its default"
+    assert "%%" not in text
+
+
+def test_every_subcommand_help_exits_zero_from_the_command_line():
+    for path, _ in PARSERS:
+        out = subprocess.run([sys.executable, "-m", "gpu_agent", *path, "--help"], capture_output=True, text=True)
+        assert out.returncode == 0 and "usage:" in out.stdout, (path, out.stderr[-500:])
+
+
+def test_fake_gpu_help_for_every_subcommand_shows_defaults():
+    out = subprocess.run([sys.executable, "-m", "fake_gpu", "cycle", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag, default in (("--from", "0"), ("--to", "4"), ("--times", "3"), ("--interval", "2")):
+        assert re.search(rf"{flag} \w+\s+.*\(default {default}\)", out.stdout), (flag, out.stdout)
+    for sub in ("set", "status", "daemon", "smi"):
+        assert subprocess.run([sys.executable, "-m", "fake_gpu", sub, "--help"], capture_output=True).returncode == 0
+
+
+def test_version_flag_and_subcommand_agree_and_name_a_commit_in_a_checkout():
+    flag = subprocess.run([sys.executable, "-m", "gpu_agent", "--version"], capture_output=True, text=True)
+    info = version_info()
+    assert flag.returncode == 0
+    assert flag.stdout.strip() == f"gpu-agent {info['version']} (commit {info['commit']}, built {info['buildDate']})"
+    # The tests run from a git checkout: the commit is a real one, not "unknown".
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", info["commit"]), info
+    assert re.match(r"\d{4}-\d{2}-\d{2}T", info["buildDate"]), info
