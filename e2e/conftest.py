@@ -78,6 +78,16 @@ def dump(core: client.CoreV1Api, ns: str) -> None:
         print(f"event {ev.involved_object.kind}/{ev.involved_object.name}: {ev.reason}: {ev.message}")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A cluster the suite did not create is never disrupted: those tests skip, saying why."""
+    if cluster.provider() == "existing":
+        skip = pytest.mark.skip(reason="disruptive (restarts kubelet or deletes cluster-wide objects): "
+                                       "runs on E2E_CLUSTER=ci only, never on a cluster the suite did not create")
+        for item in items:
+            if "disruptive" in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     rep = yield

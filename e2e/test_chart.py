@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 import subprocess
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
-from e2e.cluster import host_paths, tool
-from e2e.helpers import exec_python, pod_http_get, wait_until
-
-CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
-BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
-CA = "app.kubernetes.io/component=cluster-agent"
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=300)
-    if check and r.returncode:
-        raise AssertionError(f"helm {' '.join(args)} failed: {r.stderr}")
-    return r
-
+from e2e.cluster import tool
+from e2e.helpers import pod_http_get, wait_until
+from e2e.release import BASE, CA, CHART, Release, helm
 
 def render(*sets: str) -> list[dict]:
     out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
@@ -83,57 +70,6 @@ def test_rendered_strategy_default_graceful_and_explicit():
     assert graceful["spec"]["strategy"] == {"type": "Recreate"}
     explicit = cluster_agent_deployment(render("--set", "gracefulNoGPU=true", "--set", "clusterAgent.strategy.type=RollingUpdate"))
     assert explicit["spec"]["strategy"] == {"type": "RollingUpdate"}
-
-
-class Release:
-    """A gpu-agent release on the fake GPUs, with probes through the API server."""
-
-    def __init__(self, api, core, apps, kubeconfig, namespace, name="ga"):
-        self.api, self.core, self.apps, self.namespace, self.name = api, core, apps, namespace, name
-        self.kubeconfig = str(kubeconfig)
-        self.fullname = f"{name}-gpu-agent" if "gpu-agent" not in name else name
-
-    def args(self, *extra):
-        return ["--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, str(CHART), *BASE,
-                "--set", "image.pullPolicy=Never", "--set", "nodeAgent.gpuSource=fake", "--set", "nodeAgent.nodeSelector=null",
-                "--set", f"nodeAgent.fakeGpuStateDir={host_paths()['stateDir']}", "--set", "logVerbosity=2", *extra]
-
-    def install(self, *extra):
-        return helm("install", *self.args(*extra), "--timeout", "120s")
-
-    def upgrade(self, *extra):
-        return helm("upgrade", *self.args(*extra), "--timeout", "120s")
-
-    def uninstall(self):
-        return helm("uninstall", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, "--wait", "--timeout", "120s")
-
-    def pods(self, selector):
-        return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
-
-    def agent_pod(self):
-        pods = [p for p in self.pods(CA) if p.metadata.deletion_timestamp is None and p.status.phase == "Running"]
-        return pods[0].metadata.name if len(pods) == 1 else None
-
-    def healthz(self):
-        """(status, body) of the agent's own /healthz; (0, None) until the agent itself answers
-        (the API server's proxy says 503 too while a pod is not serving yet)."""
-        pod = self.agent_pod()
-        if pod is None:
-            return 0, None
-        code, body = pod_http_get(self.core, self.namespace, pod, 8080, "healthz")
-        return (code, body) if isinstance(body, dict) and "components" in body else (0, None)
-
-    def control_plane(self, code: str) -> str:
-        pod = self.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
-        prelude = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
-                   "from gpu_agent.foundations.secrets import Secret\n"
-                   "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
-                   "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
-        return exec_python(self.api, self.namespace, pod, prelude + code)
-
-    def tokens(self):
-        secret = self.core.read_namespaced_secret(f"{self.fullname}-control-plane-tokens", self.namespace)
-        return [base64.b64decode(v).decode() for v in secret.data.values()]
 
 
 @pytest.fixture
@@ -226,6 +162,7 @@ def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(rele
     assert code == 503 and health["components"]["queues"]["reason"].startswith("paused")
 
 
+@pytest.mark.disruptive
 def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_path, api):
     ext = client.ApiextensionsV1Api(api)
     old_chart = tmp_path / "gpu-agent"

@@ -6,6 +6,7 @@ import json
 import statistics
 import time
 
+import pytest
 from kubernetes import client
 
 from e2e.cluster import host_paths, restart_kubelet
@@ -69,6 +70,7 @@ def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, ap
     assert health["components"]["gpus"]["details"]["uuids"] == advertised
 
 
+@pytest.mark.disruptive
 def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_gpus, core):
     fake_gpus.set(3)
     pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]

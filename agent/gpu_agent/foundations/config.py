@@ -10,6 +10,7 @@ the environment or a file only (a flag would show in `ps`), and print as `<redac
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -141,6 +142,14 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         return Config(list(self._settings.values()), {**self._values, **changes})
+
+    def describe(self) -> list[str]:
+        """The effective configuration as readable `name: value` lines, secrets redacted."""
+        out = []
+        for name, value in self.redacted().items():
+            shown = json.dumps(value) if isinstance(value, (dict, list)) or value == "" else value
+            out.append(f"{name}: {shown}")
+        return out
 
     def redacted(self) -> dict[str, Any]:
         out = {}

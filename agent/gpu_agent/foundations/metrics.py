@@ -17,6 +17,8 @@ class AgentMetrics:
         self.backoff = Gauge("gpu_agent_registration_backoff_seconds", "Current registration retry delay (0 when not retrying)", registry=r)
         self.gpus = Gauge("gpu_agent_gpus", "GPUs currently visible to the agent", registry=r)
         self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
+        self.gpu_drops = Counter("gpu_agent_gpu_drops", "GPU losses seen: absorbed (came back within gpuLossDebounce) "
+                                 "or acted on (a real removal)", ["outcome"], registry=r)
         self.queue_paused = Gauge("gpu_agent_queue_paused", "1 while the work queue is paused", registry=r)
         self.ready = Gauge("gpu_agent_ready", "1 while every component is ready", registry=r)
         self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)

@@ -11,7 +11,6 @@ them and drops readiness again.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import threading
@@ -26,7 +25,7 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.executor import Executor, RecordingExecutor
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
@@ -98,7 +97,9 @@ class ClusterAgent:
                                    self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
                                    self.registration.credential_refused,
                                    cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0)
-        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed)
+        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed,
+                                        loss_debounce=loss_debounce(cfg),
+                                        on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         self.started = asyncio.Event()  # set once the endpoints serve
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
@@ -123,8 +124,8 @@ class ClusterAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration (secrets redacted):")
-        for name, value in self.cfg.redacted().items():
-            log.info("  %s: %s", name, json.dumps(value) if isinstance(value, (dict, list)) or value == "" else value)
+        for line in self.cfg.describe():
+            log.info("  %s", line)
         self.endpoints.start()
         aggregator: Any = None
         if self.cfg.domainName:

@@ -11,7 +11,6 @@ reason. With `domainName` set it also keeps this node's entry in that shared GPU
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 from pathlib import Path
@@ -24,7 +23,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
 from gpu_agent.roles.endpoints import EndpointServer
 
 log = get_logger(__name__)
@@ -71,7 +70,8 @@ class NodeAgent:
                                            Path(cfg.peersFile) if cfg.peersFile else None)
         self.metrics = AgentMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
-                                        self._gpus_changed, zero_is_ready=True)
+                                        self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
+                                        on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
 
@@ -82,7 +82,9 @@ class NodeAgent:
             self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0)
 
     async def run(self, stop: asyncio.Event) -> None:
-        log.info("effective configuration: %s", json.dumps(self.cfg.redacted(), sort_keys=True))
+        log.info("effective configuration (secrets redacted):")
+        for line in self.cfg.describe():
+            log.info("  %s", line)
         self.endpoints.start()
         log.info("node agent for %s serving on http://%s", self.cfg.nodeName, self.endpoints.address)
         try:

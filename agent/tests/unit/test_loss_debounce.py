@@ -1,0 +1,159 @@
+"""GPU losses are debounced, arrivals are not (mechanisms/inventory/monitor.py), on the manual clock.
+
+The source is a script of readings, one per poll; the evidence is the events the monitor hands
+to its subscriber (what registration sees) and the drop outcomes it reports, not its own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpu_agent.foundations.clock import ManualClock
+from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.mechanisms.inventory.monitor import InventoryMonitor
+from gpu_agent.mechanisms.inventory.source import Reading
+
+POLL = 0.5
+WINDOW = 5.0
+
+
+def gpus(n: int) -> Inventory:
+    return Inventory(tuple(GPU(f"GPU-{i:04d}", "H100", 80 << 30, index=i) for i in range(n)))
+
+
+class ScriptedSource:
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.reading = Reading(gpus(0))
+        self.reads = 0
+
+    def read(self) -> Reading:
+        self.reads += 1
+        return self.reading
+
+    def close(self) -> None:
+        pass
+
+
+class Rig:
+    def __init__(self, window: float = WINDOW) -> None:
+        self.clock = ManualClock()
+        self.source = ScriptedSource()
+        self.health = HealthRegistry(self.clock, ["gpus"])
+        self.events: list[tuple[float, int, int]] = []  # (time, generation, count) as the subscriber saw them
+        self.drops: list[tuple[float, str]] = []
+        self.monitor = InventoryMonitor(self.source, self.clock, self.health, POLL, self._changed,
+                                        loss_debounce=window, on_drop=lambda o: self.drops.append((self.clock.monotonic(), o)))
+
+    async def _changed(self, e) -> None:
+        self.events.append((self.clock.monotonic(), e.generation, e.inventory.count))
+
+    def set(self, n: int | None, error: str | None = None) -> None:
+        self.source.reading = Reading(Inventory(), error=error) if error else Reading(gpus(n or 0))
+
+    async def __aenter__(self) -> Rig:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+
+
+async def poll() -> None:
+    # The source is read in a worker thread; give it a real moment to come back.
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+async def run_for(rig: Rig, seconds: float) -> None:
+    steps = round(seconds / POLL)
+    for _ in range(steps):
+        await rig.clock.advance(POLL)
+        await poll()
+
+
+async def start_with(rig: Rig, n: int) -> None:
+    """The agent starts on `n` GPUs: the first reading is published at once, whatever it holds."""
+    rig.set(n)
+    rig.task = asyncio.create_task(rig.monitor.run())
+    await poll()
+    await run_for(rig, POLL)
+
+
+async def test_a_drop_shorter_than_the_window_is_absorbed_without_a_new_generation():
+    async with Rig() as rig:
+        await start_with(rig, 4)
+        assert [c for _, _, c in rig.events] == [4]
+        rig.set(0)
+        await run_for(rig, 2.0)  # kubelet restart: allocatable reads 0 for 2 s
+        health = rig.health.get("gpus")
+        assert health.ready and "drop pending" in health.reason and "0 GPUs" in health.reason
+        assert health.details["pendingDrop"]["seenCount"] == 0
+        rig.set(4)
+        await run_for(rig, 10.0)
+        assert [(g, c) for _, g, c in rig.events] == [(1, 4)]  # no generation change, nothing re-registered
+        assert [o for _, o in rig.drops] == ["absorbed"]
+        assert "pendingDrop" not in rig.health.get("gpus").details
+        assert rig.source.reads >= 20  # the monitor kept polling through it
+
+
+async def test_a_drop_longer_than_the_window_acts_at_window_plus_one_poll():
+    async with Rig() as rig:
+        await start_with(rig, 4)
+        rig.set(0)
+        t_drop = rig.clock.monotonic()
+        await run_for(rig, 10.0)
+        assert [(g, c) for _, g, c in rig.events] == [(1, 4), (2, 0)]
+        acted_at = rig.events[-1][0] - t_drop
+        assert WINDOW <= acted_at <= WINDOW + 2 * POLL, acted_at
+        assert [o for _, o in rig.drops] == ["acted"]
+        assert not rig.health.get("gpus").ready
+
+
+async def test_an_arrival_acts_at_once_even_during_a_pending_drop():
+    async with Rig() as rig:
+        await start_with(rig, 2)
+        rig.set(4)
+        t = rig.clock.monotonic()
+        await run_for(rig, POLL)
+        assert rig.events[-1][2] == 4 and rig.events[-1][0] - t <= POLL
+        rig.set(1)
+        await run_for(rig, 1.0)
+        rig.set(8)  # more than before the drop: only additions, act at once
+        t = rig.clock.monotonic()
+        await run_for(rig, POLL)
+        assert [c for _, _, c in rig.events] == [2, 4, 8] and rig.events[-1][0] - t <= POLL
+
+
+async def test_a_drop_followed_by_a_different_inventory_acts_on_the_new_one_at_the_first_windows_end():
+    async with Rig() as rig:
+        await start_with(rig, 4)
+        rig.set(0)
+        t_drop = rig.clock.monotonic()
+        await run_for(rig, 2.0)
+        rig.set(2)  # the plugin came back with two GPUs fewer
+        await run_for(rig, 8.0)
+        assert [c for _, _, c in rig.events] == [4, 2]
+        assert WINDOW <= rig.events[-1][0] - t_drop <= WINDOW + 2 * POLL
+
+
+async def test_an_unreadable_source_is_a_loss_and_is_debounced_too():
+    async with Rig() as rig:
+        await start_with(rig, 4)
+        rig.set(None, error="API server unreachable")
+        await run_for(rig, 2.0)
+        assert len(rig.events) == 1
+        rig.set(4)
+        await run_for(rig, 2.0)
+        assert len(rig.events) == 1 and [o for _, o in rig.drops] == ["absorbed"]
+
+
+async def test_window_zero_acts_on_every_change_at_the_next_poll():
+    async with Rig(window=0.0) as rig:
+        await start_with(rig, 4)
+        rig.set(0)
+        t = rig.clock.monotonic()
+        await run_for(rig, POLL)
+        assert [c for _, _, c in rig.events] == [4, 0] and rig.events[-1][0] - t <= POLL
+        assert [o for _, o in rig.drops] == ["acted"]
