@@ -22,6 +22,7 @@ import sys
 from gpu_agent.foundations import klog
 from gpu_agent.foundations.config import VERBOSITY, ConfigError, Setting, add_arguments, load
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.version import version_info
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
 from gpu_agent.roles import cluster_agent, local, node_agent
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "queue":
             return _queue(args, cfg)
         asyncio.run(_serve(args.role, cfg))
-    except ConfigError as e:
+    except (ConfigError, ListenError) as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -42,7 +42,11 @@ def _current(path: Path) -> Inventory:
 
 def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: int) -> str:
     inventory = build(_current(path), count, product, memory_mib, random.Random(), max_gpus)
-    fake_state.write_atomic(path, fake_state.render(inventory, node="local"))
+    try:
+        fake_state.write_atomic(path, fake_state.render(inventory, node="local"))
+    except OSError as e:
+        raise LayoutError(f"cannot write the state file {path}: {e.strerror or e}; "
+                          "choose a writable one with --state-file PATH") from None
     return f"{path}: {inventory.count} fake GPUs"
 
 
@@ -61,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted locally (default {MAX_GPUS})")
     for p in (p_set, p_cycle, p_status):
         p.add_argument("--node", default=None, help="a cluster node: change its layout on the cluster instead of a local file")
+        # Also after the subcommand, where people (and our own error messages) put it.
+        p.add_argument("--state-file", type=Path, default=argparse.SUPPRESS, dest="state_file",
+                       help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
     p_set.add_argument("--count", type=int, required=True, help="number of GPUs, 0 or more (required)")
     p_cycle.add_argument("--from", type=int, dest="low", default=0, help="the count each cycle ends at (default 0)")
     p_cycle.add_argument("--to", type=int, dest="high", default=4, help="the count each cycle starts at (default 4)")
@@ -114,11 +121,18 @@ def main(argv: list[str] | None = None) -> int:
                 return f"node {args.node}: {layout.count} fake GPUs"
             return _set_local(path, count, args.product, args.memory_mib, args.max_gpus)
 
+        if args.max_gpus < 1:
+            raise LayoutError(f"--max must be 1 or more, got {args.max_gpus}")
         if args.command == "set":
             print(set_count(args.count))
         else:
-            if args.times < 1 or args.interval < 0:
-                raise LayoutError("--times must be 1 or more and --interval 0 or more")
+            if args.times < 1:
+                raise LayoutError(f"--times must be 1 or more, got {args.times}")
+            if not 0 <= args.interval <= 3600:  # NaN fails too
+                raise LayoutError(f"--interval must be between 0 and 3600 seconds, got {args.interval}")
+            for flag, value in (("--from", args.low), ("--to", args.high)):
+                if not 0 <= value <= args.max_gpus:
+                    raise LayoutError(f"{flag} must be between 0 and --max ({args.max_gpus}), got {value}")
             for k in range(args.times):
                 for count in (args.high, args.low):
                     print(f"cycle {k + 1}/{args.times}: {set_count(count)}", flush=True)

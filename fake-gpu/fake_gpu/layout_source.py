@@ -32,9 +32,10 @@ class NodeLayout:
 
 def max_count(data: dict[str, str]) -> int:
     try:
-        return int(data.get("maxCount", MAX_GPUS))
-    except ValueError:
+        value = int(data.get("maxCount", MAX_GPUS))
+    except (TypeError, ValueError):
         return MAX_GPUS
+    return value if 0 <= value <= 4096 else MAX_GPUS
 
 
 def validate(layout: NodeLayout, limit: int) -> NodeLayout:
@@ -42,7 +43,7 @@ def validate(layout: NodeLayout, limit: int) -> NodeLayout:
         raise LayoutError(f"count must be 0 or more, got {layout.count!r}")
     if layout.count > limit:
         raise LayoutError(f"count must be at most maxCount={limit}, got {layout.count}")
-    if not isinstance(layout.memory_mib, int) or layout.memory_mib <= 0:
+    if not isinstance(layout.memory_mib, int) or isinstance(layout.memory_mib, bool) or not 0 < layout.memory_mib <= 1 << 40:
         raise LayoutError(f"memoryMiB must be a positive integer, got {layout.memory_mib!r}")
     if not isinstance(layout.product, str) or not layout.product.strip():
         raise LayoutError("product must be a non-empty string")
@@ -50,10 +51,14 @@ def validate(layout: NodeLayout, limit: int) -> NodeLayout:
 
 
 def parse_entry(text: str, node: str, limit: int) -> NodeLayout:
+    if len(text) > 4096:
+        raise LayoutError(f"layout of node {node} is {len(text)} characters; a layout is a small object like {{\"count\": 4}}")
     try:
         doc: Any = json.loads(text)
     except json.JSONDecodeError as e:
         raise LayoutError(f"layout of node {node} is not valid JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # integers over Python's digit limit, absurd nesting
+        raise LayoutError(f"layout of node {node} is not usable JSON: {type(e).__name__}") from None
     if not isinstance(doc, dict):
         raise LayoutError(f"layout of node {node} must be an object like {{\"count\": 4}}")
     unknown = set(doc) - {"count", "product", "memoryMiB"}

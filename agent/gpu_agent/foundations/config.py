@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from gpu_agent.foundations.klog import quote
 from gpu_agent.foundations.secrets import Secret
 
 ENV_PREFIX = "GPU_AGENT_"
@@ -32,6 +33,13 @@ FEATURE_GATES = {
 
 class ConfigError(Exception):
     pass
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def quote_one_line(value: object, limit: int = 200) -> str:
+    return quote(str(value)[:limit])
 
 
 def _snake(name: str) -> str:
@@ -51,6 +59,8 @@ class Setting:
 
     @property
     def flag(self) -> str:
+        if self.name == "verbosity":
+            return "-v"
         return "--" + _snake(self.name).replace("_", "-")
 
     @property
@@ -75,7 +85,10 @@ class Setting:
 
     def convert(self, raw: Any, origin: str) -> Any:
         def bad() -> ConfigError:
-            shown = "<redacted>" if self.kind == "secret" else repr(raw)
+            try:
+                shown = "<redacted>" if self.kind == "secret" else quote_one_line(repr(raw))
+            except RecursionError:
+                shown = f"a {type(raw).__name__} nested too deeply"
             return ConfigError(f"invalid value for {self.name} (from {origin}): must be {self.describe_range()}, "
                                f"got {shown}; set it with {self.flag} or {self.env}")
 
@@ -100,6 +113,8 @@ class Setting:
             if text in ("false", "0", "no", "off"):
                 return False
             raise bad()
+        if isinstance(raw, (dict, list, tuple, set)):
+            raise bad()  # a structure where one value belongs (from a config file)
         text = "" if raw is None else str(raw)
         if self.kind == "featureGates":
             gates = dict(FEATURE_GATES)
@@ -202,16 +217,25 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
     config_file = getattr(args, "config", None)
     if config_file:
         try:
-            doc = yaml.safe_load(Path(config_file).read_text()) or {}
+            raw_bytes = Path(config_file).read_bytes()
+            if len(raw_bytes) > MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {config_file} is larger than {MAX_CONFIG_BYTES} bytes; "
+                                  "it holds a few settings")
+            doc = yaml.safe_load(raw_bytes.decode("utf-8")) or {}
         except OSError as e:
-            raise ConfigError(f"config file {config_file} cannot be read: {e.strerror}") from None
+            raise ConfigError(f"config file {config_file} cannot be read: {e.strerror}; point --config at a "
+                              "readable YAML file") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {config_file} is not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {config_file} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {config_file} is not valid YAML: {quote_one_line(e)}") from None
+        except (RecursionError, ValueError) as e:
+            raise ConfigError(f"config file {config_file} is not usable YAML ({type(e).__name__})") from None
         if not isinstance(doc, dict):
             raise ConfigError(f"config file {config_file} must hold a mapping of setting names to values")
         for key, value in doc.items():
-            if key not in by_name:
-                raise ConfigError(f"unknown setting {key!r} in config file {config_file}; "
+            if not isinstance(key, str) or key not in by_name:
+                raise ConfigError(f"unknown setting {quote_one_line(key)!r} in config file {config_file}; "
                                   f"known settings: {', '.join(sorted(by_name))}")
             if by_name[key].kind == "secret":
                 raise ConfigError(f"setting {key!r} is a secret and cannot be set in a config file; "

@@ -96,6 +96,9 @@ class ControlPlaneClient:
         except requests.ConnectionError as e:
             log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
             raise ControlPlaneError("unavailable", f"{where}: connection failed ({type(e).__name__})") from None
+        except requests.RequestException as e:  # e.g. the connection dropped mid-response
+            log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
+            raise ControlPlaneError("unavailable", f"{where}: response broken off ({type(e).__name__})") from None
         status = resp.status_code
         log.v(6, "control plane: %s -> %d (%.1f ms)", where, status, (time.monotonic() - started) * 1000)
         if status in (401, 403):

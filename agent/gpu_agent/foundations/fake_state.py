@@ -33,12 +33,20 @@ def default_path() -> Path:
     return Path(os.environ.get(DEFAULT_PATH_ENV) or DEFAULT_PATH)
 
 
+# A node has a handful of GPUs; a file far larger than any real layout is refused before it is
+# parsed, so a bad file can cost neither memory nor time (a 100,000-GPU file once kept 100 MiB).
+MAX_FILE_BYTES = 1 << 20
+MAX_GPUS = 1024
+
+
 def parse(text: str, source: str = "fake GPU state") -> Inventory:
+    fix = "rewrite it with `fake-gpu set --count N`"
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise FakeStateError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
-                             "rewrite it with `fake-gpu set --count N`") from None
+        raise FakeStateError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}") from None
+    except (ValueError, RecursionError) as e:  # integers over Python's digit limit, absurd nesting
+        raise FakeStateError(f"{source}: not usable JSON ({type(e).__name__}); {fix}") from None
     if not isinstance(doc, dict):
         raise FakeStateError(f"{source}: top level must be an object with a 'gpus' list")
     if doc.get("apiVersion") != API_VERSION:
@@ -46,6 +54,8 @@ def parse(text: str, source: str = "fake GPU state") -> Inventory:
     gpus_doc = doc.get("gpus")
     if not isinstance(gpus_doc, list):
         raise FakeStateError(f"{source}: field 'gpus' must be a list, got {type(gpus_doc).__name__}")
+    if len(gpus_doc) > MAX_GPUS:
+        raise FakeStateError(f"{source}: {len(gpus_doc)} GPUs; at most {MAX_GPUS} fit one node's fake state; {fix}")
     gpus: list[GPU] = []
     seen: set[str] = set()
     for i, g in enumerate(gpus_doc):
@@ -59,10 +69,10 @@ def parse(text: str, source: str = "fake GPU state") -> Inventory:
             raise FakeStateError(f"{where}.uuid {uuid} appears twice")
         seen.add(uuid)
         name = g.get("name")
-        if not isinstance(name, str) or not name:
-            raise FakeStateError(f"{where}.name must be a non-empty string")
+        if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+            raise FakeStateError(f"{where}.name must be a non-empty printable string of at most 256 characters")
         mem = g.get("memoryTotalBytes")
-        if not isinstance(mem, int) or isinstance(mem, bool) or mem <= 0:
+        if not isinstance(mem, int) or isinstance(mem, bool) or not 0 < mem <= 2**63 - 1:
             raise FakeStateError(f"{where}.memoryTotalBytes must be a positive integer, got {mem!r}")
         mig = g.get("migMode", False)
         if not isinstance(mig, bool):
@@ -72,13 +82,20 @@ def parse(text: str, source: str = "fake GPU state") -> Inventory:
 
 
 def read(path: Path) -> Inventory:
+    fix = f"`fake-gpu set --count N --state-file {path}`"
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise FakeStateError(f"fake GPU state file {path} does not exist; create it with "
-                             f"`fake-gpu set --count N --state-file {path}`") from None
+        raise FakeStateError(f"fake GPU state file {path} does not exist; create it with {fix}") from None
     except OSError as e:
         raise FakeStateError(f"fake GPU state file {path} cannot be read: {e.strerror}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise FakeStateError(f"fake GPU state file {path} is larger than {MAX_FILE_BYTES} bytes; rewrite it with {fix}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FakeStateError(f"fake GPU state file {path} is not UTF-8 (byte {e.start}); rewrite it with {fix}") from None
     return parse(text, str(path))
 
 

@@ -25,12 +25,22 @@ def _level_for_v(v: int) -> int:
     return logging.INFO - v
 
 
+def quote(value: object) -> str:
+    """A value from outside, safe inside one log line: control characters (a newline that would
+    forge a second line, an escape sequence) are written as escapes."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class KlogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, tz=timezone.utc)
         letter = _LEVEL_LETTER.get(record.levelno, "I" if record.levelno < logging.WARNING else "W")
         head = f"{letter}{ts:%m%d %H:%M:%S}.{ts.microsecond:06d} {record.process:>7} {record.filename}:{record.lineno}]"
-        text = f"{head} {record.getMessage()}"
+        # One record is one line, whatever its arguments hold; only a traceback adds lines.
+        text = f"{head} {quote(record.getMessage())}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return REDACTOR.scrub(text)
@@ -71,6 +81,9 @@ def setup(verbosity: int, stream: TextIO | None = None) -> None:
     root.addHandler(handler)
     root.setLevel(_level_for_v(verbosity))
     root.propagate = False
+    from gpu_agent.foundations.http import route_waitress_logs
+
+    route_waitress_logs(handler)
     for i in range(1, 8):
         logging.addLevelName(_level_for_v(i), f"V{i}")
     if os.environ.get("PYTHONWARNINGS") is None:

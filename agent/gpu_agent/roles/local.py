@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from gpu_agent.foundations import fake_state
-from gpu_agent.foundations.config import Config, Setting
+from gpu_agent.foundations.config import Config, ConfigError, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
@@ -25,6 +25,10 @@ from gpu_agent.roles import cluster_agent
 from gpu_agent.roles.control_plane.main import STORE_SETTINGS, build_server
 
 log = get_logger(__name__)
+
+# Settings whose default lives in the state folder.
+DEFAULT_FILES = {"database": ".run/control-plane.sqlite", "executorJournal": ".run/executions.sqlite",
+                 "fakeGpuStateFile": ".run/fake-gpus.json"}
 
 SETTINGS = [
     *cluster_agent.SETTINGS,
@@ -36,12 +40,27 @@ SETTINGS = [
 
 
 def _token(path: Path) -> Secret:
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32))
-    return Secret(path.read_text().strip())
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+        return Secret(path.read_text().strip())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"token file {path} cannot be created or read ({getattr(e, 'strerror', None) or e}); "
+                          "point --state-dir at a writable folder") from None
+
+
+def in_state_dir(cfg: Config) -> Config:
+    """Files left at their defaults follow --state-dir, as its help says: tokens, both databases
+    and the fake GPU state file."""
+    state = Path(cfg.stateDir)
+    if state == Path(".run"):
+        return cfg
+    moved = {name: str(state / Path(default).name) for name, default in DEFAULT_FILES.items()
+             if getattr(cfg, name) == default}
+    return cfg.replace(**moved)
 
 
 def _command(name: str) -> str:
@@ -77,6 +96,7 @@ def banner(agent_url: str, control_plane_url: str, state: Path, fake_file: Path,
 
 
 async def run(cfg: Config, stop: asyncio.Event) -> None:
+    cfg = in_state_dir(cfg)
     state = Path(cfg.stateDir)
     registration_token = _token(state / "registration-token")
     admin_token = _token(state / "admin-token")

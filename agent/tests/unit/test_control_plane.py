@@ -112,9 +112,12 @@ def test_bad_requests_name_the_field(cp):
     server, _ = cp
     auth = {"Authorization": "Bearer " + REG.reveal()}
     r = requests.post(server.url + "/v1/register", json={"clusterId": "c", "gpus": []}, headers=auth, timeout=5)
-    assert r.status_code == 400 and "generation" in r.json()["error"]
-    r = requests.post(server.url + "/v1/register", data=b"{nope", headers=auth, timeout=5)
+    assert r.status_code == 422 and "'generation'" in r.json()["error"] and "Field required" in r.json()["error"]
+    json_type = {**auth, "Content-Type": "application/json"}
+    r = requests.post(server.url + "/v1/register", data=b"{nope", headers=json_type, timeout=5)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    r = requests.post(server.url + "/v1/register", data=b"{}", headers=auth, timeout=5)
+    assert r.status_code == 415 and "application/json" in r.json()["error"]
 
 
 @pytest.mark.parametrize("fault,kind", [

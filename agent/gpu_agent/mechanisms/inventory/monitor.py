@@ -80,7 +80,10 @@ class InventoryMonitor:
         self.pending: PendingDrop | None = None
 
     async def poll_once(self) -> InventoryEvent | None:
-        reading: Reading = await asyncio.to_thread(self.source.read)
+        try:
+            reading: Reading = await asyncio.to_thread(self.source.read)
+        except Exception as e:  # noqa: BLE001 - a source that breaks is a source that cannot be read
+            reading = Reading(Inventory(), error=f"GPU source {self.source.name} failed: {type(e).__name__}: {e}"[:500])
         return await self.observe(reading)
 
     async def observe(self, reading: Reading) -> InventoryEvent | None:

@@ -14,6 +14,8 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+
+from gpu_agent.foundations.files import open_database
 from typing import Protocol
 
 from gpu_agent.foundations.control_plane_client import WorkItem
@@ -31,13 +33,9 @@ class Executor(Protocol):
 
 class RecordingExecutor:
     def __init__(self, journal: Path, work_seconds: float = 0.0) -> None:
-        journal.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(journal), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("""CREATE TABLE IF NOT EXISTS executions (
+        self._db = open_database(journal, "executor journal", "--executor-journal", """CREATE TABLE IF NOT EXISTS executions (
             idempotency_key TEXT PRIMARY KEY, item_id INTEGER NOT NULL, payload TEXT NOT NULL,
-            executed_at REAL NOT NULL, deliveries INTEGER NOT NULL)""")
+            executed_at REAL NOT NULL, deliveries INTEGER NOT NULL);""")
         self._lock = threading.Lock()
         self.work_seconds = work_seconds
 

@@ -20,6 +20,7 @@ STORE_SETTINGS = [
     Setting("credentialTtl", "seconds", 3600.0, "lifetime of an issued credential", 0.5, 86400 * 30),
     Setting("maxLeaseSeconds", "seconds", 300.0, "longest lease a consumer may ask for", 0.1, 86400),
     Setting("reregisterAfter", "seconds", 60.0, "re-registration interval suggested to agents", 1, 86400),
+    Setting("maxLeaseWait", "seconds", 30.0, "longest a long-polled lease call is held", 0, 30),
 ]
 
 SETTINGS = [
@@ -37,6 +38,6 @@ def build_server(cfg: Config, listen: str) -> ControlPlaneServer:
             raise ConfigError(f"{name} is required: set {setting.env} or {file_setting.flag}")
     store = Store(Path(cfg.database))
     cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
-                                            cfg.maxLeaseSeconds, cfg.reregisterAfter))
+                                            cfg.maxLeaseSeconds, cfg.reregisterAfter, cfg.maxLeaseWait))
     host, _, port = listen.rpartition(":")
     return ControlPlaneServer(cp, host, int(port))

@@ -1,54 +1,36 @@
-"""The reference control plane's HTTP/JSON server (stdlib `ThreadingHTTPServer`, HTTP/1.1).
+"""The reference control plane's HTTP/JSON server: api.ROUTES served by waitress (foundations/http).
 
-Every endpoint but `/healthz` needs a bearer token:
-  registration token  POST /v1/register, /v1/deregister
-  credential          POST /v1/credentials/renew, /v1/queue/lease, .../ack, .../release
-  admin token         POST /v1/queue/items, /admin/faults
-  admin or credential GET /v1/status, /openapi.json
-Faults armed through /admin/faults apply to the next matching calls (never to /healthz or
-/admin): answer with a status, delay, drop the connection, or return a malformed body.
+A request passes these steps in order, and each can only answer with a documented error:
+
+    route (404, 405 with Allow) -> fault injection -> token (401, 403) -> body: type (415),
+    JSON (400), model (422) -> handler -> response model
+
+The token is checked before the body is read, so an unauthenticated client never gets its body
+parsed. Every token is compared in constant time; credentials are looked up by hash. Faults armed
+through /admin/faults apply to the next matching calls (never to /healthz or /admin): answer with
+a status, delay, drop the connection mid-response, or return a malformed body.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import re
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from gpu_agent.foundations.klog import get_logger
+from pydantic import ValidationError
+
+from gpu_agent.foundations import http
+from gpu_agent.foundations.klog import get_logger, quote
 from gpu_agent.foundations.secrets import Secret
-from gpu_agent.roles.control_plane import openapi
+from gpu_agent.roles.control_plane import api
 from gpu_agent.roles.control_plane.store import Store
 
 log = get_logger(__name__)
 
-FAULT_MODES = ("status", "delay", "drop", "malformed")
-ITEM_ACTION = re.compile(r"^/v1/queue/items/(\d+)/(ack|release)$")
-MAX_BODY = 1 << 20
 LIST_LIMIT = 200  # GET /v1/queue/items shows the newest items only
-
-# Which token each endpoint takes (the item ack/release routes are matched by ITEM_ACTION).
-ROUTES: dict[tuple[str, str], set[str]] = {
-    ("POST", "/v1/register"): {"registration"},
-    ("POST", "/v1/deregister"): {"registration"},
-    ("POST", "/v1/credentials/renew"): {"credential"},
-    ("POST", "/v1/queue/items"): {"admin"},
-    ("GET", "/v1/queue/items"): {"admin"},
-    ("POST", "/v1/queue/lease"): {"credential"},
-    ("GET", "/v1/status"): {"admin", "credential"},
-    ("POST", "/admin/faults"): {"admin"},
-    ("DELETE", "/admin/faults"): {"admin"},
-    ("GET", "/openapi.json"): {"admin", "credential", "registration"},
-}
-
-
-class BadRequest(Exception):
-    pass
 
 
 @dataclass
@@ -92,213 +74,233 @@ class ServerSettings:
     credential_ttl: float
     max_lease_seconds: float
     reregister_after: float
+    max_lease_wait: float = 30.0  # longest a lease call is held (tests shorten it)
 
 
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True) -> Any:
-    value = body.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise BadRequest(f"field {name!r} is required and must be {getattr(kind, '__name__', 'a number')}")
-    return value
+class Refused(Exception):
+    """An answer other than the handler's success: a status and a message for the client."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or []
+
+
+def _depth(doc: Any) -> int:
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        value, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(value, dict):
+            stack.extend((v, d + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, d + 1) for v in value)
+    return deepest
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_body(environ: dict[str, Any], model: type[api.Model]) -> api.Model:
+    content_type = environ.get("CONTENT_TYPE", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise Refused(415, f"the body must be application/json (got {content_type or 'no Content-Type'})")
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        raise Refused(400, "Content-Length is not a number") from None
+    raw = environ["wsgi.input"].read(length) if length > 0 else b""
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except UnicodeDecodeError:
+        raise Refused(400, "the body is not UTF-8") from None
+    except RecursionError:
+        raise Refused(400, "the body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, integers over Python's digit limit
+        raise Refused(400, f"the body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(doc, dict):
+        raise Refused(422, "the body must be a JSON object")
+    if _depth(doc) > api.MAX_PAYLOAD_DEPTH + 2:
+        raise Refused(422, f"the body is nested more than {api.MAX_PAYLOAD_DEPTH} deep")
+    try:
+        return model.model_validate(doc)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise Refused(422, f"field {where!r}: {first['msg']}{more}") from None
 
 
 class ControlPlane:
+    """The API's behaviour, one method per route name; the WSGI app around it is `__call__`."""
+
     def __init__(self, store: Store, settings: ServerSettings) -> None:
         self.store = store
         self.settings = settings
         self.faults = Faults()
 
-    def _token_is(self, presented: str, expected: Secret) -> bool:
+    # ---- authorization -----------------------------------------------------------------------
+
+    @staticmethod
+    def _token_is(presented: str, expected: Secret) -> bool:
         return bool(expected) and hmac.compare_digest(presented.encode(), expected.reveal().encode())
 
-    def authorize(self, token: str, allowed: set[str]) -> tuple[int, str, str | None]:
-        """(status, error, cluster_id): status 0 when allowed."""
+    def authorize(self, token: str, allowed: frozenset[str]) -> str | None:
+        """The cluster id a credential belongs to (None for the other tokens); raises Refused."""
         if not token:
-            return 401, "missing bearer token", None
-        if "admin" in allowed and self._token_is(token, self.settings.admin_token):
-            return 0, "", None
-        if "registration" in allowed and self._token_is(token, self.settings.registration_token):
-            return 0, "", None
-        if "credential" in allowed:
-            cluster_id, state = self.store.credential_status(token)
-            if state == "valid":
-                return 0, "", cluster_id
-            if state == "expired":
-                return 401, "credential expired: renew before expiry or register again", None
-        return 401, "token not accepted for this endpoint", None
+            raise Refused(401, "missing bearer token", [("WWW-Authenticate", "Bearer")])
+        kinds = []
+        if self._token_is(token, self.settings.admin_token):
+            kinds.append("admin")
+        if self._token_is(token, self.settings.registration_token):
+            kinds.append("registration")
+        cluster_id, state = (None, "unknown") if kinds else self.store.credential_status(token)
+        if state == "valid":
+            kinds.append("credential")
+        if allowed.intersection(kinds):
+            return cluster_id
+        if kinds:
+            raise Refused(403, f"this endpoint takes a {' or '.join(sorted(allowed))} token, not a {kinds[0]} token")
+        if state == "expired":
+            raise Refused(401, "credential expired: renew before expiry or register again", [("WWW-Authenticate", "Bearer")])
+        raise Refused(401, "token not accepted", [("WWW-Authenticate", "Bearer")])
 
-    def handle(self, method: str, path: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+    # ---- handlers: (status, response model or None) -----------------------------------------
+
+    def healthz(self, **_: Any) -> tuple[int, api.Model]:
+        return 200, api.Healthy(status="ok")
+
+    def openapi(self, **_: Any) -> tuple[int, dict[str, Any]]:
+        return 200, api.document()
+
+    def register(self, body: api.RegisterRequest, **_: Any) -> tuple[int, api.Model]:
+        gpus = [g.model_dump() for g in body.gpus]
+        registration_id = self.store.register(body.clusterId, body.generation, gpus)
+        token, expires_at = self.store.issue_credential(body.clusterId, self.settings.credential_ttl)
+        log.info("cluster %s registered %d GPUs (generation %d)", quote(body.clusterId), len(gpus), body.generation)
+        return 200, api.RegisterResponse(registrationId=registration_id, reregisterAfterSeconds=self.settings.reregister_after,
+                                         credential=api.Credential(token=token, expiresInSeconds=self.settings.credential_ttl,
+                                                                   expiresAt=expires_at))
+
+    def deregister(self, body: api.DeregisterRequest, **_: Any) -> tuple[int, api.Model]:
+        found = self.store.deregister(body.clusterId)
+        log.info("cluster %s deregistered%s", quote(body.clusterId), "" if found else " (was not registered)")
+        return 200, api.DeregisterResponse(deregistered=found)
+
+    def renew(self, token: str, cluster_id: str | None, **_: Any) -> tuple[int, api.Model]:
+        fresh, expires_at = self.store.issue_credential(cluster_id or "", self.settings.credential_ttl)
+        self.store.revoke(token)
+        log.v(1, "cluster %s renewed its credential", quote(cluster_id or ""))
+        return 200, api.RenewResponse(credential=api.Credential(token=fresh, expiresInSeconds=self.settings.credential_ttl,
+                                                                expiresAt=expires_at))
+
+    def list_items(self, **_: Any) -> tuple[int, api.Model]:
+        return 200, api.ItemList(items=[api.ItemSummary(**i) for i in self.store.list_items(LIST_LIMIT)])
+
+    def enqueue(self, body: api.EnqueueRequest, **_: Any) -> tuple[int, api.Model]:
+        item_id, created = self.store.enqueue(body.idempotencyKey, body.payload)
+        return (201 if created else 200), api.EnqueueResponse(id=item_id, created=created)
+
+    def lease(self, body: api.LeaseRequest, **_: Any) -> tuple[int, api.Model | None]:
         s = self.settings
-        if method == "GET" and path == "/healthz":
-            return 200, {"status": "ok"}
-        item_match = ITEM_ACTION.match(path)
-        allowed = {"credential"} if (method == "POST" and item_match) else ROUTES.get((method, path))
-        if allowed is None:
-            return 404, {"error": f"no endpoint {method} {path}"}
-        status, error, cluster_id = self.authorize(token, allowed)
-        if status:
-            return status, {"error": error}
+        seconds = min(body.leaseSeconds or s.max_lease_seconds, s.max_lease_seconds)
+        item = self.store.lease_waiting(seconds, min(body.waitSeconds, s.max_lease_wait))
+        return (204, None) if item is None else (200, api.LeasedItem(**item))
 
-        if path == "/openapi.json":
-            return 200, openapi.document()
-        if path == "/v1/register":
-            cid = _field(body, "clusterId", str)
-            generation = _field(body, "generation", int)
-            gpus = _field(body, "gpus", list)
-            for i, g in enumerate(gpus):
-                if not isinstance(g, dict) or not str(g.get("uuid", "")).startswith("GPU-"):
-                    raise BadRequest(f"field 'gpus[{i}].uuid' must be a string starting with GPU-")
-            registration_id = self.store.register(cid, generation, gpus)
-            token_value, expires_at = self.store.issue_credential(cid, s.credential_ttl)
-            log.info("cluster %s registered %d GPUs (generation %d)", cid, len(gpus), generation)
-            return 200, {"registrationId": registration_id, "reregisterAfterSeconds": s.reregister_after,
-                         "credential": {"token": token_value, "expiresInSeconds": s.credential_ttl, "expiresAt": expires_at}}
-        if path == "/v1/deregister":
-            cid = _field(body, "clusterId", str)
-            found = self.store.deregister(cid)
-            log.info("cluster %s deregistered%s", cid, "" if found else " (was not registered)")
-            return 200, {"deregistered": found}
-        if path == "/v1/credentials/renew":
-            token_value, expires_at = self.store.issue_credential(cluster_id or "", s.credential_ttl)
-            self.store.revoke(token)
-            log.v(1, "cluster %s renewed its credential", cluster_id)
-            return 200, {"credential": {"token": token_value, "expiresInSeconds": s.credential_ttl, "expiresAt": expires_at}}
-        if path == "/v1/queue/items" and method == "GET":
-            return 200, {"items": self.store.list_items(LIST_LIMIT)}
-        if path == "/v1/queue/items":
-            key = _field(body, "idempotencyKey", str)
-            if not key:
-                raise BadRequest("field 'idempotencyKey' must not be empty")
-            item_id, created = self.store.enqueue(key, _field(body, "payload", dict))
-            return (201 if created else 200), {"id": item_id, "created": created}
-        if path == "/v1/queue/lease":
-            seconds = _field(body, "leaseSeconds", (int, float), required=False) or s.max_lease_seconds
-            if seconds <= 0:
-                raise BadRequest("field 'leaseSeconds' must be > 0")
-            wait = _field(body, "waitSeconds", (int, float), required=False) or 0
-            if not 0 <= wait <= 30:
-                raise BadRequest("field 'waitSeconds' must be between 0 and 30")
-            item = self.store.lease_waiting(min(float(seconds), s.max_lease_seconds), float(wait))
-            return (204, None) if item is None else (200, item)
-        if item_match:
-            item_id, action = int(item_match.group(1)), item_match.group(2)
-            lease_id = _field(body, "leaseId", str)
-            result = self.store.ack(item_id, lease_id) if action == "ack" else self.store.release(item_id, lease_id)
-            if result == "unknown":
-                return 404, {"error": f"no item {item_id}"}
-            if result == "stale-lease":
-                return 409, {"error": f"lease {lease_id} is no longer the current lease of item {item_id}"}
-            return 200, {"result": result}
-        if path == "/v1/status":
-            return 200, self.store.status()
-        if path == "/admin/faults" and method == "DELETE":
-            self.faults.clear()
-            return 200, {"cleared": True}
-        if path == "/admin/faults":
-            mode = _field(body, "mode", str)
-            if mode not in FAULT_MODES:
-                raise BadRequest(f"field 'mode' must be one of {', '.join(FAULT_MODES)}")
-            count = _field(body, "count", int, required=False) or 1
-            status_code = _field(body, "status", int, required=False) or 503
-            delay = _field(body, "delaySeconds", (int, float), required=False) or 0.0
-            if count < 1 or not 400 <= status_code <= 599 or not 0 <= delay <= 60:
-                raise BadRequest("fault needs count >= 1, status in 400..599 and delaySeconds in 0..60")
-            self.faults.arm(Fault(mode, count, status_code, float(delay), _field(body, "path", str, required=False) or "",
-                                  _field(body, "retryAfterSeconds", int, required=False)))
-            log.info("fault armed: %s x%d on %r", mode, count, body.get("path") or "every path")
-            return 200, {"armed": True}
-        return 404, {"error": f"no endpoint {method} {path}"}
+    def _item(self, params: dict[str, str], body: api.LeaseRef, action: str) -> tuple[int, api.Model]:
+        item_id = int(params["itemId"])
+        result = "unknown" if item_id > api.INT64_MAX else (
+            self.store.ack(item_id, body.leaseId) if action == "ack" else self.store.release(item_id, body.leaseId))
+        if result == "unknown":
+            raise Refused(404, f"no item {item_id}")
+        if result == "stale-lease":
+            raise Refused(409, f"that lease is no longer the current lease of item {item_id}")
+        return 200, api.ItemResult(result=result)
 
+    def ack(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
+        return self._item(params, body, "ack")
 
-def make_handler(cp: ControlPlane) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "gpu-agent-control-plane"
+    def release(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
+        return self._item(params, body, "release")
 
-        def log_message(self, fmt: str, *args: Any) -> None:  # the stdlib line would go to stderr unformatted
-            return
+    def status(self, **_: Any) -> tuple[int, api.Model]:
+        return 200, api.StatusResponse.model_validate(self.store.status())
 
-        def _send(self, status: int, doc: Any, raw: bytes | None = None, headers: dict[str, str] | None = None) -> None:
-            body = raw if raw is not None else (b"" if doc is None else json.dumps(doc).encode())
-            self.send_response(status)
-            if body:
-                self.send_header("Content-Type", "application/json")
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if body:
-                self.wfile.write(body)
+    def arm_fault(self, body: api.FaultRequest, **_: Any) -> tuple[int, api.Model]:
+        self.faults.arm(Fault(body.mode, body.count, body.status, body.delaySeconds, body.path, body.retryAfterSeconds))
+        log.info("fault armed: %s x%d on %s", body.mode, body.count, quote(body.path) if body.path else "every path")
+        return 200, api.Armed(armed=True)
 
-        def _dispatch(self, method: str) -> None:
-            started = time.monotonic()
-            path = self.path.split("?", 1)[0]
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(min(length, MAX_BODY)) if length else b""
-            fault = None if path == "/healthz" or path.startswith("/admin/") else cp.faults.take(path)
-            if fault is not None:
-                log.v(2, "injecting fault %s into %s %s", fault.mode, method, path)
-                if fault.mode == "drop":
-                    self.close_connection = True
-                    self.connection.shutdown(2)
-                    return
-                if fault.mode == "status":
-                    headers = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else None
-                    self._send(fault.status, {"error": "injected fault"}, headers=headers)
-                    return
-                if fault.mode == "delay":
-                    time.sleep(fault.delay)
-            auth = self.headers.get("Authorization", "")
-            token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-            try:
-                body = json.loads(raw) if raw else {}
-                if not isinstance(body, dict):
-                    raise BadRequest("request body must be a JSON object")
-                status, doc = cp.handle(method, path, token, body)
-            except json.JSONDecodeError:
-                status, doc = 400, {"error": "request body is not valid JSON"}
-            except BadRequest as e:
-                status, doc = 400, {"error": str(e)}
-            except Exception:  # noqa: BLE001 - the server answers 500 and stays up
-                log.error("%s %s failed", method, path, exc_info=True)
-                status, doc = 500, {"error": "internal error"}
-            if fault is not None and fault.mode == "malformed":
-                self._send(200, None, raw=b'{"registrationId": ')
-            else:
-                self._send(status, doc)
-            log.v(6, "%s %s -> %d (%.1f ms)", method, path, status, (time.monotonic() - started) * 1000)
+    def clear_faults(self, **_: Any) -> tuple[int, api.Model]:
+        self.faults.clear()
+        return 200, api.Cleared(cleared=True)
 
-        def do_GET(self) -> None:
-            self._dispatch("GET")
+    # ---- the WSGI app ------------------------------------------------------------------------
 
-        def do_POST(self) -> None:
-            self._dispatch("POST")
+    def __call__(self, environ: dict[str, Any], start_response: http.StartResponse) -> list[bytes]:
+        started = time.monotonic()
+        method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        status = 500
+        try:
+            status, out = self._answer(environ, start_response, method, path)
+            return out
+        except Refused as e:
+            status = e.status
+            return http.error(start_response, e.status, str(e), e.headers)
+        except Exception:  # noqa: BLE001 - a bug, not the client's doing: logged, answered 500
+            log.error("%s %s failed", method, quote(path), exc_info=True)
+            return http.error(start_response, 500, "internal error")
+        finally:
+            log.v(6, "%s %s -> %d (%.1f ms)", method, quote(path), status, (time.monotonic() - started) * 1000)
 
-        def do_DELETE(self) -> None:
-            self._dispatch("DELETE")
-
-    return Handler
+    def _answer(self, environ: dict[str, Any], start_response: http.StartResponse, method: str,
+                path: str) -> tuple[int, list[bytes]]:
+        route, params, allowed = api.match(method, path)
+        if route is None:
+            if allowed:
+                raise Refused(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}",
+                              [("Allow", ", ".join(allowed))])
+            raise Refused(404, f"no endpoint {path}")
+        fault = None if route.name == "healthz" or path.startswith("/admin/") else self.faults.take(path)
+        if fault is not None:
+            log.v(2, "injecting fault %s into %s %s", fault.mode, method, path)
+            if fault.mode == "status":
+                retry = [("Retry-After", str(fault.retry_after))] if fault.retry_after is not None else []
+                raise Refused(fault.status, "injected fault", retry)
+            if fault.mode == "drop":  # headers promise a body that never comes: the connection closes
+                start_response("200 OK", [("Content-Length", "64"), ("Content-Type", "application/json")])
+                return 200, []
+            if fault.mode == "delay":
+                time.sleep(fault.delay)
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        cluster_id = self.authorize(token, route.tokens) if route.tokens else None
+        body = parse_body(environ, route.request) if route.request is not None else None
+        code, model = getattr(self, route.name)(body=body, params=params, token=token, cluster_id=cluster_id)
+        if fault is not None and fault.mode == "malformed":
+            return 200, http.json_response(start_response, 200, None, body=b'{"registrationId": ')
+        doc = model.model_dump(mode="json", exclude_none=True) if isinstance(model, api.Model) else model
+        return code, http.json_response(start_response, code, doc)
 
 
 class ControlPlaneServer:
-    """The server on its own threads; `start()` returns once it is listening."""
+    """The API on its own threads; `start()` returns once it is listening."""
 
-    def __init__(self, cp: ControlPlane, host: str, port: int) -> None:
+    def __init__(self, cp: ControlPlane, host: str, port: int, threads: int = 16, timeout: float = 10.0) -> None:
         self.cp = cp
-        self.httpd = ThreadingHTTPServer((host, port), make_handler(cp))
-        self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, args=(0.1,), name="control-plane-http", daemon=True)
+        # Each long-polled lease holds a thread for up to max_lease_wait: enough threads for
+        # several agents plus everything else.
+        self.listener = http.Listener(cp, host, port, "control-plane", threads=threads, timeout=timeout,
+                                      max_body=api.MAX_BODY)
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return self.listener.url
 
     def start(self) -> None:
-        self._thread.start()
+        self.listener.start()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.listener.stop()
         self.cp.store.close()

@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from gpu_agent.foundations.files import open_database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS registrations (
@@ -35,12 +36,7 @@ def token_hash(token: str) -> str:
 
 class Store:
     def __init__(self, path: Path, clock: Any = time.time) -> None:
-        if str(path) != ":memory:":
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db = open_database(path, "control-plane database", "--database", SCHEMA)
         self._lock = threading.Lock()
         self._now = clock
         self._queue_changed = threading.Condition()
@@ -155,8 +151,9 @@ class Store:
         with self._lock:
             cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL
                 WHERE id=? AND lease_id=? AND state='leased'""", (item_id, lease_id))
+            known = cur.rowcount or self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
         self._notify()
-        return "released" if cur.rowcount else "stale-lease"
+        return "released" if cur.rowcount else ("stale-lease" if known else "unknown")
 
     def list_items(self, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` items, oldest first: what `gpu-agent queue list` shows."""

@@ -1,0 +1,105 @@
+"""Serving HTTP: waitress does the framing, limits and timeouts; our apps are small WSGI callables.
+
+Why waitress: it is a well-kept, pure-Python HTTP/1.1 server (Pylons) with no dependencies and a
+footprint of about 1 MiB, and it does what a hand-written server got wrong here: request framing
+(Content-Length and chunked bodies, pipelining), a body limit answered with 413 before the body
+is buffered whole, header size limits, idle and slow-client timeouts, a bounded worker pool fed by
+an event loop (so slow clients hold a socket, not a thread), and tracebacks that never reach a
+client. FastAPI/uvicorn would bring OpenAPI generation too, but no body limit or header timeout and
+three times the memory; aiohttp has neither a header timeout.
+
+`Listener` runs one app on its own threads; `json_response` and `error` build the only bodies an
+app answers with (JSON, errors as `{"error": ...}`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import waitress
+from waitress import wasyncore
+
+StartResponse = Callable[..., Any]
+WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden",
+           404: "Not Found", 405: "Method Not Allowed", 409: "Conflict", 413: "Content Too Large",
+           415: "Unsupported Media Type", 422: "Unprocessable Content", 429: "Too Many Requests",
+           500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class ListenError(Exception):
+    """The listen address cannot be used; the message names the address and the reason."""
+
+
+def status_line(code: int) -> str:
+    return f"{code} {REASONS.get(code, 'Status')}"
+
+
+def json_response(start_response: StartResponse, code: int, doc: Any, headers: list[tuple[str, str]] | None = None,
+                  body: bytes | None = None, content_type: str = "application/json") -> list[bytes]:
+    if body is None:
+        body = b"" if doc is None else json.dumps(doc, allow_nan=False).encode()
+    head = [("Content-Length", str(len(body)))] + ([("Content-Type", content_type)] if body else []) + (headers or [])
+    start_response(status_line(code), head)
+    return [body]
+
+
+def error(start_response: StartResponse, code: int, message: str, headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+    return json_response(start_response, code, {"error": message}, headers)
+
+
+class Listener:
+    """One WSGI app served on HOST:PORT by waitress, on daemon threads; `start()` returns at once.
+
+    `timeout` closes a connection that sends nothing for that long (a half-sent request
+    included); `max_body` is answered with 413; `threads` bounds concurrent requests (a
+    long-polled call holds one for its wait)."""
+
+    def __init__(self, app: WSGIApp, host: str, port: int, name: str, *, threads: int = 4, timeout: float = 10.0,
+                 max_body: int = 1 << 20, max_header: int = 64 << 10, connection_limit: int = 1000) -> None:
+        self.name = name
+        try:
+            self._server: Any = waitress.create_server(
+                app, host=host, port=port, threads=threads, channel_timeout=int(max(1, timeout)),
+                cleanup_interval=max(1, int(timeout) // 2), max_request_body_size=max_body,
+                max_request_header_size=max_header, connection_limit=connection_limit, expose_tracebacks=False,
+                ident=name, asyncore_use_poll=True, clear_untrusted_proxy_headers=True)
+        except OSError as e:
+            raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        except ValueError as e:  # waitress refuses an address it cannot resolve
+            raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
+        self._thread = threading.Thread(target=self._server.run, name=f"{name}-http", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self._server.effective_host}:{self._server.effective_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.close()
+        self._server.task_dispatcher.shutdown(cancel_pending=True, timeout=2)
+        wasyncore.close_all(self._server._map)
+        self._thread.join(5)
+
+
+def route_waitress_logs(handler: logging.Handler) -> None:
+    """waitress logs to the `waitress` loggers; send its warnings (queue depth, bad requests)
+    through our handler instead of Python's last-resort stderr printer."""
+    for name in ("waitress", "waitress.queue"):
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False

@@ -1,0 +1,284 @@
+"""The control plane's API as data: request and response models, routes, and the OpenAPI document.
+
+Each `Route` names its method, path, the tokens it takes, its request model and its responses.
+The server validates every request body with the route's model and builds every response body
+from a model, and `document()` renders the OpenAPI document from the same routes and models:
+the document cannot drift from the code. Models are strict (no "1" for 1, no NaN, bounded
+numbers and strings), so what the document allows is exactly what the server accepts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpu_agent import __version__
+
+INT64_MAX = 2**63 - 1
+MAX_GPUS = 16384  # an inventory this large still fits the body limit (about 150 bytes a GPU)
+MAX_BODY = 4 << 20
+MAX_PAYLOAD_DEPTH = 32
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+ClusterId = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$",
+                  description="the cluster's name: letters, digits, '.', '_', '-'")
+
+
+class GPUModel(Model):
+    uuid: str = Field(min_length=5, max_length=128, pattern=r"^GPU-[\x21-\x7e]+$")
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")
+    memoryTotalBytes: int = Field(ge=0, le=INT64_MAX)
+    migMode: bool = False
+    index: int = Field(default=0, ge=0, le=1 << 20)
+
+
+class RegisterRequest(Model):
+    clusterId: str = ClusterId
+    generation: int = Field(ge=0, le=INT64_MAX, description="the agent's GPU generation this inventory belongs to")
+    gpus: list[GPUModel] = Field(max_length=MAX_GPUS)
+
+
+class DeregisterRequest(Model):
+    clusterId: str = ClusterId
+
+
+class EnqueueRequest(Model):
+    idempotencyKey: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x1f\x7f]+$",
+                                description="items with the same key are one item")
+    payload: dict[str, Any] = Field(description=f"any JSON object, nested at most {MAX_PAYLOAD_DEPTH} deep")
+
+
+class LeaseRequest(Model):
+    leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
+                                       description="lease length; capped by the server's maxLeaseSeconds")
+    waitSeconds: float = Field(default=0.0, ge=0, le=30, description="long poll: wait this long for an item")
+
+
+class LeaseRef(Model):
+    leaseId: str = Field(min_length=1, max_length=64)
+
+
+class FaultRequest(Model):
+    mode: Literal["status", "delay", "drop", "malformed"]
+    count: int = Field(default=1, ge=1, le=1000)
+    status: int = Field(default=503, ge=400, le=599)
+    delaySeconds: float = Field(default=0.0, ge=0, le=60)
+    path: str = Field(default="", max_length=200, description="only calls whose path starts with this")
+    retryAfterSeconds: int | None = Field(default=None, ge=0, le=3600)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+class ErrorBody(Model):
+    error: str
+
+
+class Credential(Model):
+    token: str
+    expiresInSeconds: float
+    expiresAt: float
+
+
+class RegisterResponse(Model):
+    registrationId: str
+    credential: Credential
+    reregisterAfterSeconds: float
+
+
+class DeregisterResponse(Model):
+    deregistered: bool
+
+
+class RenewResponse(Model):
+    credential: Credential
+
+
+class EnqueueResponse(Model):
+    id: int
+    created: bool
+
+
+class LeasedItem(Model):
+    id: int
+    idempotencyKey: str
+    payload: dict[str, Any]
+    leaseId: str
+    deliveries: int
+    leaseExpiresInSeconds: float
+
+
+class ItemResult(Model):
+    result: Literal["acked", "already-acked", "released"]
+
+
+class ItemSummary(Model):
+    id: int
+    idempotencyKey: str
+    state: Literal["queued", "leased", "done"]
+    deliveries: int
+    createdAt: float
+    ackedAt: float | None = None
+
+
+class ItemList(Model):
+    items: list[ItemSummary]
+
+
+class ItemCounts(Model):
+    queued: int
+    leased: int
+    done: int
+
+
+class RegistrationSummary(Model):
+    clusterId: str
+    registrationId: str
+    generation: int
+    gpuCount: int
+    registrations: int
+
+
+class StatusResponse(Model):
+    items: ItemCounts
+    deliveries: int
+    registrations: list[RegistrationSummary]
+
+
+class Armed(Model):
+    armed: bool
+
+
+class Cleared(Model):
+    cleared: bool
+
+
+class Healthy(Model):
+    status: Literal["ok"]
+
+
+# ---- routes ------------------------------------------------------------------------------------
+
+TOKENS = ("registration", "credential", "admin")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # OpenAPI template, e.g. /v1/queue/items/{itemId}/ack
+    name: str  # the handler's name and the operationId
+    summary: str
+    tokens: frozenset[str]  # empty: no token needed
+    request: type[Model] | None = None
+    responses: dict[int, tuple[str, type[Model] | None]] = field(default_factory=dict)
+
+    @property
+    def pattern(self) -> re.Pattern[str]:
+        return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[0-9]{1,19})", self.path) + "$")
+
+
+ITEM_ERRORS = {404: ("no such item", ErrorBody), 409: ("the lease is no longer the item's current lease", ErrorBody)}
+
+ROUTES = [
+    Route("GET", "/healthz", "healthz", "Liveness of the control plane", frozenset(),
+          responses={200: ("ok", Healthy)}),
+    Route("POST", "/v1/register", "register", "Register the cluster's GPU inventory; returns a credential",
+          frozenset({"registration"}), RegisterRequest, {200: ("registered", RegisterResponse)}),
+    Route("POST", "/v1/deregister", "deregister", "Forget the cluster's registration and credentials",
+          frozenset({"registration"}), DeregisterRequest, {200: ("deregistered", DeregisterResponse)}),
+    Route("POST", "/v1/credentials/renew", "renew", "Exchange a valid credential for a fresh one (no body)",
+          frozenset({"credential"}), None, {200: ("renewed", RenewResponse)}),
+    Route("GET", "/v1/queue/items", "list_items", "The newest 200 items, oldest first", frozenset({"admin"}),
+          responses={200: ("items", ItemList)}),
+    Route("POST", "/v1/queue/items", "enqueue", "Enqueue a work item; idempotent on idempotencyKey",
+          frozenset({"admin"}), EnqueueRequest, {201: ("created", EnqueueResponse), 200: ("already present", EnqueueResponse)}),
+    Route("POST", "/v1/queue/lease", "lease", "Lease the next item; waitSeconds > 0 long-polls for one",
+          frozenset({"credential"}), LeaseRequest, {200: ("leased", LeasedItem), 204: ("the queue is empty", None)}),
+    Route("POST", "/v1/queue/items/{itemId}/ack", "ack", "Acknowledge a leased item", frozenset({"credential"}),
+          LeaseRef, {200: ("acknowledged", ItemResult), **ITEM_ERRORS}),
+    Route("POST", "/v1/queue/items/{itemId}/release", "release", "Give a leased item back for redelivery now",
+          frozenset({"credential"}), LeaseRef, {200: ("released", ItemResult), **ITEM_ERRORS}),
+    Route("GET", "/v1/status", "status", "Queue counts and registrations", frozenset({"admin", "credential"}),
+          responses={200: ("status", StatusResponse)}),
+    Route("POST", "/admin/faults", "arm_fault", "Inject a fault into the next matching calls (never /healthz or /admin)",
+          frozenset({"admin"}), FaultRequest, {200: ("armed", Armed)}),
+    Route("DELETE", "/admin/faults", "clear_faults", "Clear every armed fault", frozenset({"admin"}),
+          responses={200: ("cleared", Cleared)}),
+    Route("GET", "/openapi.json", "openapi", "This document", frozenset(TOKENS), responses={200: ("OpenAPI 3.1", None)}),
+]
+
+
+def match(method: str, path: str) -> tuple[Route | None, dict[str, str], list[str]]:
+    """(route, path parameters, methods allowed on this path). No route and no methods: 404;
+    no route but methods: 405."""
+    allowed, found, params = [], None, {}
+    for r in ROUTES:
+        m = r.pattern.match(path)
+        if m:
+            allowed.append(r.method)
+            if r.method == method:
+                found, params = r, m.groupdict()
+    return found, params, allowed
+
+
+# ---- the document ------------------------------------------------------------------------------
+
+def _errors(route: Route) -> dict[int, str]:
+    out = {}
+    if route.tokens:
+        out[401] = "missing, unknown or expired token"
+        out[403] = "a valid token of another kind"
+    if route.request is not None:
+        out.update({400: "the body is not JSON (or nested too deeply, or holds NaN)",
+                    413: f"the body is larger than {MAX_BODY} bytes",
+                    415: "the body is not application/json",
+                    422: "a field is missing or out of range; the error names it"})
+    return out
+
+
+def document() -> dict[str, Any]:
+    schemas: dict[str, Any] = {}
+
+    def ref(model: type[Model]) -> dict[str, Any]:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in schema.pop("$defs", {}).items():
+            schemas[name] = sub
+        schemas[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    def body(model: type[Model] | None) -> dict[str, Any]:
+        return {"content": {"application/json": {"schema": ref(model)}}} if model else {}
+
+    paths: dict[str, dict[str, Any]] = {}
+    for r in ROUTES:
+        op: dict[str, Any] = {"operationId": r.name, "summary": r.summary, "responses": {}}
+        for code, (description, model) in sorted(r.responses.items()):
+            op["responses"][str(code)] = {"description": description, **body(model)}
+        for code, description in sorted(_errors(r).items()):
+            op["responses"].setdefault(str(code), {"description": description, **body(ErrorBody)})
+        if r.request is not None:
+            op["requestBody"] = {"required": True, **body(r.request)}
+        if r.tokens:
+            op["security"] = [{"bearer": []}]
+            op["description"] = "Tokens: " + ", ".join(sorted(r.tokens))
+        else:
+            op["security"] = []
+        params = re.findall(r"\{(\w+)\}", r.path)
+        if params:
+            op["parameters"] = [{"name": p, "in": "path", "required": True,
+                                 "schema": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}} for p in params]
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gpu-agent reference control plane", "version": __version__},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}, "schemas": schemas},
+        "paths": paths,
+    }
