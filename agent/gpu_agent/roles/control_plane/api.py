@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from gpu_agent import __version__
 
@@ -27,6 +27,14 @@ class Model(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
+def _whole_float_to_int(value: Any) -> Any:
+    # JSON Schema's "integer" includes 1.0; strict pydantic would refuse it.
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**63 else value
+
+
+Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
+
+
 # ---- requests ----------------------------------------------------------------------------------
 
 ClusterId = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$",
@@ -36,14 +44,14 @@ ClusterId = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-
 class GPUModel(Model):
     uuid: str = Field(min_length=5, max_length=128, pattern=r"^GPU-[\x21-\x7e]+$")
     name: str = Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")
-    memoryTotalBytes: int = Field(ge=0, le=INT64_MAX)
+    memoryTotalBytes: Int = Field(ge=0, le=INT64_MAX)
     migMode: bool = False
-    index: int = Field(default=0, ge=0, le=1 << 20)
+    index: Int = Field(default=0, ge=0, le=1 << 20)
 
 
 class RegisterRequest(Model):
     clusterId: str = ClusterId
-    generation: int = Field(ge=0, le=INT64_MAX, description="the agent's GPU generation this inventory belongs to")
+    generation: Int = Field(ge=0, le=INT64_MAX, description="the agent's GPU generation this inventory belongs to")
     gpus: list[GPUModel] = Field(max_length=MAX_GPUS)
 
 
@@ -69,11 +77,11 @@ class LeaseRef(Model):
 
 class FaultRequest(Model):
     mode: Literal["status", "delay", "drop", "malformed"]
-    count: int = Field(default=1, ge=1, le=1000)
-    status: int = Field(default=503, ge=400, le=599)
+    count: Int = Field(default=1, ge=1, le=1000)
+    status: Int = Field(default=503, ge=400, le=599)
     delaySeconds: float = Field(default=0.0, ge=0, le=60)
     path: str = Field(default="", max_length=200, description="only calls whose path starts with this")
-    retryAfterSeconds: int | None = Field(default=None, ge=0, le=3600)
+    retryAfterSeconds: Int | None = Field(default=None, ge=0, le=3600)
 
 
 # ---- responses ---------------------------------------------------------------------------------
