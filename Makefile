@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels run test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels run fuzz test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -42,6 +42,11 @@ e2e: setup
 
 cluster-up cluster-down images:
 	$(MAKE) -C ci $@
+
+## fuzz: the longer fuzzing run (schemathesis on the control plane, hypothesis on every parsed file)
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -s agent/tests/unit/test_parsers_fuzz.py agent/tests/integration/test_fuzz_control_plane.py
 
 ## bench: GPU arrival/removal latency, RSS and idle CPU (printed, not asserted)
 bench: setup
