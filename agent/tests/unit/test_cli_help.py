@@ -60,3 +60,11 @@ def test_version_flag_and_subcommand_agree_and_name_a_commit_in_a_checkout():
     # The tests run from a git checkout: the commit is a real one, not "unknown".
     assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", info["commit"]), info
     assert re.match(r"\d{4}-\d{2}-\d{2}T", info["buildDate"]), info
+
+
+def test_the_agents_do_not_load_the_control_planes_models():
+    """pydantic (the control plane's models) costs about 10 MiB of RSS: the agents never import it."""
+    code = ("import sys; import gpu_agent.cli, gpu_agent.roles.cluster_agent, gpu_agent.roles.node_agent; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'kubernetes')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

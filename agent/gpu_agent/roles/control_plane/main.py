@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
-from gpu_agent.roles.control_plane.store import Store
+
+if TYPE_CHECKING:
+    from gpu_agent.roles.control_plane.server import ControlPlaneServer
 
 log = get_logger(__name__)
 
@@ -31,6 +34,11 @@ SETTINGS = [
 
 
 def build_server(cfg: Config, listen: str) -> ControlPlaneServer:
+    # The server's models (pydantic) cost about 10 MiB: loaded only where a control plane runs,
+    # never by the agents that merely share this command.
+    from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
+    from gpu_agent.roles.control_plane.store import Store
+
     for name in ("registrationToken", "adminToken"):
         if not getattr(cfg, name):
             setting = next(x for x in SETTINGS if x.name == name)
