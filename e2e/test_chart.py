@@ -75,14 +75,13 @@ def test_rendered_strategy_default_graceful_and_explicit():
 @pytest.fixture
 def release(api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(0)
-    r = Release(api, core, apps, kubeconfig, namespace)
+    r = Release(api, core, apps, kubeconfig, namespace, name=f"ga{uuid.uuid4().hex[:5]}")
     yield r
     helm("uninstall", "--kubeconfig", str(kubeconfig), "-n", namespace, r.name, "--wait", "--timeout", "120s", check=False)
 
 
 def all_running(release):
-    pods = release.pods("app.kubernetes.io/instance=ga")
-    return len(pods) >= 3 and all(p.status.phase == "Running" and p.metadata.deletion_timestamp is None for p in pods)
+    return release.all_running()
 
 
 def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a_pod(release, fake_gpus, core):
@@ -100,8 +99,11 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
     print(f"\ninstall -> all pods running, node agents Ready, cluster agent live: {install_to_running:.1f}s")
 
     release.control_plane("print(c.enqueue(t, 'e2e-chart-item', {'gpus': 1}))")
-    time.sleep(0)  # the item waits: the queue is paused
-    assert '"queued": 1' in release.control_plane("import json; print(json.dumps(c.status(t)['items']))")
+    # The item waits while the queue is paused: still queued after several of the agent's lease polls.
+    held_from = time.monotonic()
+    while time.monotonic() - held_from < 3:
+        assert '"queued": 1' in release.control_plane("import json; print(json.dumps(c.status(t)['items']))")
+        assert not release.pods("gpu-agent.io/work-item=true")
     fake_gpus.set(2)
     arrived = time.monotonic()
     wait_until(lambda: release.healthz()[0] == 200, 20, "cluster agent Ready once GPUs arrive")
@@ -117,19 +119,19 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
     # no token in any pod log or event of this release
     tokens = release.tokens()
     texts = [e.message or "" for e in core.list_namespaced_event(release.namespace).items]
-    for p in release.pods("app.kubernetes.io/instance=ga"):
+    for p in release.pods(f"app.kubernetes.io/instance={release.name}"):
         for c in p.spec.containers:
             texts.append(core.read_namespaced_pod_log(p.metadata.name, release.namespace, container=c.name))
     assert texts and not [t for t in texts for tok in tokens if tok in t]
 
     # pre-delete cleanup removes leftover work Pods of the release
     core.create_namespaced_pod(release.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
-        "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "ga"}},
+        "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": release.name}},
         "spec": {"containers": [{"name": "c", "image": "localhost/gpu-agent:dev", "imagePullPolicy": "Never",
                                  "command": ["sleep", "600"]}]}})
     release.uninstall()
     wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30, "leftover work Pod deleted by the pre-delete hook")
-    wait_until(lambda: not release.pods("app.kubernetes.io/instance=ga"), 60, "every release pod gone after uninstall")
+    wait_until(lambda: not release.pods(f"app.kubernetes.io/instance={release.name}"), 60, "every release pod gone after uninstall")
 
 
 def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(release, apps):
@@ -154,6 +156,7 @@ def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(rele
     wait_until(lambda: release.healthz()[0] == 503, 30, "the replacement to answer /healthz")
     stop.set()
     t.join()
+    assert len(samples) >= 20 and len(sets) == len(samples), f"the sampler took only {len(samples)} samples"
     print(f"\nRecreate sampler: {len(samples)} samples, max non-terminal agent pods {max(map(len, samples))}, "
           f"max active ReplicaSets {max(sets)}")
     assert max(len(s) for s in samples) <= 1
@@ -204,10 +207,10 @@ def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_p
     args[args.index(str(CHART))] = str(future)
     r = helm("upgrade", *args, "--set", "hooks.backoffLimit=0", "--timeout", "120s", check=False)
     assert r.returncode != 0 and "pre-upgrade" in r.stderr
-    job_pods = core.list_namespaced_pod(release.namespace, label_selector="job-name=ga-gpu-agent-skew-check").items
+    job_pods = core.list_namespaced_pod(release.namespace, label_selector=f"job-name={release.fullname}-skew-check").items
     log = core.read_namespaced_pod_log(job_pods[0].metadata.name, release.namespace)
     assert "refused: upgrade from 0.1.0 to 2.0.0 skips major version 1" in log
-    history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, "ga", "-o", "json").stdout)
+    history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, release.name, "-o", "json").stdout)
     assert history[0]["status"] == "deployed" and history[0]["app_version"] == "0.1.0"
 
 

@@ -114,3 +114,7 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     assert fake_gpus.allocatable() == 2
     status = json.loads(fake_gpus.command("status", "--node", "any").stdout)
     assert status["nodes"][fake_gpus.node]["allocatable"] == "2"
+    # Leave the layout valid for whoever comes next, through the command as a user would.
+    fake_gpus.set(0)
+    layout = core.read_namespaced_config_map("gpu-agent-fake-gpu-layout", fake_gpus.namespace).data[fake_gpus.node]
+    assert json.loads(layout)["count"] == 0
