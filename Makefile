@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels run fuzz test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels run fuzz e2e-fast test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ test-integration: setup
 CLUSTER ?= ci
 e2e: setup
 	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest)
+
+## e2e-fast: install, GPU basic and readiness only (marker `fast`); KEEP_CLUSTER=1 keeps the cluster for the next run
+e2e-fast: setup
+	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m fast"
 
 cluster-up cluster-down images:
 	$(MAKE) -C ci $@

@@ -5,6 +5,7 @@ and Helm through pyhelm3 over the real binary."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -61,21 +62,87 @@ def namespace(core, request):
     yield name
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
-        dump(core, name)
+        folder = dump(core, name, request.node.name, kubeconfig=request.getfixturevalue("kubeconfig"))
+        print(f"\nwhat {request.node.name} touched is in {folder}")
     core.delete_namespace(name)
 
 
-def dump(core: client.CoreV1Api, ns: str) -> None:
-    print(f"\n===== namespace {ns} =====")
+ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/gpu-agent-e2e-artifacts"))
+
+
+def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = None) -> Path:
+    """Everything a failed test touched in its namespace, into ARTIFACTS/<test>/: pods with their
+    current and previous logs, events, GPUDomains and members, helm history, agents' /healthz."""
+    folder = ARTIFACTS / test.replace("/", "_")[:120]
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def save(name: str, text: str) -> None:
+        (folder / name).write_text(text)
+
+    lines = []
     for pod in core.list_namespaced_pod(ns).items:
-        print(f"pod {pod.metadata.name}: {pod.status.phase} {[(c.type, c.status) for c in pod.status.conditions or []]}")
+        lines.append(f"pod {pod.metadata.name}: {pod.status.phase} "
+                     f"{[(c.type, c.status) for c in pod.status.conditions or []]} "
+                     f"restarts {[c.restart_count for c in pod.status.container_statuses or []]}")
         for c in pod.spec.containers:
-            try:
-                print(core.read_namespaced_pod_log(pod.metadata.name, ns, container=c.name, tail_lines=50))
-            except client.ApiException as e:
-                print(f"  (no log: {e.reason})")
-    for ev in core.list_namespaced_event(ns).items:
-        print(f"event {ev.involved_object.kind}/{ev.involved_object.name}: {ev.reason}: {ev.message}")
+            for previous in (False, True):
+                try:
+                    log = core.read_namespaced_pod_log(pod.metadata.name, ns, container=c.name, previous=previous)
+                    save(f"{pod.metadata.name}.{c.name}{'.previous' if previous else ''}.log", log)
+                except client.ApiException:
+                    pass
+            if "agent" in c.name:
+                from e2e.helpers import pod_http_get
+
+                port = c.ports[0].container_port if c.ports else 8080
+                code, body = pod_http_get(core, ns, pod.metadata.name, port, "healthz")
+                save(f"{pod.metadata.name}.healthz.json", f"{code}\n{json.dumps(body, indent=1) if isinstance(body, dict) else body}")
+    save("pods.txt", "\n".join(lines) + "\n")
+    save("events.txt", "\n".join(f"{ev.last_timestamp} {ev.involved_object.kind}/{ev.involved_object.name}: "
+                                 f"{ev.reason}: {ev.message}" for ev in core.list_namespaced_event(ns).items) + "\n")
+    custom = client.CustomObjectsApi(core.api_client)
+    for plural in ("gpudomains", "gpudomainmembers"):
+        try:
+            objs = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", ns, plural)
+            save(f"{plural}.json", json.dumps(objs, indent=1, default=str))
+        except client.ApiException:
+            pass
+    if kubeconfig is not None:
+        releases = subprocess.run([tool("helm"), "--kubeconfig", str(kubeconfig), "-n", ns, "list", "-q"],
+                                  capture_output=True, text=True, timeout=60).stdout.split()
+        for r in releases:
+            history = subprocess.run([tool("helm"), "--kubeconfig", str(kubeconfig), "-n", ns, "history", r],
+                                     capture_output=True, text=True, timeout=60)
+            save(f"helm-history.{r}.txt", history.stdout + history.stderr)
+    return folder
+
+
+TIMINGS: list[tuple[str, float, str]] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.monotonic()
+    result = yield
+    outcome = "passed"
+    for when in ("setup", "call", "teardown"):
+        rep = getattr(item, "rep_" + when, None)
+        if rep is not None and rep.failed:
+            outcome = "FAILED"
+        elif rep is not None and rep.skipped:
+            outcome = "skipped"
+    TIMINGS.append((item.nodeid, time.monotonic() - started, outcome))
+    return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Per-test wall time (setup + call + teardown), like bats --timing."""
+    if not TIMINGS:
+        return
+    terminalreporter.section("per-test wall time")
+    for nodeid, seconds, outcome in TIMINGS:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {outcome:7}  {nodeid}")
+    terminalreporter.write_line(f"{sum(t for _, t, _ in TIMINGS):7.1f}s  total of {len(TIMINGS)} tests")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -106,7 +173,7 @@ def fake_gpus(kubeconfig, core, apps):
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
     values = {**host_paths(), "image": {"repository": "localhost/gpu-agent", "tag": "dev", "pullPolicy": "Never"},
-              "maxCount": 8, "logVerbosity": 2}
+              "maxCount": 16, "logVerbosity": 2}
 
     async def install():
         chart = await helm.get_chart(str(FAKE_GPU_CHART))

@@ -99,7 +99,7 @@ def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_g
 def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     fake_gpus.set(2)
     for args, words in [(["--count", "-1"], "count must be 0 or more"),
-                        (["--count", "9"], "at most maxCount=8"),
+                        (["--count", "17"], "at most maxCount=16"),
                         (["--count", "1", "--memory-mib", "0"], "memoryMiB must be a positive"),
                         (["--count", "1", "--node", "no-such-node"], "unknown node 'no-such-node'")]:
         argv = ["set", "--node", fake_gpus.node, *args] if "--node" not in args else ["set", *args]

@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+from kubernetes.client import ApiException
 
 from e2e import cluster
 from e2e.helpers import wait_until
@@ -77,6 +78,7 @@ def ready_release(api, core, apps, kubeconfig, namespace, fake_gpus):
 
 
 @pytest.mark.disruptive
+@pytest.mark.fast
 def test_kubelet_restart_does_not_flap_readiness_and_a_real_removal_still_acts(ready_release, fake_gpus):
     if cluster.provider() != "ci":
         pytest.skip("restarts the kubelet: possible on the CI cluster only (E2E_CLUSTER=ci)")
@@ -123,3 +125,95 @@ def test_kubelet_restart_does_not_flap_readiness_and_a_real_removal_still_acts(r
     print(f"real removal -> /healthz 503 after {not_ready_after:.2f}s (window {CLUSTER_SOURCE_WINDOW:g}s)")
     assert CLUSTER_SOURCE_WINDOW - 0.5 <= not_ready_after <= CLUSTER_SOURCE_WINDOW + 1.0
     assert 'gpu_agent_gpu_drops_total{outcome="acted"} 1.0' in ready_release.metrics()
+
+
+def service_healthz(release: Release) -> int:
+    """/healthz of the cluster agent through its Service (the API server's service proxy)."""
+    try:
+        resp = release.core.connect_get_namespaced_service_proxy_with_path(
+            f"{release.fullname}-cluster-agent:8080", release.namespace, "healthz", _preload_content=False)
+        return resp.status
+    except ApiException as e:
+        return e.status
+
+
+def agent_restarts(release: Release) -> list[int]:
+    return [c.restart_count for p in release.pods(f"app.kubernetes.io/instance={release.name}")
+            for c in p.status.container_statuses or []]
+
+
+@pytest.fixture
+def release_at_zero(api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(0)
+    r = Release(api, core, apps, kubeconfig, namespace, name=f"rz{uuid.uuid4().hex[:6]}")
+    yield r
+    r.uninstall()
+    fake_gpus.set(0)
+
+
+@pytest.mark.fast
+def test_gpus_0_4_0_three_times_readiness_follows_through_the_service(release_at_zero, fake_gpus):
+    r = release_at_zero
+    r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true")
+    wait_until(r.all_running, 90, "every release pod Running")
+    wait_until(lambda: service_healthz(r) == 503, 30, "the cluster agent NotReady at 0 GPUs (through its Service)")
+    seen = []
+    for cycle in range(3):
+        fake_gpus.set(4)
+        t = time.monotonic()
+        wait_until(lambda: service_healthz(r) == 200, 20, f"cycle {cycle}: 200 after 4 GPUs arrive", interval=0.1)
+        up = time.monotonic() - t
+        fake_gpus.set(0)
+        t = time.monotonic()
+        wait_until(lambda: service_healthz(r) == 503, CLUSTER_SOURCE_WINDOW + 10, f"cycle {cycle}: 503 after they leave",
+                   interval=0.1)
+        seen.append((round(up, 1), round(time.monotonic() - t, 1)))
+    print(f"\n0->4->0 x3 through the Service: (to 200, to 503) seconds per cycle: {seen}")
+    assert set(agent_restarts(r)) == {0}, "an agent container restarted during the cycles"
+
+
+def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero, fake_gpus):
+    r = release_at_zero
+    r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "clusterAgent.registrationRetryInitial=1", "--set", "clusterAgent.registrationRetryMax=8")
+    wait_until(r.all_running, 90, "every release pod Running")
+    wait_until(lambda: service_healthz(r) == 503, 30, "NotReady at 0 GPUs")
+    r.control_plane("c.set_fault(t, mode='status', status=503, count=4, path='/v1/register')")
+    fake_gpus.set(2)
+    wait_until(lambda: service_healthz(r) == 200, 60, "Ready once the outage is over")
+    # Evidence from the control plane's side: when each refused attempt arrived.
+    cp_pod = r.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
+    log = r.core.read_namespaced_pod_log(cp_pod, r.namespace)
+    times = [klog_seconds(line) for line in log.splitlines() if "injecting fault status into POST /v1/register" in line]
+    gaps = [round(b - a, 2) for a, b in zip(times, times[1:])]
+    print(f"\nregistration attempts refused by the outage: {len(times)}, gaps {gaps} s")
+    assert len(times) == 4
+    # 1, 2, 4 s less up to 20 % jitter: each gap longer than the one before.
+    assert all(b > a for a, b in zip(gaps, gaps[1:])), gaps
+    assert 0.7 <= gaps[0] <= 1.6 and gaps[-1] >= 3.0, gaps
+
+
+def klog_seconds(line: str) -> float:
+    m = re.match(r"^[IWEF]\d{4} (\d{2}):(\d{2}):(\d{2}\.\d{6})", line)
+    assert m, line
+    return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+
+
+def test_readiness_is_held_through_credential_renewals(release_at_zero, fake_gpus):
+    r = release_at_zero
+    r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "clusterAgent.credentialRenewInterval=15")
+    wait_until(r.all_running, 90, "every release pod Running")
+    fake_gpus.set(2)
+    wait_until(lambda: service_healthz(r) == 200, 30, "Ready on 2 GPUs")
+    cp_pod = r.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
+
+    def renewals() -> int:
+        return r.core.read_namespaced_pod_log(cp_pod, r.namespace).count("renewed its credential")
+
+    with Sampler(lambda: service_healthz(r), 0.2) as health:
+        wait_until(lambda: renewals() >= 2, 45, "two credential renewals", interval=1)
+    codes = [v for _, v in health.samples]
+    print(f"\nrenewals {renewals()}, /healthz samples {len(codes)}: {sorted(set(codes))}")
+    assert len(codes) >= 50
+    assert set(codes) == {200}, "readiness dropped during a renewal"

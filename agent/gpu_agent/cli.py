@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import signal
 import sys
@@ -137,8 +138,16 @@ def _print_inventory(cfg) -> int:  # type: ignore[no-untyped-def]
     return 1 if reading.error else 0
 
 
+def dump_stacks_on_sigusr2() -> None:
+    """`kill -USR2 <pid>` writes every thread's stack to stderr (the log) and the process goes on:
+    the first thing to ask of an agent that looks stuck."""
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    dump_stacks_on_sigusr2()
     if args.role == "version":
         print(json.dumps(version_info()))
         return 0

@@ -40,5 +40,9 @@ case $cluster in
   *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
 esac
 t=$SECONDS
-"$pytest" -p no:cacheprovider "$repo/e2e" "${@:2}"
+export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y%m%dT%H%M%S)}
+rc=0
+"$pytest" -p no:cacheprovider "$repo/e2e" "${@:2}" || rc=$?
 log "timing: e2e suite $((SECONDS - t))s"
+if [[ -d $E2E_ARTIFACTS ]]; then log "what the failed tests touched (pods, logs, events, domains, helm history): $E2E_ARTIFACTS"; fi
+exit $rc
