@@ -76,8 +76,8 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
     folder = ARTIFACTS / test.replace("/", "_")[:120]
     folder.mkdir(parents=True, exist_ok=True)
 
-    def save(name: str, text: str) -> None:
-        (folder / name).write_text(text)
+    def save(name: str, text: str | None) -> None:
+        (folder / name).write_text(text or "")
 
     lines = []
     for pod in core.list_namespaced_pod(ns).items:

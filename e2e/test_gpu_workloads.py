@@ -22,7 +22,7 @@ def uuid_of(line: str) -> str:
 
 def log_of(core, ns, pod, container=None) -> str:
     try:
-        return core.read_namespaced_pod_log(pod, ns, container=container)
+        return core.read_namespaced_pod_log(pod, ns, container=container) or ""
     except client.ApiException:
         return ""
 

@@ -68,3 +68,25 @@ def test_the_agents_do_not_load_the_control_planes_models():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'kubernetes')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_version_comes_from_the_image_env_then_git_then_the_wheels_stamp(tmp_path, monkeypatch):
+    from gpu_agent.foundations import version
+
+    monkeypatch.setenv("GPU_AGENT_BUILD_COMMIT", "0123456789ab")
+    monkeypatch.setenv("GPU_AGENT_BUILD_DATE", "2026-11-30T00:00:00Z")
+    version.version_info.cache_clear()
+    assert version.version_info()["commit"] == "0123456789ab"
+    assert version.version_info()["buildDate"] == "2026-11-30T00:00:00Z"
+    monkeypatch.delenv("GPU_AGENT_BUILD_COMMIT")
+    monkeypatch.delenv("GPU_AGENT_BUILD_DATE")
+    stamp = tmp_path / "_build_info.json"
+    stamp.write_text('{"commit": "feedfacecafe", "buildDate": "2026-01-01T00:00:00Z"}')
+    monkeypatch.setattr(version, "BUILD_INFO_FILE", stamp)
+    monkeypatch.setattr(version, "_from_git", lambda folder: None)  # as in an installed wheel
+    version.version_info.cache_clear()
+    assert version.version_info()["commit"] == "feedfacecafe"
+    stamp.write_text("\xff not json")
+    version.version_info.cache_clear()
+    assert version.version_info()["commit"] == "unknown"
+    version.version_info.cache_clear()
