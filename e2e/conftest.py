@@ -64,7 +64,9 @@ def namespace(core, request):
     if rep is not None and rep.failed:
         folder = dump(core, name, request.node.name, kubeconfig=request.getfixturevalue("kubeconfig"))
         print(f"\nwhat {request.node.name} touched is in {folder}")
-    core.delete_namespace(name)
+    core.delete_namespace(name, grace_period_seconds=0)
+    # A namespace goes asynchronously; its pods would hold GPUs the next test needs.
+    wait_until(lambda: not core.list_namespaced_pod(name).items, 120, f"the pods of namespace {name} gone", interval=0.5)
 
 
 ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/gpu-agent-e2e-artifacts"))

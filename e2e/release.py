@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from e2e.cluster import host_paths, tool
-from e2e.helpers import exec_python, pod_http_get
+from e2e.helpers import exec_python, pod_http_get, wait_until
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
 BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
@@ -71,12 +71,23 @@ class Release:
         return body if code == 200 and isinstance(body, str) else ""
 
     def control_plane(self, code: str) -> str:
-        pod = self.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
+        """Run Python in the control plane's pod with a client `c` and the admin token `t`; raises
+        if it fails (the output would otherwise be taken for an answer)."""
+        def ready_pod():
+            pods = [p for p in self.pods("app.kubernetes.io/component=control-plane")
+                    if p.metadata.deletion_timestamp is None and all(c.ready for c in p.status.container_statuses or [])
+                    and p.status.container_statuses]
+            return pods[0].metadata.name if pods else None
+
+        pod = wait_until(ready_pod, 60, "the control plane Ready")
         prelude = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
                    "from gpu_agent.foundations.secrets import Secret\n"
                    "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
                    "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
-        return exec_python(self.api, self.namespace, pod, prelude + code)
+        out = exec_python(self.api, self.namespace, pod, prelude + code)
+        if "Traceback (most recent call last)" in out:
+            raise AssertionError(f"control plane call failed: {out[-600:]}")
+        return out
 
     def tokens(self):
         secret = self.core.read_namespaced_secret(f"{self.fullname}-control-plane-tokens", self.namespace)

@@ -91,7 +91,7 @@ def test_stress_pods_times_loops_leave_nothing_behind(fake_gpus, api, core, name
             assert len(lines) == 1, (n, lines)
             uuids.append(uuid_of(lines[0]))
         assert len(set(uuids)) == pods, f"loop {loop}: a GPU was given to two pods: {sorted(uuids)}"
-        core.delete_collection_namespaced_pod(namespace, label_selector=f"stress={prefix}", grace_period_seconds=0)
+        core.delete_collection_namespaced_pod(namespace, label_selector=f"stress={prefix}")
         wait_until(lambda: not core.list_namespaced_pod(namespace, label_selector=f"stress={prefix}").items, 90,
                    f"loop {loop}: pods gone", interval=0.5)
         times.append(time.monotonic() - started)
