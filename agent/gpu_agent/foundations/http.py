@@ -22,6 +22,8 @@ from typing import Any
 
 import waitress
 from waitress import wasyncore
+from waitress.channel import HTTPChannel
+from waitress.task import ErrorTask
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -53,6 +55,24 @@ def error(start_response: StartResponse, code: int, message: str, headers: list[
     return json_response(start_response, code, {"error": message}, headers)
 
 
+class _JSONErrorTask(ErrorTask):
+    """waitress's own refusals (413 body too large, 400 bad framing, 431 headers too large) as
+    JSON like every other error of ours, instead of its text/plain page."""
+
+    def execute(self) -> None:
+        e = self.request.error
+        body = json.dumps({"error": f"{e.reason}: {e.body}".strip().rstrip(":")}).encode()
+        self.status = f"{e.code} {e.reason}"
+        self.response_headers.append(("Content-Type", "application/json"))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+
+
+class _Channel(HTTPChannel):
+    error_task_class = _JSONErrorTask
+
+
 class Listener:
     """One WSGI app served on HOST:PORT by waitress, on daemon threads; `start()` returns at once.
 
@@ -73,6 +93,7 @@ class Listener:
             raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         except ValueError as e:  # waitress refuses an address it cannot resolve
             raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
+        self._server.channel_class = _Channel
         self._thread = threading.Thread(target=self._server.run, name=f"{name}-http", daemon=True)
 
     @property

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 
-from tests.integration.harness import Process, wait_until
+from tests.integration.harness import Process, Rig, wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 AGENT = "http://127.0.0.1:8080"
@@ -56,16 +55,9 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def _status(url: str) -> int:
-        try:
-            return requests.get(url, timeout=1).status_code
-        except requests.RequestException:
-            return 0
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.monotonic(), self._status(AGENT + "/livez"), self._status(AGENT + "/healthz")))
+            self.samples.append((time.monotonic(), Rig._get(AGENT + "/livez"), Rig._get(AGENT + "/healthz")))
             self._stop.wait(0.1)
 
     def __enter__(self) -> Sampler:
@@ -78,7 +70,7 @@ class Sampler:
 
 
 def healthz() -> int:
-    return Sampler._status(AGENT + "/healthz")
+    return Rig._get(AGENT + "/healthz")
 
 
 def test_readme_second_terminal_block_as_written(tmp_path):

@@ -144,6 +144,8 @@ def test_a_body_over_the_limit_gets_413_and_the_rest_is_never_read_as_a_request(
         except (TimeoutError, ConnectionResetError):
             pass
     assert status_of(received) == 413, received[:200]
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"Content-Type: application/json" in head and "error" in json.loads(body), received[:300]
     assert received.count(b"HTTP/1.1 ") == 1, "the request hidden after the padding was answered"
 
 
@@ -161,6 +163,8 @@ def test_bad_content_length_is_answered_not_dropped_or_hung(cp, logs, length):
     started = time.monotonic()
     response = raw(cp.url, request, timeout=5)
     assert 400 <= status_of(response) < 500, response[:200]
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"application/json" in head and "error" in json.loads(body.split(b"HTTP/1.1")[0]), response[:300]
     assert time.monotonic() - started < 4
     assert "Traceback" not in logs.getvalue()
 
