@@ -1,13 +1,42 @@
-"""Prometheus metrics, each agent on its own registry (no global state between tests)."""
+"""Prometheus metrics, each agent on its own registry (no global state between tests).
+
+Per role: every agent exports its GPU view, its build and its process; only the cluster agent
+exports registration, credentials and the work queue. A node agent that exported
+`gpu_agent_ready 0` and `gpu_agent_queue_paused 1` forever would page someone for nothing.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector, generate_latest
+
+from gpu_agent.foundations.version import version_info
 
 
-class AgentMetrics:
-    def __init__(self) -> None:
+class NodeMetrics:
+    """What every agent exports: GPUs, build, process."""
+
+    def __init__(self, role: str = "node-agent") -> None:
         self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        info = version_info()
+        Gauge("gpu_agent_build_info", "Always 1; the labels say which build runs", ["version", "commit", "build_date", "role"],
+              registry=r).labels(info["version"], info["commit"], info["buildDate"], role).set(1)
+        self.gpus = Gauge("gpu_agent_gpus", "GPUs currently visible to the agent", registry=r)
+        self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
+        self.gpu_drops = Counter("gpu_agent_gpu_drops", "GPU losses seen: absorbed (came back within gpuLossDebounce) "
+                                 "or acted on (a real removal)", ["outcome"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AgentMetrics(NodeMetrics):
+    """The cluster agent's: the above, plus registration, credentials and the work queue."""
+
+    def __init__(self) -> None:
+        super().__init__(role="cluster-agent")
         r = self.registry
         self.registration_attempts = Counter("gpu_agent_registration_attempts", "Registration attempts", ["kind"], registry=r)
         self.registration_failures = Counter("gpu_agent_registration_failures", "Failed registration attempts", ["kind", "reason"], registry=r)
@@ -15,16 +44,9 @@ class AgentMetrics:
         self.renewals = Counter("gpu_agent_credential_renewals", "Credential renewal attempts", registry=r)
         self.renewal_failures = Counter("gpu_agent_credential_renewal_failures", "Failed credential renewals", ["reason"], registry=r)
         self.backoff = Gauge("gpu_agent_registration_backoff_seconds", "Current registration retry delay (0 when not retrying)", registry=r)
-        self.gpus = Gauge("gpu_agent_gpus", "GPUs currently visible to the agent", registry=r)
-        self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
-        self.gpu_drops = Counter("gpu_agent_gpu_drops", "GPU losses seen: absorbed (came back within gpuLossDebounce) "
-                                 "or acted on (a real removal)", ["outcome"], registry=r)
         self.queue_paused = Gauge("gpu_agent_queue_paused", "1 while the work queue is paused", registry=r)
         self.ready = Gauge("gpu_agent_ready", "1 while every component is ready", registry=r)
         self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)
         self.gate_wait = Histogram("gpu_agent_gate_wait_seconds", "Time spent waiting for the registration gate", ["purpose"],
                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
         self.queue_paused.set(1)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

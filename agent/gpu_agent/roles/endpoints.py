@@ -18,14 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gpu_agent.foundations import http
 from gpu_agent.foundations.health import HealthRegistry
-from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.foundations.version import version_info
 
 PATHS = ("/livez", "/healthz", "/readyz", "/version", "/metrics")
 
 
 class EndpointServer:
-    def __init__(self, host: str, port: int, health: HealthRegistry, metrics: AgentMetrics) -> None:
+    def __init__(self, host: str, port: int, health: HealthRegistry, metrics: NodeMetrics) -> None:
         self.health = health
         self.metrics = metrics
         # No request here has a body: 64 KiB of headers and nothing else; 5 s to send a request.

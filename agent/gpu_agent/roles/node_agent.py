@@ -20,7 +20,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, Config, Setting
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
@@ -68,7 +68,7 @@ class NodeAgent:
                 writer = DomainWriter(api, cfg.domainNamespace, cfg.domainName, cfg.domainWriteStrategy, cfg.domainWriteRate)
             self.domain = DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp,
                                            Path(cfg.peersFile) if cfg.peersFile else None)
-        self.metrics = AgentMetrics()
+        self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
                                         self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
