@@ -258,3 +258,19 @@ def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release
     assert len(nodes[0]["gpuUUIDs"]) == 1 and nodes[0]["gpuUUIDs"][0].startswith("GPU-")
     fake_gpus.set(0)  # a node without GPUs is NotReady in the domain, and the domain with it
     wait_until(lambda: (domain().get("status") or {}).get("status") == "NotReady", 30, "the GPUDomain NotReady")
+
+
+def test_both_charts_render_as_subcharts_of_an_umbrella_chart_with_global_values(tmp_path):
+    umbrella = tmp_path / "umbrella"
+    (umbrella / "charts").mkdir(parents=True)
+    for chart in ("gpu-agent", "fake-gpu"):
+        shutil.copytree(CHART.parent / chart, umbrella / "charts" / chart)
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({"apiVersion": "v2", "name": "umbrella", "version": "0.0.1",
+                                                         "dependencies": [{"name": "gpu-agent", "version": "0.1.0"},
+                                                                          {"name": "fake-gpu", "version": "0.1.0"}]}))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({"global": {"imageRegistry": "registry.example", "x": 1},
+                                                         "gpu-agent": {"controlPlane": {"enabled": True}}}))
+    docs = [d for d in yaml.safe_load_all(helm("template", "u", str(umbrella)).stdout) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "DaemonSet", "Service"} <= kinds
+    assert any(d["metadata"]["name"].startswith("u-fake-gpu") for d in docs)
