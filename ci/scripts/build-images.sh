@@ -41,5 +41,9 @@ python3 "$here/tools/oci_image.py" build --name localhost/gpu-agent:dev --out "$
 log "gpu-agent image built in $((SECONDS - t))s"
 if [[ -S $CONTAINERD_SOCK ]] && running containerd; then
   ctr_ images import "$images/gpu-agent.oci.tar" >/dev/null
-  log "imported localhost/gpu-agent:dev into the cluster's containerd"
+  # The chart's default tag is its appVersion: the same image under that name too, so a plain
+  # `helm install charts/gpu-agent` runs what this build produced.
+  version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
+  ctr_ images tag --force localhost/gpu-agent:dev "localhost/gpu-agent:$version" >/dev/null
+  log "imported localhost/gpu-agent:dev (also tagged :$version) into the cluster's containerd"
 fi
