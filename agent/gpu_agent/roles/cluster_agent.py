@@ -81,6 +81,7 @@ def make_executor(cfg: Config) -> Executor:
 
 class ClusterAgent:
     def __init__(self, cfg: Config, clock: Clock | None = None, rng: random.Random | None = None) -> None:
+        cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, COMPONENTS)
@@ -98,7 +99,7 @@ class ClusterAgent:
                                    self.registration.credential_refused,
                                    cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0)
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed,
-                                        loss_debounce=loss_debounce(cfg),
+                                        loss_debounce=cfg.gpuLossDebounce,
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         self.started = asyncio.Event()  # set once the endpoints serve
         host, _, port = cfg.listenAddress.rpartition(":")

@@ -49,6 +49,7 @@ SETTINGS = [
 
 class NodeAgent:
     def __init__(self, cfg: Config, clock: Clock | None = None) -> None:
+        cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
@@ -70,7 +71,7 @@ class NodeAgent:
                                            Path(cfg.peersFile) if cfg.peersFile else None)
         self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
-                                        self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
+                                        self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
