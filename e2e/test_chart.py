@@ -274,3 +274,29 @@ def test_both_charts_render_as_subcharts_of_an_umbrella_chart_with_global_values
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "DaemonSet", "Service"} <= kinds
     assert any(d["metadata"]["name"].startswith("u-fake-gpu") for d in docs)
+
+
+def test_pull_secrets_pod_metadata_and_extra_env_reach_every_workload():
+    docs = render("--set", "imagePullSecrets[0].name=regcred", "--set", "clusterAgent.podAnnotations.a=b",
+                  "--set", "nodeAgent.podLabels.team=gpu", "--set", "controlPlane.extraEnv[0].name=HTTPS_PROXY",
+                  "--set", "controlPlane.extraEnv[0].value=http://proxy:3128")
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet", "Job")}
+    assert len(pods) >= 6
+    assert all(t["spec"].get("imagePullSecrets") == [{"name": "regcred"}] for t in pods.values()), "a workload lacks the pull secret"
+    by_suffix = {name.rsplit("-gpu-agent-", 1)[1]: t for name, t in pods.items()}
+    assert by_suffix["cluster-agent"]["metadata"]["annotations"] == {"a": "b"}
+    assert by_suffix["node-agent"]["metadata"]["labels"]["team"] == "gpu"
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in by_suffix["control-plane"]["spec"]["containers"][0]["env"]
+
+
+def test_the_nvml_node_agent_runs_unprivileged_under_the_nvidia_runtime_class():
+    (ds,) = [d for d in render() if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia"
+    ctx = spec["containers"][0]["securityContext"]
+    assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]} and ctx["readOnlyRootFilesystem"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (fake,) = [d for d in render("--set", "nodeAgent.gpuSource=fake") if d["kind"] == "DaemonSet"]
+    assert "runtimeClassName" not in fake["spec"]["template"]["spec"]
+    assert fake["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -73,6 +73,9 @@ template:
     labels: {{- include "gpu-agent.componentLabels" (dict "ctx" .ctx "component" "hooks") | nindent 6 }}
   spec:
     serviceAccountName: {{ include "gpu-agent.fullname" .ctx }}-hooks
+    {{- with .ctx.Values.imagePullSecrets }}
+    imagePullSecrets: {{- toYaml . | nindent 6 }}
+    {{- end }}
     restartPolicy: Never
     securityContext: {{- toYaml .ctx.Values.clusterAgent.podSecurityContext | nindent 6 }}
     containers:
