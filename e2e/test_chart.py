@@ -300,3 +300,27 @@ def test_the_nvml_node_agent_runs_unprivileged_under_the_nvidia_runtime_class():
     (fake,) = [d for d in render("--set", "nodeAgent.gpuSource=fake") if d["kind"] == "DaemonSet"]
     assert "runtimeClassName" not in fake["spec"]["template"]["spec"]
     assert fake["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_a_50_character_release_name_keeps_every_name_within_63_and_the_api_server_accepts_it(kubeconfig, namespace):
+    name = "r" + "elease-with-a-very-long-name-for-a-platform-tea"[:49]
+    assert len(name) == 50
+    docs = [d for d in yaml.safe_load_all(helm("template", name, str(CHART), "--namespace", namespace, *BASE,
+                                                "--set", "domain.name=d1").stdout) if d]
+    too_long = [(d["kind"], d["metadata"]["name"]) for d in docs if len(d["metadata"]["name"]) > 63]
+    assert not too_long, too_long
+    labels = [v for d in docs for v in (d["metadata"].get("labels") or {}).values()]
+    assert all(len(v) <= 63 for v in labels)
+    # The API server itself validates every object (names, labels) without creating anything.
+    # (No domain here: its CRD may not exist yet on this cluster, issue 10.)
+    r = helm("install", name, str(CHART), "--kubeconfig", str(kubeconfig), "-n", namespace, *BASE,
+             "--dry-run=server", "--no-hooks", check=False)
+    assert r.returncode == 0, r.stderr
+
+
+def test_name_overrides_rename_every_object():
+    docs = render("--set", "fullnameOverride=acme-gpus")
+    names = {d["metadata"]["name"] for d in docs if d["kind"] not in ("CustomResourceDefinition",)}
+    assert all(n.startswith("acme-gpus") for n in names), names
+    docs = render("--set", "nameOverride=gpuagent")
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuagent" for d in docs if "labels" in d["metadata"])

@@ -1,10 +1,22 @@
 {{/* Names, labels and shared snippets. Every define is namespaced "gpu-agent.". */}}
 
+{{- define "gpu-agent.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* At most 40 characters, so that the longest object name (fullname + "-control-plane-tokens")
+stays within 63, whatever the release name; a longer name keeps its start and gains a hash of the
+whole, so two long release names never share objects. */}}
 {{- define "gpu-agent.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
-{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- $name := .Values.fullnameOverride -}}
+{{- if not $name -}}
+{{- $base := include "gpu-agent.name" . -}}
+{{- $name = ternary .Release.Name (printf "%s-%s" .Release.Name $base) (contains $base .Release.Name) -}}
+{{- end -}}
+{{- if gt (len $name) 40 -}}
+{{- printf "%s-%s" ($name | trunc 33 | trimSuffix "-") ($name | sha256sum | trunc 6) -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- $name | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
@@ -13,7 +25,7 @@
 {{- end -}}
 
 {{- define "gpu-agent.selectorLabels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/name: {{ include "gpu-agent.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
