@@ -324,3 +324,12 @@ def test_name_overrides_rename_every_object():
     assert all(n.startswith("acme-gpus") for n in names), names
     docs = render("--set", "nameOverride=gpuagent")
     assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuagent" for d in docs if "labels" in d["metadata"])
+
+
+def test_hook_jobs_have_resources_and_placement_values():
+    docs = render("--set", "hooks.tolerations[0].operator=Exists", "--set", "hooks.nodeSelector.pool=system")
+    jobs = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 3
+    for spec in jobs:
+        assert spec["containers"][0]["resources"]["requests"] and spec["containers"][0]["resources"]["limits"]
+        assert spec["tolerations"] == [{"operator": "Exists"}] and spec["nodeSelector"] == {"pool": "system"}

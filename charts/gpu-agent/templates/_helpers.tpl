@@ -89,14 +89,24 @@ template:
     imagePullSecrets: {{- toYaml . | nindent 6 }}
     {{- end }}
     restartPolicy: Never
-    securityContext: {{- toYaml .ctx.Values.clusterAgent.podSecurityContext | nindent 6 }}
+    {{- with .ctx.Values.hooks.priorityClassName }}
+    priorityClassName: {{ . }}
+    {{- end }}
+    {{- with .ctx.Values.hooks.nodeSelector }}
+    nodeSelector: {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with .ctx.Values.hooks.tolerations }}
+    tolerations: {{- toYaml . | nindent 6 }}
+    {{- end }}
+    securityContext: {{- toYaml .ctx.Values.hooks.podSecurityContext | nindent 6 }}
     containers:
     - name: hook
       image: {{ include "gpu-agent.image" .ctx }}
       imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
       command: [gpu-agent-hook]
       args: {{- toYaml .args | nindent 8 }}
-      securityContext: {{- toYaml .ctx.Values.clusterAgent.securityContext | nindent 8 }}
+      securityContext: {{- toYaml .ctx.Values.hooks.securityContext | nindent 8 }}
+      resources: {{- toYaml .ctx.Values.hooks.resources | nindent 8 }}
       {{- with .volumeMounts }}
       volumeMounts: {{- toYaml . | nindent 8 }}
       {{- end }}
