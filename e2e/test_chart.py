@@ -333,3 +333,23 @@ def test_hook_jobs_have_resources_and_placement_values():
     for spec in jobs:
         assert spec["containers"][0]["resources"]["requests"] and spec["containers"][0]["resources"]["limits"]
         assert spec["tolerations"] == [{"operator": "Exists"}] and spec["nodeSelector"] == {"pool": "system"}
+
+
+def test_monitors_and_the_control_planes_claim_render_only_when_asked():
+    kinds = [d["kind"] for d in render()]
+    assert not {"ServiceMonitor", "PodMonitor", "PersistentVolumeClaim"} & set(kinds)
+    docs = render("--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true",
+                  "--set", "metrics.serviceMonitor.labels.release=prom", "--set", "controlPlane.persistence.enabled=true")
+    monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert sorted((d["kind"], d["metadata"]["name"].rsplit("-", 2)[-2]) for d in monitors) == [
+        ("PodMonitor", "cluster"), ("PodMonitor", "node"), ("ServiceMonitor", "cluster"), ("ServiceMonitor", "node")]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for sm in (d for d in monitors if d["kind"] == "ServiceMonitor"):
+        assert sm["metadata"]["labels"]["release"] == "prom"
+        target = services[sm["metadata"]["name"]]
+        assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in target["spec"]["ports"]]
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    (cp,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
+    data = [v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"][0]
+    assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
