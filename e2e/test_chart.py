@@ -353,3 +353,22 @@ def test_monitors_and_the_control_planes_claim_render_only_when_asked():
     data = [v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"][0]
     assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_cluster_agent_and_control_plane_run_in_a_namespace_that_enforces_restricted(api, core, apps, kubeconfig,
+                                                                                      namespace, fake_gpus):
+    core.patch_namespace(namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted",
+                                                             "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    fake_gpus.set(1)
+    r = Release(api, core, apps, kubeconfig, namespace, name=f"ps{uuid.uuid4().hex[:5]}")
+    r.install("--set", "gracefulNoGPU=true", "--set", "nodeAgent.enabled=false")  # the node agent needs a hostPath
+    wait_until(lambda: r.all_running(at_least=2), 90, "cluster agent and control plane Running under restricted")
+    wait_until(lambda: r.healthz()[0] == 200, 60, "the cluster agent Ready")
+    # A work Pod the agent creates is admitted too.
+    r.control_plane("print(c.enqueue(t, 'restricted-item', {'gpus': 1}))")
+    wait_until(lambda: '"done": 1' in r.control_plane("import json; print(json.dumps(c.status(t)['items']))"), 60,
+               "the work Pod admitted, run and acknowledged")
+    refused = [e.message for e in core.list_namespaced_event(namespace).items if "violates PodSecurity" in (e.message or "")]
+    assert not refused, refused
+    r.uninstall()
+    fake_gpus.set(0)

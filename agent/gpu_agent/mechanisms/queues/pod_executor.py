@@ -55,8 +55,9 @@ class PodExecutor:
                     "name": "work", "image": self.image, "imagePullPolicy": "IfNotPresent",
                     "command": [str(c) for c in command],
                     "resources": {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {},
+                    # Admitted by Pod Security "restricted", like every pod of the chart.
                     "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
-                                        "capabilities": {"drop": ["ALL"]}},
+                                        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
                 }],
             },
         }
