@@ -27,7 +27,7 @@ test: lint test-unit test-integration e2e
 
 lint: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests hooks e2e ci/tools
+	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests hooks e2e ci/tools scripts/*.py
 
 test-unit: setup
 	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests
