@@ -108,8 +108,10 @@ class Listener:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.close()
+        # Requests in progress finish first (their responses still need the loop and its trigger),
+        # then the listening socket and every connection close.
         self._server.task_dispatcher.shutdown(cancel_pending=True, timeout=2)
+        self._server.close()
         wasyncore.close_all(self._server._map)
         self._thread.join(5)
 

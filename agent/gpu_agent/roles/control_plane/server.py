@@ -302,5 +302,6 @@ class ControlPlaneServer:
         self.listener.start()
 
     def stop(self) -> None:
+        self.cp.store.release_waiters()  # a long-polled lease would otherwise hold a worker for its wait
         self.listener.stop()
         self.cp.store.close()

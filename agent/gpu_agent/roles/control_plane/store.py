@@ -40,8 +40,15 @@ class Store:
         self._lock = threading.Lock()
         self._now = clock
         self._queue_changed = threading.Condition()
+        self._closing = False
+
+    def release_waiters(self) -> None:
+        """Long-polled lease calls return at once (empty) instead of holding shutdown for their wait."""
+        self._closing = True
+        self._notify()
 
     def close(self) -> None:
+        self.release_waiters()
         with self._lock:
             self._db.close()
 
@@ -107,7 +114,7 @@ class Store:
         while True:
             item = self.lease(lease_seconds)
             remaining = deadline - time.monotonic()
-            if item is not None or remaining <= 0:
+            if item is not None or remaining <= 0 or self._closing:
                 return item
             with self._queue_changed:
                 # Woken by enqueue/release; the 0.5 s bound also catches leases that expire.
