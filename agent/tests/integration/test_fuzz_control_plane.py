@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,8 @@ def schemathesis(location: str, token: str | None, *extra: str) -> tuple[int, in
             "--generation-database", "none", "--seed", os.environ.get("FUZZ_SEED", "7"), *extra]
     if token:
         argv += ["-H", f"Authorization: Bearer {token}"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    # schemathesis keeps a cache folder (.schemathesis/) in its working directory: not in the checkout.
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tempfile.gettempdir())
     text = out.stdout + out.stderr
     m = re.search(r"(\d+) generated", text)
     return out.returncode, int(m.group(1)) if m else 0, text[-4000:]
