@@ -19,7 +19,7 @@ from kubernetes import client, config
 
 from e2e import cluster
 from e2e.cluster import host_paths, tool
-from e2e.helpers import wait_until
+from e2e.helpers import pod_http_get, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +94,6 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
                 except client.ApiException:
                     pass
             if "agent" in c.name:
-                from e2e.helpers import pod_http_get
-
                 port = c.ports[0].container_port if c.ports else 8080
                 code, body = pod_http_get(core, ns, pod.metadata.name, port, "healthz")
                 save(f"{pod.metadata.name}.healthz.json", f"{code}\n{json.dumps(body, indent=1) if isinstance(body, dict) else body}")

@@ -80,14 +80,10 @@ def release(api, core, apps, kubeconfig, namespace, fake_gpus):
     helm("uninstall", "--kubeconfig", str(kubeconfig), "-n", namespace, r.name, "--wait", "--timeout", "120s", check=False)
 
 
-def all_running(release):
-    return release.all_running()
-
-
 def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a_pod(release, fake_gpus, core):
     started = time.monotonic()
     release.install("--set", "gracefulNoGPU=true")
-    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    wait_until(release.all_running, 60, "every release pod Running")
     wait_until(lambda: all(c.ready for p in release.pods("app.kubernetes.io/component=node-agent")
                            for c in p.status.container_statuses or []), 30, "node agents Ready")
     wait_until(lambda: release.agent_pod() and pod_http_get(core, release.namespace, release.agent_pod(), 8080, "livez")[0] == 200,
@@ -136,7 +132,7 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
 
 def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(release, apps):
     release.install("--set", "gracefulNoGPU=true")
-    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    wait_until(release.all_running, 60, "every release pod Running")
     wait_until(lambda: release.healthz()[0] == 503, 30, "the cluster agent to answer /healthz (NotReady: no GPUs)")
     first = release.agent_pod()
     samples, sets, stop = [], [], threading.Event()
@@ -197,7 +193,7 @@ def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_pat
 
 def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_path, core):
     release.install()
-    wait_until(lambda: all_running(release), 60, "every release pod Running")
+    wait_until(release.all_running, 60, "every release pod Running")
     future = tmp_path / "gpu-agent"
     shutil.copytree(CHART, future)
     chart_yaml = yaml.safe_load((future / "Chart.yaml").read_text())

@@ -26,10 +26,6 @@ from gpu_agent.roles.control_plane.main import STORE_SETTINGS, build_server
 
 log = get_logger(__name__)
 
-# Settings whose default lives in the state folder.
-DEFAULT_FILES = {"database": ".run/control-plane.sqlite", "executorJournal": ".run/executions.sqlite",
-                 "fakeGpuStateFile": ".run/fake-gpus.json"}
-
 SETTINGS = [
     *cluster_agent.SETTINGS,
     *[s for s in STORE_SETTINGS if s.kind != "secret" and not s.name.endswith("TokenFile")],
@@ -37,6 +33,12 @@ SETTINGS = [
     Setting("stateDir", "path", ".run", "folder for tokens, databases and the fake GPU state file"),
     Setting("demoItems", "int", 5, "demo work items enqueued at start (idempotent across restarts)", 0, 10000),
 ]
+
+
+# Settings whose default lives in the state folder, with those defaults (the settings' own; the fake
+# state file's is the path itself, since $FAKE_GPU_STATE_FILE already names a file of the user's choice).
+DEFAULT_FILES = {**{s.name: s.default for s in SETTINGS if s.name in ("database", "executorJournal")},
+                 "fakeGpuStateFile": fake_state.DEFAULT_PATH}
 
 
 def _token(path: Path) -> Secret:
