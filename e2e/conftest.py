@@ -191,6 +191,7 @@ def fake_gpus(kubeconfig, core, apps):
 class FakeGPUs:
     def __init__(self, kubeconfig, core, namespace, node):
         self.kubeconfig, self.core, self.namespace, self.node = str(kubeconfig), core, namespace, node
+        self.layout_configmap = "fg-fake-gpu-layout"  # the chart's, for release "fg"
 
     def command(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", self.kubeconfig, "--namespace",

@@ -106,7 +106,7 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
         r = fake_gpus.command(*argv)
         assert r.returncode == 2 and words in r.stderr, (args, r.stderr)
     # An edit that bypasses the command is refused by the DaemonSet itself.
-    core.patch_namespaced_config_map("gpu-agent-fake-gpu-layout", fake_gpus.namespace,
+    core.patch_namespaced_config_map(fake_gpus.layout_configmap, fake_gpus.namespace,
                                      {"data": {fake_gpus.node: '{"count": "lots"}'}})
     pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]
     wait_until(lambda: "refusing layout" in core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace), 10,
@@ -116,5 +116,24 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     assert status["nodes"][fake_gpus.node]["allocatable"] == "2"
     # Leave the layout valid for whoever comes next, through the command as a user would.
     fake_gpus.set(0)
-    layout = core.read_namespaced_config_map("gpu-agent-fake-gpu-layout", fake_gpus.namespace).data[fake_gpus.node]
+    layout = core.read_namespaced_config_map(fake_gpus.layout_configmap, fake_gpus.namespace).data[fake_gpus.node]
     assert json.loads(layout)["count"] == 0
+
+
+def test_each_release_has_its_own_layout_and_the_command_asks_which_when_there_are_several(fake_gpus, core):
+    """A second release's layout ConfigMap in the same namespace (made here as the chart would make
+    it) neither collides with the first nor is picked silently by `fake-gpu set`."""
+    other = client.V1ConfigMap(metadata=client.V1ObjectMeta(
+        name="fg2-fake-gpu-layout", labels={"app.kubernetes.io/name": "fake-gpu", "app.kubernetes.io/component": "layout",
+                                            "app.kubernetes.io/instance": "fg2"}), data={"maxCount": "16"})
+    core.create_namespaced_config_map(fake_gpus.namespace, other)
+    try:
+        r = fake_gpus.command("set", "--node", fake_gpus.node, "--count", "1")
+        assert r.returncode == 2 and "several fake-gpu releases (fg, fg2)" in r.stderr and "--release" in r.stderr, r.stderr
+        r = fake_gpus.command("--release", "fg", "set", "--node", fake_gpus.node, "--count", "1")
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: fake_gpus.allocatable() == 1, 10, "allocatable nvidia.com/gpu == 1")
+        assert fake_gpus.node not in (core.read_namespaced_config_map("fg2-fake-gpu-layout", fake_gpus.namespace).data or {})
+    finally:
+        core.delete_namespaced_config_map("fg2-fake-gpu-layout", fake_gpus.namespace)
+    fake_gpus.set(0)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError, build
+from fake_gpu.layout_source import LEGACY_CONFIGMAP
 from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import Inventory
 
@@ -55,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-file", type=Path, default=None, help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the fake-gpu install (cluster mode; default {DEFAULT_NAMESPACE!r}, env FAKE_GPU_NAMESPACE)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")
+    parser.add_argument("--release", default=os.environ.get("FAKE_GPU_RELEASE") or None,
+                        help="the fake-gpu release to change, when the namespace holds several (cluster mode; env FAKE_GPU_RELEASE)")
     sub = parser.add_subparsers(dest="command", required=True)
     p_set = sub.add_parser("set", help="set the number of fake GPUs")
     p_cycle = sub.add_parser("cycle", help="go back and forth between two counts")
@@ -79,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     p_daemon.add_argument("--plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
                           help="kubelet's device-plugin folder (default /var/lib/kubelet/device-plugins)")
     p_daemon.add_argument("--host-state-file", default=None, help="the state file's path on the host (for Allocate's mount)")
+    p_daemon.add_argument("--layout-configmap", default=LEGACY_CONFIGMAP,
+                          help=f"the layout ConfigMap to watch in --namespace (default {LEGACY_CONFIGMAP!r}; the chart passes its own)")
     p_daemon.add_argument("--default-count", type=int, default=0,
                           help="fake GPUs on a node whose layout is not set yet (default 0)")
     p_daemon.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity 0..7 (default 0)")
@@ -100,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
             from fake_gpu.daemon import run
 
             klog.setup(args.verbosity)
-            return run(args.node_name, args.namespace, path, args.host_state_file or str(path), args.plugin_dir,
+            return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
                        args.default_count)
         cluster = None
         if args.node:
             from fake_gpu.cluster import ClusterLayout
 
-            cluster = ClusterLayout(args.namespace, args.kubeconfig)
+            cluster = ClusterLayout(args.namespace, args.kubeconfig, args.release)
         if args.command == "status":
             if cluster is not None:
                 print(json.dumps(cluster.status(), indent=2))

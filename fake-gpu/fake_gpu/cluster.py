@@ -1,8 +1,9 @@
 """`fake-gpu set/cycle/status --node NODE`: change a node's desired layout on a cluster.
 
 Everything is checked before anything is written: the node must exist, fake-gpu must be
-installed in the namespace (its layout ConfigMap exists), and the layout must pass the same
-validation the DaemonSet applies. A refused change leaves the previous layout in force.
+installed in the namespace (its layout ConfigMap exists; with several releases there, --release
+picks one), and the layout must pass the same validation the DaemonSet applies. A refused change
+leaves the previous layout in force.
 """
 
 from __future__ import annotations
@@ -13,26 +14,37 @@ from typing import Any
 from kubernetes import client, config
 
 from fake_gpu.layout import LayoutError
-from fake_gpu.layout_source import CONFIGMAP, NodeLayout, max_count, validate
+from fake_gpu.layout_source import LAYOUT_SELECTOR, LEGACY_CONFIGMAP, NodeLayout, max_count, validate
 
 
 class ClusterLayout:
-    def __init__(self, namespace: str, kubeconfig: str | None = None) -> None:
+    def __init__(self, namespace: str, kubeconfig: str | None = None, release: str | None = None) -> None:
         try:
             config.load_kube_config(config_file=kubeconfig)
         except config.ConfigException:
             config.load_incluster_config()
         self.core = client.CoreV1Api()
         self.namespace = namespace
+        self.release = release
 
     def _configmap(self) -> client.V1ConfigMap:
-        try:
-            return self.core.read_namespaced_config_map(CONFIGMAP, self.namespace)
-        except client.ApiException as e:
-            if e.status == 404:
-                raise LayoutError(f"fake-gpu is not installed in namespace {self.namespace!r} (no ConfigMap {CONFIGMAP}); "
-                                  "install charts/fake-gpu or pass --namespace") from None
-            raise
+        selector = LAYOUT_SELECTOR + (f",app.kubernetes.io/instance={self.release}" if self.release else "")
+        found = self.core.list_namespaced_config_map(self.namespace, label_selector=selector).items
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            releases = ", ".join(sorted((cm.metadata.labels or {}).get("app.kubernetes.io/instance", "?") for cm in found))
+            raise LayoutError(f"namespace {self.namespace!r} holds several fake-gpu releases ({releases}); "
+                              "pick one with --release NAME")
+        if not self.release:
+            try:
+                return self.core.read_namespaced_config_map(LEGACY_CONFIGMAP, self.namespace)
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+        which = f"release {self.release!r} of fake-gpu" if self.release else "fake-gpu"
+        raise LayoutError(f"{which} is not installed in namespace {self.namespace!r} (no layout ConfigMap labelled "
+                          f"{selector}); install charts/fake-gpu or pass --namespace") from None
 
     def _check_node(self, node: str) -> None:
         try:
@@ -49,7 +61,7 @@ class ClusterLayout:
         layout = validate(NodeLayout(count, product, memory_mib), max_count(cm.data or {}))
         # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
         patch = {"metadata": {"resourceVersion": cm.metadata.resource_version}, "data": {node: layout.to_json()}}
-        self.core.patch_namespaced_config_map(CONFIGMAP, self.namespace, patch)
+        self.core.patch_namespaced_config_map(cm.metadata.name, self.namespace, patch)
         return layout
 
     def status(self) -> dict[str, Any]:

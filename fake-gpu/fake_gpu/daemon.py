@@ -18,12 +18,12 @@ from typing import Any
 from kubernetes import client, config
 
 from fake_gpu.layout import LayoutError, build
-from fake_gpu.layout_source import CONFIGMAP, layout_for
+from fake_gpu.layout_source import layout_for
 from fake_gpu.plugin import Devices, PluginRunner
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
 
 log = get_logger("fake_gpu.daemon")
 
@@ -59,18 +59,21 @@ class LayoutApplier:
         log.info("node %s now has %d fake GPUs (%s)", self.node, inventory.count, layout.product)
 
 
-def watch_layout(core: client.CoreV1Api, namespace: str, applier: LayoutApplier, stopping: threading.Event) -> None:
+def watch_layout(api: client.ApiClient, namespace: str, configmap: str, applier: LayoutApplier,
+                 stopping: threading.Event) -> None:
     def listed(cms: Any) -> None:
         items = items_of(cms)
-        applier.apply(items[0].data if items else None)
+        applier.apply(items[0].get("data") if items else None)
 
-    list_then_watch(core.list_namespaced_config_map, namespace, field_selector=f"metadata.name={CONFIGMAP}",
-                    on_list=listed, on_event=lambda kind, cm: applier.apply(None if kind == "DELETED" else cm.data),
-                    on_error=lambda e: log.warning("watching ConfigMap %s/%s failed: %s; retrying", namespace, CONFIGMAP, e),
+    # core_v1_list rather than CoreV1Api: the daemon's footprint (see gpu_agent.foundations.kube)
+    list_then_watch(core_v1_list(api, "configmaps"), namespace, field_selector=f"metadata.name={configmap}",
+                    on_list=listed, on_event=lambda kind, cm: applier.apply(None if kind == "DELETED" else cm.get("data")),
+                    on_error=lambda e: log.warning("watching ConfigMap %s/%s failed: %s; retrying", namespace, configmap, e),
                     stop=stopping, resync_seconds=60)
 
 
-def run(node: str, namespace: str, state_file: Path, host_state_file: str, plugin_dir: Path, default_count: int) -> int:
+def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_file: str, plugin_dir: Path,
+        default_count: int) -> int:
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -86,8 +89,9 @@ def run(node: str, namespace: str, state_file: Path, host_state_file: str, plugi
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    threading.Thread(target=watch_layout, args=(client.CoreV1Api(), namespace, applier, stopping), daemon=True).start()
-    log.info("fake-gpu daemon for node %s: state file %s, plugin dir %s", node, state_file, plugin_dir)
+    threading.Thread(target=watch_layout, args=(client.ApiClient(), namespace, configmap, applier, stopping), daemon=True).start()
+    log.info("fake-gpu daemon for node %s: layout ConfigMap %s/%s, state file %s, plugin dir %s", node, namespace, configmap,
+             state_file, plugin_dir)
     runner.run()
     time.sleep(0.1)
     return 0

@@ -17,7 +17,10 @@ from typing import Any
 
 from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError
 
-CONFIGMAP = "gpu-agent-fake-gpu-layout"
+# The layout ConfigMap is per release (<release>-fake-gpu-layout), labelled LAYOUT_SELECTOR so that
+# `fake-gpu set` finds it; charts before 0.2 named it LEGACY_CONFIGMAP whatever the release.
+LEGACY_CONFIGMAP = "gpu-agent-fake-gpu-layout"
+LAYOUT_SELECTOR = "app.kubernetes.io/name=fake-gpu,app.kubernetes.io/component=layout"
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,22 @@
-"""Kubernetes access: building API clients (in-cluster first, then kubeconfig), and the one
-list-then-watch loop every local view of cluster objects is kept by."""
+"""Kubernetes access: building API clients (in-cluster first, then kubeconfig), the one
+list-then-watch loop every local view of cluster objects is kept by, and a lean list call for
+core/v1 objects.
+
+Footprint: the `kubernetes` package loads each API group's module on first use, and
+`client.CoreV1Api` alone costs about 22 MiB of RSS (thousands of generated methods with their
+docstrings and validators). A role that only lists and watches one core kind uses
+`core_v1_list` instead, which goes through the same ApiClient (auth, TLS, proxies) and hands back
+plain dicts."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
 
 
 def api_client(kubeconfig: str = "") -> client.ApiClient:
@@ -18,6 +27,32 @@ def api_client(kubeconfig: str = "") -> client.ApiClient:
     except config.ConfigException:
         config.load_kube_config()
     return client.ApiClient()
+
+
+def core_v1_list(api: client.ApiClient, plural: str) -> Callable[..., Any]:
+    """`list_namespaced_<kind>` of core/v1 `plural` (e.g. "configmaps") as plain dicts; it takes
+    the keyword arguments `watch.Watch().stream` and `list_then_watch` pass, so it can be watched."""
+    def list_namespaced(namespace: str, *, field_selector: str | None = None, label_selector: str | None = None,
+                        resource_version: str | None = None, timeout_seconds: int | None = None,
+                        watch: bool | None = None, allow_watch_bookmarks: bool | None = None,
+                        _preload_content: bool = True, _request_timeout: Any = None) -> Any:
+        query = [(name, value) for name, value in (
+            ("fieldSelector", field_selector), ("labelSelector", label_selector), ("resourceVersion", resource_version),
+            ("timeoutSeconds", timeout_seconds), ("watch", watch), ("allowWatchBookmarks", allow_watch_bookmarks))
+            if value is not None]
+        request = api.param_serialize("GET", f"/api/v1/namespaces/{{namespace}}/{plural}", path_params={"namespace": namespace},
+                                      query_params=query, header_params={"Accept": "application/json"},
+                                      auth_settings=["BearerToken"])
+        response = api.call_api(*request, _request_timeout=_request_timeout)
+        if not 200 <= response.status < 300:
+            response.read()
+            raise ApiException(status=response.status, reason=response.reason)
+        if not _preload_content:
+            return response.response
+        response.read()
+        return json.loads(response.data)
+    list_namespaced.__name__ = f"list_namespaced_{plural}"
+    return list_namespaced
 
 
 def items_of(listed: Any) -> list[Any]:
