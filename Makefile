@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels run fuzz e2e-fast test test-unit test-integration lint bench bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -52,9 +52,16 @@ FUZZ_EXAMPLES ?= 1000
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -s agent/tests/unit/test_parsers_fuzz.py agent/tests/integration/test_fuzz_control_plane.py
 
-## bench: GPU arrival/removal latency, RSS and idle CPU (printed, not asserted)
+## bench: GPU arrival/removal latency, RSS and idle CPU of a local agent, then each role's RSS and idle CPU in its
+## chart configuration on the CI cluster (printed, not asserted)
 bench: setup
 	PYTHONPATH=agent $(BIN)/python agent/bench/bench_agent.py
+	$(MAKE) bench-footprint
+
+## bench-footprint: each role's RSS and idle CPU in its chart configuration, on the CI cluster (brought up, images built)
+bench-footprint: setup
+	$(MAKE) -C ci cluster-up images
+	$(BIN)/python agent/bench/bench_footprint.py
 
 ## bench-domain: N simulated node agents on one GPUDomain on the CI cluster, per write strategy, then the simulator
 bench-domain: setup
