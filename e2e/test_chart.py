@@ -303,6 +303,8 @@ def test_a_50_character_release_name_keeps_every_name_within_63_and_the_api_serv
     assert len(name) == 50
     docs = [d for d in yaml.safe_load_all(helm("template", name, str(CHART), "--namespace", namespace, *BASE,
                                                 "--set", "domain.name=d1").stdout) if d]
+    docs += [d for d in yaml.safe_load_all(helm("template", name, str(CHART.parent / "fake-gpu"), "--namespace",
+                                                 namespace).stdout) if d]
     too_long = [(d["kind"], d["metadata"]["name"]) for d in docs if len(d["metadata"]["name"]) > 63]
     assert not too_long, too_long
     labels = [v for d in docs for v in (d["metadata"].get("labels") or {}).values()]
@@ -312,6 +314,49 @@ def test_a_50_character_release_name_keeps_every_name_within_63_and_the_api_serv
     r = helm("install", name, str(CHART), "--kubeconfig", str(kubeconfig), "-n", namespace, *BASE,
              "--dry-run=server", "--no-hooks", check=False)
     assert r.returncode == 0, r.stderr
+
+
+def test_each_component_takes_its_own_image_service_account_and_extra_volumes():
+    digest = "sha256:" + "a" * 64
+    docs = render("--set", f"image.digest={digest}", "--set", "clusterAgent.image.tag=ca1",
+                  "--set", "nodeAgent.image.repository=registry.example/node-agent", "--set", "nodeAgent.image.pullPolicy=Always",
+                  "--set", "clusterAgent.serviceAccount.create=false", "--set", "clusterAgent.serviceAccount.name=platform-sa",
+                  "--set", "nodeAgent.serviceAccount.annotations.iam\\.example/role=gpu",
+                  "--set", "controlPlane.extraVolumes[0].name=ca", "--set", "controlPlane.extraVolumes[0].configMap.name=corp-ca",
+                  "--set", "controlPlane.extraVolumeMounts[0].name=ca", "--set", "controlPlane.extraVolumeMounts[0].mountPath=/etc/ssl/corp")
+    pods = {d["metadata"]["name"].rsplit("-gpu-agent-", 1)[1]: d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in ("Deployment", "DaemonSet", "Job")}
+    container = {name: spec["containers"][0] for name, spec in pods.items()}
+    assert container["cluster-agent"]["image"] == f"localhost/gpu-agent:ca1@{digest}"
+    assert container["node-agent"]["image"] == "registry.example/node-agent:dev"  # another repository: no inherited digest
+    assert container["node-agent"]["imagePullPolicy"] == "Always" and container["control-plane"]["imagePullPolicy"] == "IfNotPresent"
+    assert container["control-plane"]["image"] == container["crds"]["image"] == f"localhost/gpu-agent:dev@{digest}"
+    assert pods["cluster-agent"]["serviceAccountName"] == "platform-sa"
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert "platform-sa" not in accounts and not any(n.endswith("-cluster-agent") for n in accounts)
+    subjects = [s["name"] for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and d["metadata"]["name"].endswith("-cluster-agent") for s in d["subjects"]]
+    assert subjects and set(subjects) == {"platform-sa"}
+    assert accounts["t-gpu-agent-node-agent"]["metadata"]["annotations"] == {"iam.example/role": "gpu"}
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in pods["control-plane"]["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp"} in container["control-plane"]["volumeMounts"]
+    r = helm("template", "t", str(CHART), *BASE, "--set", "clusterAgent.serviceAccount.create=false", check=False)
+    assert r.returncode and "clusterAgent.serviceAccount.name is required" in r.stderr
+
+
+def test_an_existing_tokens_secret_makes_every_render_the_same_and_the_chart_makes_none():
+    """GitOps renders with `helm template`, where `lookup` finds nothing: the chart's own tokens
+    would change on every render, an existing Secret does not."""
+    first, second = (helm("template", "t", str(CHART), *BASE, "--set", "controlPlane.existingTokensSecret=cp-tokens").stdout
+                     for _ in range(2))
+    assert first == second
+    docs = [d for d in yaml.safe_load_all(first) if d]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    mounted = [v["secret"]["secretName"] for d in docs if d["kind"] in ("Deployment", "Job")
+               for v in d["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
+    assert mounted and set(mounted) == {"cp-tokens"}
+    own = [helm("template", "t", str(CHART), *BASE).stdout for _ in range(2)]
+    assert own[0] != own[1]  # the limitation the value exists for
 
 
 def test_name_overrides_rename_every_object():
@@ -356,8 +401,13 @@ def test_cluster_agent_and_control_plane_run_in_a_namespace_that_enforces_restri
     core.patch_namespace(namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted",
                                                              "pod-security.kubernetes.io/enforce-version": "latest"}}})
     fake_gpus.set(1)
+    # Tokens from a Secret made outside the chart, as a GitOps user would (sealed or external secrets).
+    core.create_namespaced_secret(namespace, client.V1Secret(metadata=client.V1ObjectMeta(name="gitops-tokens"), string_data={
+        "registrationToken": uuid.uuid4().hex, "adminToken": uuid.uuid4().hex}))
     r = Release(api, core, apps, kubeconfig, namespace, name=f"ps{uuid.uuid4().hex[:5]}")
-    r.install("--set", "gracefulNoGPU=true", "--set", "nodeAgent.enabled=false")  # the node agent needs a hostPath
+    r.install("--set", "gracefulNoGPU=true", "--set", "nodeAgent.enabled=false",  # the node agent needs a hostPath
+              "--set", "controlPlane.existingTokensSecret=gitops-tokens")
+    assert [s.metadata.name for s in core.list_namespaced_secret(namespace).items] == ["gitops-tokens"]
     wait_until(lambda: r.all_running(at_least=2), 90, "cluster agent and control plane Running under restricted")
     wait_until(lambda: r.healthz()[0] == 200, 60, "the cluster agent Ready")
     # A work Pod the agent creates is admitted too.
