@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 ## wheels: the project's wheels in build/wheels (what the image installs), stamped with commit and build date
 wheels:
 	bash scripts/build-wheels.sh
+
+## release: package both charts into dist/ (with a Helm repo index), build the image tagged with the version, and
+## record the version with its commit in releases.yaml; the tree must be clean
+release: setup
+	bash scripts/release.sh
 
 ## run: the control plane + cluster agent with fake GPUs on loopback (no cluster needed)
 ARGS ?=

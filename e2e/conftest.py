@@ -103,7 +103,7 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
     custom = client.CustomObjectsApi(core.api_client)
     for plural in ("gpudomains", "gpudomainmembers"):
         try:
-            objs = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", ns, plural)
+            objs = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", ns, plural)
             save(f"{plural}.json", json.dumps(objs, indent=1, default=str))
         except client.ApiException:
             pass

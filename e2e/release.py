@@ -7,10 +7,13 @@ import base64
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from e2e.cluster import host_paths, tool
 from e2e.helpers import exec_python, pod_http_get, wait_until
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
+APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
 CA = "app.kubernetes.io/component=cluster-agent"
 

@@ -15,7 +15,7 @@ from kubernetes import client
 
 from e2e.cluster import tool
 from e2e.helpers import pod_http_get, wait_until
-from e2e.release import BASE, CA, CHART, Release, helm
+from e2e.release import APP_VERSION, BASE, CA, CHART, Release, helm
 
 def render(*sets: str) -> list[dict]:
     out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
@@ -166,7 +166,7 @@ def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_pat
     ext = client.ApiextensionsV1Api(api)
     old_chart = tmp_path / "gpu-agent"
     shutil.copytree(CHART, old_chart)
-    crd_file = old_chart / "files" / "crds" / "gpudomain.yaml"
+    crd_file = old_chart / "crds" / "gpudomain.yaml"
     crd = yaml.safe_load(crd_file.read_text())
     del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["nodeSelector"]
     crd_file.write_text(yaml.safe_dump(crd))
@@ -205,9 +205,9 @@ def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_p
     assert r.returncode != 0 and "pre-upgrade" in r.stderr
     job_pods = core.list_namespaced_pod(release.namespace, label_selector=f"job-name={release.fullname}-skew-check").items
     log = core.read_namespaced_pod_log(job_pods[0].metadata.name, release.namespace)
-    assert "refused: upgrade from 0.1.0 to 2.0.0 skips major version 1" in log
+    assert f"refused: upgrade from {APP_VERSION} to 2.0.0 skips major version 1" in log
     history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, release.name, "-o", "json").stdout)
-    assert history[0]["status"] == "deployed" and history[0]["app_version"] == "0.1.0"
+    assert history[0]["status"] == "deployed" and history[0]["app_version"] == APP_VERSION
 
 
 def can_i(api, namespace, sa, verb, resource, ns=None, group=""):
@@ -244,7 +244,7 @@ def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release
 
     def domain():
         try:
-            return custom.get_namespaced_custom_object("gpu-agent.io", "v1alpha1", release.namespace, "gpudomains", "gpus")
+            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", release.namespace, "gpudomains", "gpus")
         except client.ApiException:
             return {}
 
@@ -262,8 +262,8 @@ def test_both_charts_render_as_subcharts_of_an_umbrella_chart_with_global_values
     for chart in ("gpu-agent", "fake-gpu"):
         shutil.copytree(CHART.parent / chart, umbrella / "charts" / chart)
     (umbrella / "Chart.yaml").write_text(yaml.safe_dump({"apiVersion": "v2", "name": "umbrella", "version": "0.0.1",
-                                                         "dependencies": [{"name": "gpu-agent", "version": "0.1.0"},
-                                                                          {"name": "fake-gpu", "version": "0.1.0"}]}))
+                                                         "dependencies": [{"name": "gpu-agent", "version": APP_VERSION},
+                                                                          {"name": "fake-gpu", "version": APP_VERSION}]}))
     (umbrella / "values.yaml").write_text(yaml.safe_dump({"global": {"imageRegistry": "registry.example", "x": 1},
                                                          "gpu-agent": {"controlPlane": {"enabled": True}}}))
     docs = [d for d in yaml.safe_load_all(helm("template", "u", str(umbrella)).stdout) if d]

@@ -82,7 +82,7 @@ def schemas(tmp_path_factory) -> Path:
         suffix = "-" + group_version[0].split(".")[0].lower() + ("-" + group_version[1].lower() if len(group_version) > 1 else "")
         name = f"{kind.lower()}{suffix}.json"
         if kind == "GPUDomain":
-            crd = yaml.safe_load((CHART / "files" / "crds" / "gpudomain.yaml").read_text())
+            crd = yaml.safe_load((CHART / "crds" / "gpudomain.yaml").read_text())
             version = [v for v in crd["spec"]["versions"] if v["name"] == group_version[1]][0]
             schema = version["schema"]["openAPIV3Schema"]
             schema.setdefault("properties", {}).update({"apiVersion": {"type": "string"}, "kind": {"type": "string"},

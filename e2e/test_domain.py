@@ -21,7 +21,7 @@ from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
 from gpu_agent_hooks.cli import apply_crds
 
-CRDS = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent" / "files" / "crds"
+CRDS = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent" / "crds"
 
 
 @pytest.fixture(scope="module")

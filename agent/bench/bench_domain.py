@@ -120,7 +120,7 @@ def run(n: int, strategy: str, rate: float) -> str:
 def main() -> int:
     sizes = [int(x) for x in os.environ.get("BENCH_SIZES", "50,144,256").split(",")]
     api = new_client()
-    apply_crds(api, REPO / "charts" / "gpu-agent" / "files" / "crds")
+    apply_crds(api, REPO / "charts" / "gpu-agent" / "crds")
     try:
         client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
     except client.ApiException as e:

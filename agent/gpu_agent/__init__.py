@@ -8,4 +8,4 @@ Layers import downward only (checked by import-linter, see pyproject.toml):
     foundations  -> clock, config, logging, health, metrics, secrets, control-plane client
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -3,6 +3,10 @@
 #   build-images.sh system   pause (a static C program) and CoreDNS
 #   build-images.sh project  the gpu-agent image from the project's Dockerfile, on the
 #                            debootstrap base (BASE build argument), then imported if a cluster runs
+#   build-images.sh last-stable
+#                            the newest release older than this checkout (releases.yaml), built from
+#                            the commit it was cut from (a git worktree), tagged with its version and
+#                            imported; its charts beside it. Cached by commit. Prints that folder.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -29,17 +33,50 @@ if [[ $what == system ]]; then
   exit 0
 fi
 
-# project images: wheels for the image are built here, so the Dockerfile needs no network
 repo=$(cd "$here/.." && pwd)
+
+if [[ $what == last-stable ]]; then
+  read -r version commit < <(python3 "$here/tools/releases.py" last-stable)
+  out=$CI_CACHE/releases/$version-${commit:0:12}
+  if [[ ! -f $out/image.oci.tar ]]; then
+    if ! git -C "$repo" cat-file -e "$commit^{commit}" 2>/dev/null; then
+      echo "last stable $version was cut from commit $commit, which this clone does not have;" \
+           "fetch it (git fetch --unshallow, or git fetch origin $commit) and run again" >&2
+      exit 1
+    fi
+    work=$(mktemp -d)
+    trap 'git -C "$repo" worktree remove --force "$work/tree" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
+    git -C "$repo" worktree add --detach --force "$work/tree" "$commit" >/dev/null 2>&1
+    log "building last stable $version from commit ${commit:0:12} (a worktree)"
+    bash "$work/tree/scripts/build-wheels.sh" >&2
+    mkdir -p "$out.tmp"
+    python3 "$here/tools/oci_image.py" build --name "localhost/gpu-agent:$version" --out "$out.tmp/image.oci.tar" \
+      --file "$work/tree/Dockerfile" --context "$work/tree" --base-rootfs "$images/base-rootfs-$BASE_ROOTFS_VERSION.tar" \
+      --build-arg "BASE=local" --build-arg "BUILD_COMMIT=${commit:0:12}" --build-arg "BUILD_DATE=unknown" \
+      --build-arg "VERSION=$version" >&2
+    cp -r "$work/tree/charts" "$out.tmp/charts"
+    rm -rf "$out"; mv "$out.tmp" "$out"
+  fi
+  if [[ -S $CONTAINERD_SOCK ]] && running containerd; then
+    ctr_ images import "$out/image.oci.tar" >/dev/null
+    log "imported localhost/gpu-agent:$version (last stable, commit ${commit:0:12}) into the cluster's containerd"
+  fi
+  echo "$out"
+  exit 0
+fi
+
+# project images: wheels for the image are built here, so the Dockerfile needs no network
 bash "$repo/scripts/build-wheels.sh" >&2
 t=$SECONDS
-python3 "$here/tools/oci_image.py" build --name localhost/gpu-agent:dev --out "$images/gpu-agent.oci.tar" \
+# IMAGE_TAG / IMAGE_OUT: `make release` names the image after the version and keeps the archive.
+out=${IMAGE_OUT:-$images/gpu-agent.oci.tar}
+python3 "$here/tools/oci_image.py" build --name "localhost/gpu-agent:${IMAGE_TAG:-dev}" --out "$out" \
   --file "$repo/Dockerfile" --context "$repo" --base-rootfs "$images/base-rootfs-$BASE_ROOTFS_VERSION.tar" \
   --build-arg "BASE=local" --build-arg "BUILD_COMMIT=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
   --build-arg "BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
   --build-arg "VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")"
 log "gpu-agent image built in $((SECONDS - t))s"
-if [[ -S $CONTAINERD_SOCK ]] && running containerd; then
+if [[ -z ${IMAGE_OUT:-} && -S $CONTAINERD_SOCK ]] && running containerd; then
   ctr_ images import "$images/gpu-agent.oci.tar" >/dev/null
   # The chart's default tag is its appVersion: the same image under that name too, so a plain
   # `helm install charts/gpu-agent` runs what this build produced.

@@ -15,6 +15,7 @@ from kubernetes import client
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.kube import api_client
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent_hooks.migrate import MigrationError, migrate
 from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
 
 FIELD_MANAGER = "gpu-agent-hooks"
@@ -32,8 +33,21 @@ def load_crds(folder: Path) -> list[dict[str, Any]]:
 
 
 def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None:
+    """Server-side apply each CRD, then migrate its stored objects to its storage version. A CRD
+    that would stop serving a version objects are still stored at is refused before anything is
+    applied (the API server would refuse it too, half-way through)."""
     ext = client.ApiextensionsV1Api(api)
-    for crd in load_crds(folder):
+    crds = load_crds(folder)
+    for crd in crds:
+        try:
+            existing = api.sanitize_for_serialization(ext.read_custom_resource_definition(crd["metadata"]["name"]))
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            existing = None
+        check_stored_versions(existing, crd)
+    custom = client.CustomObjectsApi(api)
+    for crd in crds:
         name = crd["metadata"]["name"]
         ext.patch_custom_resource_definition(name, crd, field_manager=FIELD_MANAGER, force=True,
                                              _content_type="application/apply-patch+yaml")
@@ -46,6 +60,7 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
                 raise SystemExit(f"gpu-agent-hook: CRD {name} not Established after {timeout:.0f}s")
             time.sleep(0.5)
         say(f"applied CRD {name} (server-side, field manager {FIELD_MANAGER}); Established")
+        say(migrate(ext, custom, crd))
 
 
 def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
@@ -102,11 +117,11 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
             raise RuntimeError(str(e)) from None
 
     def clear_domains() -> None:
-        domains = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomains",
+        domains = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains",
                                                        label_selector=selector)
         for d in domains.get("items", []):
             custom.patch_namespaced_custom_object_status(
-                "gpu-agent.io", "v1alpha1", namespace, "gpudomains", d["metadata"]["name"],
+                "gpu-agent.io", "v1beta1", namespace, "gpudomains", d["metadata"]["name"],
                 {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}})
 
     def delete_work_pods() -> None:
@@ -117,10 +132,10 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
         # members whose agents were killed before they could remove them (aggregate strategy)
         if not domain:
             return
-        members = custom.list_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomainmembers",
+        members = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
                                                        label_selector=f"gpu-agent.io/domain={domain}")
         for m in members.get("items", []):
-            custom.delete_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "gpudomainmembers",
+            custom.delete_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
                                                    m["metadata"]["name"])
 
     for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
@@ -158,5 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain)
     except SkewError as e:
         print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
+        return 1
+    except MigrationError as e:
+        print(f"gpu-agent-hook: storage migration failed: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

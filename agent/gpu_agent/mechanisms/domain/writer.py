@@ -28,7 +28,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
 
 log = get_logger(__name__)
-GROUP, VERSION, PLURAL = "gpu-agent.io", "v1alpha1", "gpudomains"
+GROUP, VERSION, PLURAL = "gpu-agent.io", "v1beta1", "gpudomains"
 STRATEGIES = OCC_STRATEGIES
 
 

@@ -1,0 +1,309 @@
+"""Releases on the cluster: upgrade from the last stable release with work running, the downgrade
+back, a failed upgrade rolled back, and a first install with a domain on a cluster without the CRDs.
+The DRA bats suite's "upgrade" group, with live work counted from outside the agent.
+
+"Last stable" is built from the commit releases.yaml records (ci/scripts/build-images.sh
+last-stable: a git worktree, its own wheels and Dockerfile), so nothing comes from outside. These
+tests delete the CRDs, so they are `disruptive` (skipped on CLUSTER=existing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client, watch
+
+from e2e.cluster import provider
+from e2e.helpers import wait_until
+from e2e.release import APP_VERSION, CHART, Release, helm
+from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
+
+REPO = Path(__file__).resolve().parent.parent
+CRDS = ("gpudomains.gpu-agent.io", "gpudomainmembers.gpu-agent.io")
+GROUP = "gpu-agent.io"
+pytestmark = pytest.mark.disruptive
+
+
+@pytest.fixture(scope="module")
+def last_stable():
+    """(version, chart folder) of the last stable release, its image imported into the cluster."""
+    if provider() != "ci":
+        pytest.skip("the last-stable image is built and imported into the CI cluster's containerd only")
+    r = subprocess.run(["bash", str(REPO / "ci" / "scripts" / "build-images.sh"), "last-stable"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    folder = Path(r.stdout.strip().splitlines()[-1])
+    version = yaml.safe_load((folder / "charts" / "gpu-agent" / "Chart.yaml").read_text())["appVersion"]
+    assert version != APP_VERSION
+    return version, folder / "charts" / "gpu-agent"
+
+
+def delete_crds(api) -> None:
+    """As on a cluster that never had this project (every GPUDomain of every namespace goes too)."""
+    ext = client.ApiextensionsV1Api(api)
+    for name in CRDS:
+        try:
+            ext.delete_custom_resource_definition(name)
+        except client.ApiException as e:
+            assert e.status == 404
+    wait_until(lambda: not [c for c in ext.list_custom_resource_definition().items if c.metadata.name in CRDS], 60,
+               "the CRDs gone")
+
+
+def stored_versions(api) -> dict[str, list[str]]:
+    ext = client.ApiextensionsV1Api(api)
+    return {name: list(ext.read_custom_resource_definition(name).status.stored_versions) for name in CRDS}
+
+
+class WorkPods:
+    """Every work Pod the namespace ever had, by name, with each distinct UID: an item run twice
+    shows as a second UID under its (deterministic) name. Read from the API server's watch, not
+    from anything the agent records."""
+
+    def __init__(self, core, namespace):
+        self.core, self.namespace, self.uids, self.events = core, namespace, {}, 0
+        self._watch = watch.Watch()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        listed = self.core.list_namespaced_pod(self.namespace, label_selector="gpu-agent.io/work-item=true")
+        for pod in listed.items:
+            self._record(pod)
+        for event in self._watch.stream(self.core.list_namespaced_pod, self.namespace,
+                                        label_selector="gpu-agent.io/work-item=true",
+                                        resource_version=listed.metadata.resource_version, timeout_seconds=900):
+            self._record(event["object"])
+
+    def _record(self, pod):
+        with self._lock:
+            self.events += 1
+            self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
+
+    def stop(self):
+        self._watch.stop()
+
+    def executions(self) -> dict[str, int]:
+        with self._lock:
+            return {name: len(uids) for name, uids in self.uids.items()}
+
+
+def enqueue(release: Release, keys: list[str], seconds: int = 3) -> None:
+    payload = {"gpus": 1, "command": ["sh", "-c", f"sleep {seconds}; fake-gpu smi -L"]}
+    release.control_plane("".join(f"c.enqueue(t, {k!r}, {payload!r})\n" for k in keys))
+
+
+def items(release: Release) -> dict[str, str]:
+    out = release.control_plane("import json; print(json.dumps(c.list_items(t)))")
+    return {i["idempotencyKey"]: i["state"] for i in json.loads(out.strip().splitlines()[-1])}
+
+
+def readiness_sampler(release: Release, stop: threading.Event, samples: list):
+    """Records (monotonic time, /healthz status) until stopped; the test reads the record."""
+    while not stop.is_set():
+        try:
+            samples.append((time.monotonic(), release.healthz()[0]))
+        except Exception:  # noqa: BLE001 - an agent between pods answers nothing: not Ready
+            samples.append((time.monotonic(), 0))
+        stop.wait(0.5)
+
+
+def longest_not_ready(samples) -> float:
+    worst, since = 0.0, None
+    for t, code in samples:
+        if code != 200 and since is None:
+            since = t
+        elif code == 200 and since is not None:
+            worst, since = max(worst, t - since), None
+    return max(worst, samples[-1][0] - since) if since is not None else worst
+
+
+def persistent_control_plane(core, namespace: str, release: Release) -> str:
+    """A hostPath PersistentVolume bound ahead to the chart's claim, so that the control plane's
+    queue survives its pod being replaced by the upgrade (the CI cluster has no provisioner)."""
+    path = f"/var/lib/gpu-agent-ci/pv/{namespace}"
+    os.makedirs(path, exist_ok=True)
+    os.chown(path, 65532, 65532)
+    core.create_persistent_volume(client.V1PersistentVolume(
+        metadata=client.V1ObjectMeta(name=f"pv-{namespace}"),
+        spec=client.V1PersistentVolumeSpec(
+            capacity={"storage": "1Gi"}, access_modes=["ReadWriteOnce"], persistent_volume_reclaim_policy="Retain",
+            host_path=client.V1HostPathVolumeSource(path=path, type="Directory"),
+            claim_ref=client.V1ObjectReference(namespace=namespace, name=f"{release.fullname}-control-plane"))))
+    return path
+
+
+def remove_volume(core, namespace: str, path: str) -> None:
+    try:
+        core.delete_persistent_volume(f"pv-{namespace}")
+    except client.ApiException:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
+        last_stable, api, core, apps, kubeconfig, namespace, fake_gpus):
+    version, old_chart = last_stable
+    delete_crds(api)
+    fake_gpus.set(4)
+    release = Release(api, core, apps, kubeconfig, namespace, name="up")
+    volume = persistent_control_plane(core, namespace, release)
+    custom = client.CustomObjectsApi(api)
+    try:
+        old = ["--set", f"image.tag={version}", "--set", "gracefulNoGPU=true",
+               "--set", "controlPlane.persistence.enabled=true"]
+        args = release.args(*old)
+        args[args.index(str(CHART))] = str(old_chart)
+        # The last stable release could not create its domain on a first install (issue 10): as its
+        # users did, install, then add the domain.
+        helm("install", *args, "--timeout", "120s")
+        helm("upgrade", *args, "--set", "domain.name=fabric", "--timeout", "120s")
+        wait_until(lambda: release.healthz()[0] == 200, 90, f"the {version} cluster agent Ready")
+        domain = lambda v: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", "fabric")  # noqa: E731
+        wait_until(lambda: (domain("v1alpha1").get("status") or {}).get("status") == "Ready", 60,
+                   f"the {version} domain Ready")
+        # An object a user wrote under v1alpha1 before the upgrade.
+        custom.create_namespaced_custom_object(GROUP, "v1alpha1", namespace, "gpudomains", {
+            "apiVersion": f"{GROUP}/v1alpha1", "kind": "GPUDomain", "metadata": {"name": "users"},
+            "spec": {"expectedNodes": 3, "nodeSelector": {"rack": "r1"}}})
+        assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
+        before_uid = domain("v1alpha1")["metadata"]["uid"]
+
+        pods = WorkPods(core, namespace)
+        first = [f"up-a{i}" for i in range(16)]
+        enqueue(release, first)
+        wait_until(lambda: pods.executions(), 60, "the first work pods")
+        in_flight = sum(1 for state in items(release).values() if state == "leased")
+        stop, samples = threading.Event(), []
+        sampler = threading.Thread(target=readiness_sampler, args=(release, stop, samples), daemon=True)
+        sampler.start()
+        started = time.monotonic()
+        release.upgrade("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true",
+                        "--set", "domain.name=fabric", "--set", "hooks.backoffLimit=0")
+        upgraded = time.monotonic() - started
+        wait_until(lambda: release.healthz()[0] == 200, 120, "the upgraded cluster agent Ready")
+        ready_again = time.monotonic() - started
+        wait_until(lambda: (domain("v1beta1").get("status") or {}).get("status") == "Ready", 60, "the domain Ready again")
+        domain_ready = time.monotonic() - started
+        stop.set()
+        sampler.join(5)
+        second = [f"up-b{i}" for i in range(6)]
+        enqueue(release, second)
+        wait_until(lambda: set(items(release).values()) == {"done"} and len(items(release)) == len(first) + len(second),
+                   240, "every item done")
+        wait_until(lambda: set(pods.executions()) >= {_pod_name(k) for k in first + second}, 30,
+                   "a work pod seen for every item")
+        pods.stop()
+        executions = pods.executions()
+        lost = [k for k in first + second if _pod_name(k) not in executions]
+        doubled = {name: n for name, n in executions.items() if n > 1}
+        not_ready = longest_not_ready(samples)
+        print(f"\nupgrade {version} -> {APP_VERSION}: helm upgrade {upgraded:.1f} s, agent Ready again after "
+              f"{ready_again:.1f} s (longest NotReady {not_ready:.1f} s over {len(samples)} samples), domain Ready "
+              f"after {domain_ready:.1f} s; {in_flight} item(s) in flight at the start, {len(first) + len(second)} "
+              f"items, {len(lost)} lost, {len(doubled)} doubled ({pods.events} pod events watched)")
+        assert len(samples) >= 4, "the readiness sampler took too few samples to measure anything"
+        assert not lost and not doubled, (lost, doubled)
+        assert domain_ready < 120
+        # The stored state moved: the same objects, read under v1beta1, and nothing stored at v1alpha1.
+        assert domain("v1beta1")["metadata"]["uid"] == before_uid
+        users = custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "users")
+        assert users["apiVersion"] == f"{GROUP}/v1beta1" and users["spec"] == {"expectedNodes": 3, "nodeSelector": {"rack": "r1"}}
+        assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+        # No pod of the old version is left, and a fresh 0 -> 4 -> 0 cycle works.
+        old_pods = [p.metadata.name for p in release.pods(f"app.kubernetes.io/instance={release.name}")
+                    if (p.metadata.labels or {}).get("app.kubernetes.io/version") == version]
+        assert not old_pods, old_pods
+        for count, code in ((0, 503), (4, 200), (0, 503)):
+            fake_gpus.set(count)
+            wait_until(lambda c=code: release.healthz()[0] == c, 30, f"/healthz {code} at {count} GPUs")
+    finally:
+        fake_gpus.set(0)
+        release.uninstall()
+        remove_volume(core, namespace, volume)
+
+
+def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_goes_on(
+        last_stable, api, core, apps, kubeconfig, namespace, fake_gpus):
+    version, old_chart = last_stable
+    fake_gpus.set(2)
+    release = Release(api, core, apps, kubeconfig, namespace, name="down")
+    release.install("--set", "gracefulNoGPU=true", "--set", "domain.name=fabric")
+    wait_until(lambda: release.healthz()[0] == 200, 90, "the cluster agent Ready")
+    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+    agent_pod = release.agent_pod()
+    pods = WorkPods(core, namespace)
+    keys = [f"down-{i}" for i in range(8)]
+    enqueue(release, keys)
+    args = release.args("--set", f"image.tag={version}", "--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
+                        "--set", "hooks.backoffLimit=0")
+    args[args.index(str(CHART))] = str(old_chart)
+    r = helm("upgrade", *args, "--timeout", "120s", check=False)
+    assert r.returncode != 0 and "pre-upgrade" in r.stderr, r.stderr
+    job = core.list_namespaced_pod(namespace, label_selector=f"job-name={release.fullname}-skew-check").items[0]
+    log = core.read_namespaced_pod_log(job.metadata.name, namespace)
+    assert "stored at version(s) v1beta1" in log, log
+    print(f"\ndowngrade {APP_VERSION} -> {version} refused: {log.strip().splitlines()[-1]}")
+    history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name, "-o", "json").stdout)
+    assert history[0]["status"] == "deployed" and history[0]["app_version"] == APP_VERSION
+    assert release.agent_pod() == agent_pod  # nothing was replaced
+    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+    wait_until(lambda: set(items(release).values()) == {"done"}, 120, "every item done")
+    pods.stop()
+    executions = pods.executions()
+    assert all(executions.get(_pod_name(k)) == 1 for k in keys), executions
+    release.uninstall()
+    fake_gpus.set(0)
+
+
+def test_a_failed_upgrade_rolled_back_restores_service_and_keeps_the_stored_objects(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(2)
+    release = Release(api, core, apps, kubeconfig, namespace, name="rb")
+    release.install("--set", "gracefulNoGPU=true", "--set", "domain.name=fabric")
+    wait_until(lambda: release.healthz()[0] == 200, 90, "the cluster agent Ready")
+    custom = client.CustomObjectsApi(api)
+    uid = custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "fabric")["metadata"]["uid"]
+    # An image that never becomes live: the upgrade fails, and Recreate has already stopped the agent.
+    r = helm("upgrade", *release.args("--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
+                                      "--set", "clusterAgent.image.tag=no-such-tag"), "--wait", "--timeout", "25s", check=False)
+    assert r.returncode != 0
+    wait_until(lambda: release.healthz()[0] == 0, 30, "the agent gone with the failed upgrade")
+    keys = [f"rb-{i}" for i in range(4)]
+    enqueue(release, keys)  # queued while nothing serves
+    started = time.monotonic()
+    helm("rollback", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name, "1", "--wait", "--timeout", "120s")
+    wait_until(lambda: release.healthz()[0] == 200, 90, "the cluster agent Ready after the rollback")
+    print(f"\nrollback: service back {time.monotonic() - started:.1f} s after `helm rollback`")
+    wait_until(lambda: set(items(release).values()) == {"done"}, 120, "the items queued during the outage done")
+    assert custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "fabric")["metadata"]["uid"] == uid
+    ext = client.ApiextensionsV1Api(api)
+    for name in CRDS:
+        crd = ext.read_custom_resource_definition(name)
+        assert {v.name for v in crd.spec.versions if v.served} == {"v1alpha1", "v1beta1"}
+        assert crd.status.stored_versions == ["v1beta1"]
+    release.uninstall()
+    fake_gpus.set(0)
+
+
+def test_first_install_with_a_domain_on_a_cluster_that_never_had_the_crds(api, core, apps, kubeconfig, namespace,
+                                                                          fake_gpus):
+    delete_crds(api)
+    fake_gpus.set(1)
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"fi{uuid.uuid4().hex[:4]}")
+    release.install("--set", "domain.name=fabric")
+    custom = client.CustomObjectsApi(api)
+    wait_until(lambda: (custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "fabric")
+                        .get("status") or {}).get("status") == "Ready", 90, "the chart's GPUDomain Ready")
+    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+    release.uninstall()
+    fake_gpus.set(0)

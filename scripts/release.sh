@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# `make release`: cut this checkout's version (pyproject.toml, the charts' appVersion).
+#   1. the tree must be clean (a release is a commit, not a working copy);
+#   2. both charts are packaged into dist/ with an index.yaml, so that
+#      `helm install gpu-agent gpu-agent --repo <URL of dist/>` works from any file server;
+#   3. the image is built and saved as dist/gpu-agent-VERSION.oci.tar, named localhost/gpu-agent:VERSION
+#      (RELEASE_IMAGE=0 skips it; it needs root, as `make images` does);
+#   4. releases.yaml gains "VERSION: the commit it was cut from"; commit that change.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+if [[ -n $(git status --porcelain) ]]; then
+  echo "release: the tree is not clean; commit or stash these first:" >&2
+  git status --short >&2
+  exit 1
+fi
+version=$(python3 ci/tools/releases.py current)
+commit=$(git rev-parse HEAD)
+for chart in charts/gpu-agent charts/fake-gpu; do
+  app=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' "$chart/Chart.yaml")
+  [[ $app == "$version" ]] || { echo "release: $chart has appVersion $app, pyproject.toml $version: make them agree" >&2; exit 1; }
+done
+recorded=$(python3 - "$version" <<'PY'
+import sys
+sys.path.insert(0, "ci/tools")
+import releases
+print(next((r["commit"] for r in releases.releases() if r["version"] == sys.argv[1]), ""))
+PY
+)
+if [[ -n $recorded && $recorded != "$commit" ]]; then
+  echo "release: $version was already cut from $recorded; bump the version for a new release" >&2
+  exit 1
+fi
+helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
+[[ -n $helm ]] || { echo "release: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
+rm -rf dist && mkdir -p dist
+"$helm" package charts/gpu-agent charts/fake-gpu --destination dist >/dev/null
+"$helm" repo index dist
+if [[ ${RELEASE_IMAGE:-1} != 0 ]]; then
+  IMAGE_TAG=$version IMAGE_OUT=$repo/dist/gpu-agent-$version.oci.tar bash ci/scripts/build-images.sh project
+fi
+if [[ -z $recorded ]]; then
+  printf -- '- version: %s\n  commit: %s\n  date: %s\n' "$version" "$commit" "$(date -u +%Y-%m-%d)" >> releases.yaml
+fi
+echo "release $version from commit ${commit:0:12}:"
+ls -1 dist | sed 's/^/  dist\//'
+[[ -n $recorded ]] || echo "releases.yaml records it: commit that change (git commit -m 'Release $version' releases.yaml)"
