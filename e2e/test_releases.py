@@ -97,7 +97,7 @@ class WorkPods:
             return {name: len(uids) for name, uids in self.uids.items()}
 
 
-def enqueue(release: Release, keys: list[str], seconds: int = 3) -> None:
+def enqueue(release: Release, keys: list[str], seconds: int = 1) -> None:
     payload = {"gpus": 1, "command": ["sh", "-c", f"sleep {seconds}; fake-gpu smi -L"]}
     release.control_plane("".join(f"c.enqueue(t, {k!r}, {payload!r})\n" for k in keys))
 
@@ -179,7 +179,7 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         before_uid = domain("v1alpha1")["metadata"]["uid"]
 
         pods = WorkPods(core, namespace)
-        first = [f"up-a{i}" for i in range(16)]
+        first = [f"up-a{i}" for i in range(12)]
         enqueue(release, first)
         wait_until(lambda: pods.executions(), 60, "the first work pods")
         in_flight = sum(1 for state in items(release).values() if state == "leased")
@@ -196,7 +196,7 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         domain_ready = time.monotonic() - started
         stop.set()
         sampler.join(5)
-        second = [f"up-b{i}" for i in range(6)]
+        second = [f"up-b{i}" for i in range(4)]
         enqueue(release, second)
         wait_until(lambda: set(items(release).values()) == {"done"} and len(items(release)) == len(first) + len(second),
                    240, "every item done")
@@ -242,7 +242,7 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
     agent_pod = release.agent_pod()
     pods = WorkPods(core, namespace)
-    keys = [f"down-{i}" for i in range(8)]
+    keys = [f"down-{i}" for i in range(6)]
     enqueue(release, keys)
     args = release.args("--set", f"image.tag={version}", "--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
                         "--set", "hooks.backoffLimit=0")
