@@ -244,15 +244,24 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     pods = WorkPods(core, namespace)
     keys = [f"down-{i}" for i in range(6)]
     enqueue(release, keys)
+    wait_until(lambda: pods.executions(), 60, "the first work pods")
+    in_flight = sum(1 for state in items(release).values() if state == "leased")
     args = release.args("--set", f"image.tag={version}", "--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
                         "--set", "hooks.backoffLimit=0")
     args[args.index(str(CHART))] = str(old_chart)
+    stop, samples = threading.Event(), []
+    sampler = threading.Thread(target=readiness_sampler, args=(release, stop, samples), daemon=True)
+    sampler.start()
     r = helm("upgrade", *args, "--timeout", "120s", check=False)
+    stop.set()
+    sampler.join(5)
     assert r.returncode != 0 and "pre-upgrade" in r.stderr, r.stderr
     job = core.list_namespaced_pod(namespace, label_selector=f"job-name={release.fullname}-skew-check").items[0]
     log = core.read_namespaced_pod_log(job.metadata.name, namespace)
     assert "stored at version(s) v1beta1" in log, log
-    print(f"\ndowngrade {APP_VERSION} -> {version} refused: {log.strip().splitlines()[-1]}")
+    print(f"\ndowngrade {APP_VERSION} -> {version} refused ({in_flight} item(s) in flight, longest NotReady "
+          f"{longest_not_ready(samples):.1f} s over {len(samples)} samples): {log.strip().splitlines()[-1]}")
+    assert len(samples) >= 4 and longest_not_ready(samples) == 0
     history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name, "-o", "json").stdout)
     assert history[0]["status"] == "deployed" and history[0]["app_version"] == APP_VERSION
     assert release.agent_pod() == agent_pod  # nothing was replaced
@@ -261,6 +270,7 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     pods.stop()
     executions = pods.executions()
     assert all(executions.get(_pod_name(k)) == 1 for k in keys), executions
+    print(f"downgrade: {len(keys)} items, 0 lost, 0 doubled")
     release.uninstall()
     fake_gpus.set(0)
 
