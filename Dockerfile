@@ -12,10 +12,11 @@ COPY build/wheels/ /tmp/wheels/
 # Bytecode checked by hash, not by the source's mtime: image layers are written with every mtime
 # set to 0 (reproducible archives), which made every timestamp-checked .pyc stale, so each start
 # compiled the kubernetes client from source in memory (+80 MiB RSS, seconds of CPU) and could
-# not write the result back (read-only root, non-root user).
+# not write the result back (read-only root, non-root user). -f: the venv's own pip and setuptools
+# were compiled with timestamps when it was made.
 RUN python3 -m venv /opt/gpu-agent \
  && /opt/gpu-agent/bin/pip install --quiet --no-index --no-cache-dir --no-compile --find-links=/tmp/wheels gpu-agent \
- && /opt/gpu-agent/bin/python3 -m compileall -q -j 0 --invalidation-mode unchecked-hash /opt/gpu-agent/lib \
+ && /opt/gpu-agent/bin/python3 -m compileall -q -f -j 0 --invalidation-mode unchecked-hash /opt/gpu-agent/lib \
  && rm -rf /tmp/wheels
 ENV PATH=/opt/gpu-agent/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 ENV GPU_AGENT_BUILD_COMMIT=${BUILD_COMMIT}

@@ -66,23 +66,34 @@ def stored_versions(api) -> dict[str, list[str]]:
 class WorkPods:
     """Every work Pod the namespace ever had, by name, with each distinct UID: an item run twice
     shows as a second UID under its (deterministic) name. Read from the API server's watch, not
-    from anything the agent records."""
+    from anything the agent records. A watch that breaks is a gap in the evidence: counted in
+    `gaps`, which the tests require to be 0."""
 
     def __init__(self, core, namespace):
-        self.core, self.namespace, self.uids, self.events = core, namespace, {}, 0
-        self._watch = watch.Watch()
-        self._lock = threading.Lock()
+        self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
+        self._lock, self._stopped, self._watch = threading.Lock(), threading.Event(), None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
-        listed = self.core.list_namespaced_pod(self.namespace, label_selector="gpu-agent.io/work-item=true")
-        for pod in listed.items:
-            self._record(pod)
-        for event in self._watch.stream(self.core.list_namespaced_pod, self.namespace,
-                                        label_selector="gpu-agent.io/work-item=true",
-                                        resource_version=listed.metadata.resource_version, timeout_seconds=900):
-            self._record(event["object"])
+        selector, rv = "gpu-agent.io/work-item=true", None
+        while not self._stopped.is_set():
+            try:
+                if rv is None:
+                    listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
+                    for pod in listed.items:
+                        self._record(pod)
+                    rv = listed.metadata.resource_version
+                self._watch = watch.Watch()
+                for event in self._watch.stream(self.core.list_namespaced_pod, self.namespace, label_selector=selector,
+                                                resource_version=rv, timeout_seconds=120):
+                    self._record(event["object"])
+                    rv = event["object"].metadata.resource_version
+            except Exception as e:  # noqa: BLE001 - recorded; the test asserts there was none
+                if self._stopped.is_set():
+                    return
+                self.gaps.append(repr(e)[:200])
+                rv = None
 
     def _record(self, pod):
         with self._lock:
@@ -90,7 +101,9 @@ class WorkPods:
             self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
 
     def stop(self):
-        self._watch.stop()
+        self._stopped.set()
+        if self._watch is not None:
+            self._watch.stop()
 
     def executions(self) -> dict[str, int]:
         with self._lock:
@@ -212,6 +225,7 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
               f"after {domain_ready:.1f} s; {in_flight} item(s) in flight at the start, {len(first) + len(second)} "
               f"items, {len(lost)} lost, {len(doubled)} doubled ({pods.events} pod events watched)")
         assert len(samples) >= 4, "the readiness sampler took too few samples to measure anything"
+        assert not pods.gaps, pods.gaps
         assert not lost and not doubled, (lost, doubled)
         assert domain_ready < 120
         # The stored state moved: the same objects, read under v1beta1, and nothing stored at v1alpha1.
@@ -269,6 +283,7 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     wait_until(lambda: set(items(release).values()) == {"done"}, 120, "every item done")
     pods.stop()
     executions = pods.executions()
+    assert not pods.gaps, pods.gaps
     assert all(executions.get(_pod_name(k)) == 1 for k in keys), executions
     print(f"downgrade: {len(keys)} items, 0 lost, 0 doubled")
     release.uninstall()
