@@ -32,6 +32,16 @@ def load_crds(folder: Path) -> list[dict[str, Any]]:
     return crds
 
 
+def installed_crd(api: client.ApiClient, ext: client.ApiextensionsV1Api, name: str) -> dict[str, Any] | None:
+    """The cluster's CRD `name` as a dict, or None when it is not installed."""
+    try:
+        return api.sanitize_for_serialization(ext.read_custom_resource_definition(name))
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        return None
+
+
 def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None:
     """Server-side apply each CRD, then migrate its stored objects to its storage version. A CRD
     that would stop serving a version objects are still stored at is refused before anything is
@@ -39,13 +49,7 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
     ext = client.ApiextensionsV1Api(api)
     crds = load_crds(folder)
     for crd in crds:
-        try:
-            existing = api.sanitize_for_serialization(ext.read_custom_resource_definition(crd["metadata"]["name"]))
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-            existing = None
-        check_stored_versions(existing, crd)
+        check_stored_versions(installed_crd(api, ext, crd["metadata"]["name"]), crd)
     custom = client.CustomObjectsApi(api)
     for crd in crds:
         name = crd["metadata"]["name"]
@@ -74,13 +78,7 @@ def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_versio
     say(check_versions(deployed, to_version) if deployed else f"no deployed agent found; installing {to_version}")
     ext = client.ApiextensionsV1Api(api)
     for crd in load_crds(folder):
-        try:
-            existing = api.sanitize_for_serialization(ext.read_custom_resource_definition(crd["metadata"]["name"]))
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-            existing = None
-        say(check_stored_versions(existing, crd))
+        say(check_stored_versions(installed_crd(api, ext, crd["metadata"]["name"]), crd))
 
 
 def _bounded(name: str, seconds: float, fn: Any) -> None:
