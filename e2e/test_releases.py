@@ -3,8 +3,9 @@ back, a failed upgrade rolled back, and a first install with a domain on a clust
 The DRA bats suite's "upgrade" group, with live work counted from outside the agent.
 
 "Last stable" is built from the commit releases.yaml records (ci/scripts/build-images.sh
-last-stable: a git worktree, its own wheels and Dockerfile), so nothing comes from outside. These
-tests delete the CRDs, so they are `disruptive` (skipped on CLUSTER=existing)."""
+last-stable: a git worktree, its own wheels and Dockerfile), so nothing comes from outside. The
+upgrade and first-install tests delete the CRDs, so they are `disruptive` (skipped on
+CLUSTER=existing)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
 REPO = Path(__file__).resolve().parent.parent
 CRDS = ("gpudomains.gpu-agent.io", "gpudomainmembers.gpu-agent.io")
 GROUP = "gpu-agent.io"
-pytestmark = pytest.mark.disruptive
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +163,7 @@ def remove_volume(core, namespace: str, path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.disruptive
 def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         last_stable, api, core, apps, kubeconfig, namespace, fake_gpus):
     version, old_chart = last_stable
@@ -320,6 +321,7 @@ def test_a_failed_upgrade_rolled_back_restores_service_and_keeps_the_stored_obje
     fake_gpus.set(0)
 
 
+@pytest.mark.disruptive
 def test_first_install_with_a_domain_on_a_cluster_that_never_had_the_crds(api, core, apps, kubeconfig, namespace,
                                                                           fake_gpus):
     delete_crds(api)

@@ -1,7 +1,10 @@
 """Helm hooks of the gpu-agent chart, as plain Python commands (`gpu-agent-hook`).
 
   crds        pre-install, pre-upgrade, pre-rollback: server-side apply the chart's CRDs
-              (Helm itself never upgrades CRDs) and wait until they are Established
+              (Helm itself never upgrades CRDs; it installs crds/ on a first install only), wait
+              until they are Established, then migrate stored objects to the storage version and
+              trim status.storedVersions (migrate.py); a CRD that would stop serving a stored
+              version is refused before anything is applied
   skew-check  pre-upgrade, pre-rollback: refuse an upgrade or downgrade the stored objects or
               the running agents cannot survive, saying why and how to proceed
   cleanup     pre-delete: deregister from the control plane, clear this release's GPUDomain
