@@ -158,6 +158,10 @@ class ControlPlaneClient:
     def ack(self, credential: Secret, item: WorkItem) -> None:
         self._call("POST", f"/v1/queue/items/{item.item_id}/ack", credential, {"leaseId": item.lease_id})
 
+    def renew_lease(self, credential: Secret, item: WorkItem, lease_seconds: float) -> None:
+        self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
+                   {"leaseId": item.lease_id, "leaseSeconds": lease_seconds})
+
     def release(self, credential: Secret, item: WorkItem) -> None:
         self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, {"leaseId": item.lease_id})
 

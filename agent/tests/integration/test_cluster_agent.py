@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tests.integration.harness import klog_time, wait_until
+from gpu_agent.mechanisms.queues.executor import RecordingExecutor
+from tests.integration.harness import free_port, klog_time, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -143,7 +144,28 @@ def test_100_items_killed_mid_run_and_restarted_are_each_executed_exactly_once(r
     assert restarted.alive()
 
 
-def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):
+def test_an_item_longer_than_three_leases_runs_once_while_a_second_agent_waits_for_work(rig):
+    """Evidence from the control plane's delivery count and the second agent's own journal, not
+    from the agent that ran the item."""
+    cp = rig.start_control_plane()
+    rig.set_gpus(4)
+    flags = ("--lease-seconds", "1", "--executor-work-seconds", "3.5")
+    first = rig.start_agent(*flags)
+    rig.wait_health(200, 15)
+    cp.enqueue(rig.admin_token, "long-item", {})
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["leased"] == 1, 10, "the first agent to lease the item")
+    other_journal = rig.root / "second-executions.sqlite"
+    second = rig.start_agent(*flags, "--cluster-id", "second", "--listen-address", f"127.0.0.1:{free_port()}",
+                             "--executor-journal", str(other_journal))
+    try:
+        wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 1, 20, "the item done")
+        (item,) = cp.list_items(rig.admin_token)
+        assert item["deliveries"] == 1, item
+        assert rig.executed_keys() == ["long-item"]
+        assert second.alive() and "long-item" not in RecordingExecutor(other_journal).executed_keys()
+    finally:
+        first.stop()
+
     rig.start_control_plane()
     rig.set_gpus(2)
     agent = rig.start_agent()

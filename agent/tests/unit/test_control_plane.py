@@ -72,6 +72,43 @@ def test_expired_lease_is_delivered_again_and_a_stale_ack_is_refused(cp, clock):
     client.ack(cred, again)
 
 
+def test_a_renewed_lease_keeps_a_long_item_from_being_delivered_again_and_an_expired_one_is_not_revived(cp, clock):
+    _, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "long", {})
+    item = client.lease(cred, 5)
+    for _ in range(4):  # 16 s of work: more than three 5 s leases
+        clock.now += 4
+        client.renew_lease(cred, item, 5)
+        assert client.lease(cred, 5) is None
+    client.ack(cred, item)
+    assert [(i["idempotencyKey"], i["state"], i["deliveries"]) for i in client.list_items(ADMIN)] == [("long", "done", 1)]
+    client.enqueue(ADMIN, "late", {})
+    late = client.lease(cred, 5)
+    clock.now += 6
+    with pytest.raises(ControlPlaneError) as e:
+        client.renew_lease(cred, late, 5)
+    assert e.value.kind == "rejected" and e.value.status == 409
+    assert client.lease(cred, 5).item_id == late.item_id  # delivered again, as an expired lease must be
+
+
+@pytest.mark.parametrize("seconds,status,says", [
+    ("NaN", 400, "NaN is not JSON"), ("Infinity", 400, "Infinity is not JSON"), ("0", 422, "'leaseSeconds'"),
+    ("-1", 422, "'leaseSeconds'"), ("1e9", 422, "'leaseSeconds'"), ('"10"', 422, "'leaseSeconds'")])
+def test_a_lease_length_that_is_not_a_finite_bounded_number_is_refused_naming_it(cp, seconds, status, says):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    item = client.lease(cred, 5)
+    for path, body in (("/v1/queue/lease", f'{{"leaseSeconds": {seconds}}}'),
+                       (f"/v1/queue/items/{item.item_id}/renew", f'{{"leaseId": "{item.lease_id}", "leaseSeconds": {seconds}}}')):
+        r = requests.post(server.url + path, data=body, timeout=5,
+                          headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
+        assert r.status_code == status and says in r.json()["error"], (path, r.status_code, r.text)
+    client.renew_lease(cred, item, 5)  # the lease itself is untouched by the refusals
+    client.ack(cred, item)
+
+
 def test_release_makes_an_item_available_at_once(cp):
     _, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token

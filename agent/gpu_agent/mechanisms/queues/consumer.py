@@ -1,5 +1,11 @@
 """The queue consumer: paused until the agent is ready, then lease, execute, ack.
 
+While an item runs its lease is renewed every third of its length, so that an item that runs
+longer than a lease is never delivered to another consumer meanwhile. A renewal the control plane
+refuses (the lease expired or was replaced) is logged and not retried: the item may already run
+elsewhere, and its executor's idempotency decides. A renewal that fails for want of an answer is
+tried again at the next third.
+
 Pausing stops new leases; an item already leased runs to its end and is acked. An item
 leased in the instant the queue was paused (a long-polled lease call can be waiting at the
 server when it happens) is released back at once rather than run on GPUs the agent may no
@@ -85,6 +91,7 @@ class QueueConsumer:
     async def _run(self, credential: Secret, item: WorkItem) -> None:
         log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
         started = self.clock.monotonic()
+        renewer = asyncio.ensure_future(self._keep_leased(credential, item))
         try:
             outcome = await asyncio.to_thread(self.executor.execute, item)
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
@@ -92,6 +99,8 @@ class QueueConsumer:
             self.metrics.items.labels("failed").inc()
             await self._quietly(self.client.release, credential, item)
             return
+        finally:
+            renewer.cancel()
         if outcome == "duplicate":
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         # An ack that fails leaves the lease to expire; the redelivery is then a "duplicate".
@@ -105,6 +114,19 @@ class QueueConsumer:
         self.processed += 1
         self.metrics.items.labels(outcome).inc()
         self._report()
+
+    async def _keep_leased(self, credential: Secret, item: WorkItem) -> None:
+        while True:
+            await self.clock.sleep(self.lease_seconds / 3)
+            try:  # the current credential: a long item can outlive the one it was leased with
+                await in_daemon_thread(self.client.renew_lease, self.credential() or credential, item, self.lease_seconds)
+                log.v(4, "renewed the lease of item %d for %.1fs", item.item_id, self.lease_seconds)
+            except ControlPlaneError as e:
+                if e.recoverable:
+                    log.warning("renewing the lease of item %d failed: %s; trying again", item.item_id, e)
+                    continue
+                log.warning("the lease of item %d was not renewed: %s; the item may be delivered again", item.item_id, e)
+                return
 
     async def _quietly(self, call: Callable[..., object], *args: object) -> bool:
         try:

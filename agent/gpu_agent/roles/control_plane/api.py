@@ -76,6 +76,12 @@ class LeaseRef(Model):
     leaseId: str = Field(min_length=1, max_length=64)
 
 
+class LeaseRenewal(Model):
+    leaseId: str = Field(min_length=1, max_length=64)
+    leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
+                                       description="the lease's new length from now; capped by the server's maxLeaseSeconds")
+
+
 class FaultRequest(Model):
     mode: Literal["status", "delay", "drop", "malformed"]
     count: Int = Field(default=1, ge=1, le=1000)
@@ -127,6 +133,11 @@ class LeasedItem(Model):
 
 class ItemResult(Model):
     result: Literal["acked", "already-acked", "released"]
+
+
+class RenewedLease(Model):
+    result: Literal["renewed"]
+    leaseExpiresInSeconds: float
 
 
 class ItemSummary(Model):
@@ -213,6 +224,9 @@ ROUTES = [
           frozenset({"credential"}), LeaseRequest, {200: ("leased", LeasedItem), 204: ("the queue is empty", None)}),
     Route("POST", "/v1/queue/items/{itemId}/ack", "ack", "Acknowledge a leased item", frozenset({"credential"}),
           LeaseRef, {200: ("acknowledged", ItemResult), **ITEM_ERRORS}),
+    Route("POST", "/v1/queue/items/{itemId}/renew", "renew_lease",
+          "Extend the lease of an item that is still running (refused once the lease expired or was replaced)",
+          frozenset({"credential"}), LeaseRenewal, {200: ("renewed", RenewedLease), **ITEM_ERRORS}),
     Route("POST", "/v1/queue/items/{itemId}/release", "release", "Give a leased item back for redelivery now",
           frozenset({"credential"}), LeaseRef, {200: ("released", ItemResult), **ITEM_ERRORS}),
     Route("GET", "/v1/status", "status", "Queue counts and registrations", frozenset({"admin", "credential"}),

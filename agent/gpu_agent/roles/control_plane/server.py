@@ -224,6 +224,16 @@ class ControlPlane:
     def release(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
         return self._item(params, body, "release")
 
+    def renew_lease(self, params: dict[str, str], body: api.LeaseRenewal, **_: Any) -> tuple[int, api.Model]:
+        item_id = int(params["itemId"])
+        seconds = min(body.leaseSeconds or self.settings.max_lease_seconds, self.settings.max_lease_seconds)
+        result = "unknown" if item_id > api.INT64_MAX else self.store.renew(item_id, body.leaseId, seconds)
+        if result == "unknown":
+            raise Refused(404, f"no item {item_id}")
+        if result == "stale-lease":
+            raise Refused(409, f"that lease of item {item_id} expired or is no longer its current lease")
+        return 200, api.RenewedLease(result="renewed", leaseExpiresInSeconds=seconds)
+
     def status(self, **_: Any) -> tuple[int, api.Model]:
         return 200, api.StatusResponse.model_validate(self.store.status())
 

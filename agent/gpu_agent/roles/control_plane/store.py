@@ -154,6 +154,18 @@ class Store:
             self._db.execute("UPDATE items SET state='done', acked_at=? WHERE id=?", (self._now(), item_id))
             return "acked"
 
+    def renew(self, item_id: int, lease_id: str, lease_seconds: float) -> str:
+        """"renewed", "stale-lease" (expired, replaced or acked) or "unknown". An expired lease is
+        not revived: the item may already be on its way to another consumer."""
+        now = self._now()
+        with self._lock:
+            cur = self._db.execute("""UPDATE items SET lease_expires_at=? WHERE id=? AND lease_id=? AND state='leased'
+                AND lease_expires_at > ?""", (now + lease_seconds, item_id, lease_id, now))
+            if cur.rowcount:
+                return "renewed"
+            known = self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
+        return "stale-lease" if known else "unknown"
+
     def release(self, item_id: int, lease_id: str) -> str:
         with self._lock:
             cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL
