@@ -118,6 +118,9 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
 
 
 TIMINGS: list[tuple[str, float, str]] = []
+# What passing tests printed (their measured figures): pytest shows a passing test's output only
+# with -s, so the summary repeats it, and CI logs keep the figures.
+FIGURES: list[tuple[str, str]] = []
 
 
 @pytest.hookimpl(wrapper=True)
@@ -143,6 +146,10 @@ def pytest_terminal_summary(terminalreporter):
     for nodeid, seconds, outcome in TIMINGS:
         terminalreporter.write_line(f"{seconds:7.1f}s  {outcome:7}  {nodeid}")
     terminalreporter.write_line(f"{sum(t for _, t, _ in TIMINGS):7.1f}s  total of {len(TIMINGS)} tests")
+    if FIGURES:
+        terminalreporter.section("figures the tests measured")
+        for nodeid, line in FIGURES:
+            terminalreporter.write_line(f"{nodeid.split('::', 1)[-1][:60]}: {line}")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -159,6 +166,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     rep = yield
     setattr(item, "rep_" + rep.when, rep)
+    if rep.when == "call" and rep.passed:
+        FIGURES.extend((item.nodeid, line.strip()) for line in rep.capstdout.splitlines() if line.strip())
     return rep
 
 
