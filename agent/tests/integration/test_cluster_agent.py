@@ -166,6 +166,8 @@ def test_an_item_longer_than_three_leases_runs_once_while_a_second_agent_waits_f
     finally:
         first.stop()
 
+
+def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):
     rig.start_control_plane()
     rig.set_gpus(2)
     agent = rig.start_agent()
