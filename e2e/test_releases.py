@@ -66,8 +66,14 @@ def stored_versions(api) -> dict[str, list[str]]:
 class WorkPods:
     """Every work Pod the namespace ever had, by name, with each distinct UID: an item run twice
     shows as a second UID under its (deterministic) name. Read from the API server's watch, not
-    from anything the agent records. A watch that breaks is a gap in the evidence: counted in
-    `gaps`, which the tests require to be 0."""
+    from anything the agent records.
+
+    A watch that breaks is relisted at once (the list shows every pod that exists then). Only a
+    pod created and deleted inside the gap could be missed, and a work Pod lives for seconds (its
+    container starts, works, exits; the agent deletes it after the ack), so the tests require
+    every gap to be shorter than MAX_GAP. `gaps` records (seconds, why) for each."""
+
+    MAX_GAP = 1.0
 
     def __init__(self, core, namespace):
         self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
@@ -76,7 +82,7 @@ class WorkPods:
         self._thread.start()
 
     def _run(self):
-        selector, rv = "gpu-agent.io/work-item=true", None
+        selector, rv, broken_at, why = "gpu-agent.io/work-item=true", None, None, ""
         while not self._stopped.is_set():
             try:
                 if rv is None:
@@ -84,16 +90,21 @@ class WorkPods:
                     for pod in listed.items:
                         self._record(pod)
                     rv = listed.metadata.resource_version
+                    if broken_at is not None:
+                        self.gaps.append((time.monotonic() - broken_at, why))
+                        broken_at = None
                 self._watch = watch.Watch()
                 for event in self._watch.stream(self.core.list_namespaced_pod, self.namespace, label_selector=selector,
                                                 resource_version=rv, timeout_seconds=120):
                     self._record(event["object"])
                     rv = event["object"].metadata.resource_version
-            except Exception as e:  # noqa: BLE001 - recorded; the test asserts there was none
+            except Exception as e:  # noqa: BLE001 - recorded as a gap; the tests bound it
                 if self._stopped.is_set():
                     return
-                self.gaps.append(repr(e)[:200])
+                if broken_at is None:
+                    broken_at, why = time.monotonic(), f"{type(e).__name__} {getattr(e, 'status', '') or ''} {str(e)[:120]}"
                 rv = None
+                self._stopped.wait(0.1)
 
     def _record(self, pod):
         with self._lock:
@@ -104,6 +115,10 @@ class WorkPods:
         self._stopped.set()
         if self._watch is not None:
             self._watch.stop()
+
+    def complete(self) -> bool:
+        """True when no gap in the watch could have hidden a work Pod."""
+        return all(seconds < self.MAX_GAP for seconds, _ in self.gaps)
 
     def executions(self) -> dict[str, int]:
         with self._lock:
@@ -226,7 +241,9 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
               f"after {domain_ready:.1f} s; {in_flight} item(s) in flight at the start, {len(first) + len(second)} "
               f"items, {len(lost)} lost, {len(doubled)} doubled ({pods.events} pod events watched)")
         assert len(samples) >= 4, "the readiness sampler took too few samples to measure anything"
-        assert not pods.gaps, pods.gaps
+        if pods.gaps:
+            print(f"work-pod watch gaps (relisted): {[(round(t, 2), why) for t, why in pods.gaps]}")
+        assert pods.complete(), pods.gaps
         assert not lost and not doubled, (lost, doubled)
         assert domain_ready < 120
         # The stored state moved: the same objects, read under v1beta1, and nothing stored at v1alpha1.
@@ -284,7 +301,9 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     wait_until(lambda: set(items(release).values()) == {"done"}, 120, "every item done")
     pods.stop()
     executions = pods.executions()
-    assert not pods.gaps, pods.gaps
+    if pods.gaps:
+        print(f"work-pod watch gaps (relisted): {[(round(t, 2), why) for t, why in pods.gaps]}")
+    assert pods.complete(), pods.gaps
     assert all(executions.get(_pod_name(k)) == 1 for k in keys), executions
     print(f"downgrade: {len(keys)} items, 0 lost, 0 doubled")
     release.uninstall()
