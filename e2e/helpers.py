@@ -1,7 +1,8 @@
-"""Helpers of the e2e suite: polling to a deadline and manifests rendered with jinja2."""
+"""Helpers of the e2e suite: polling to a deadline, samplers, and manifests rendered with jinja2."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,46 @@ def exec_python(api: client.ApiClient, namespace: str, pod: str, code: str) -> s
 
     return stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
                   command=["python3", "-c", code], stderr=True, stdin=False, stdout=True, tty=False)
+
+
+class Sampler:
+    """Calls `probe` every `interval` seconds in a thread and keeps (monotonic time, value)."""
+
+    def __init__(self, probe, interval: float) -> None:
+        self.probe, self.interval = probe, interval
+        self.samples: list[tuple[float, object]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                value = self.probe()
+            except Exception as e:  # noqa: BLE001 - recorded, judged by the test
+                value = f"error: {type(e).__name__}"
+            self.samples.append((started, value))
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def drops(samples: list[tuple[float, object]], good, until: float | None = None) -> list[float]:
+    """Durations of the runs of samples where `good(value)` is false; with `until`, a run still
+    open at the last sample counts up to that time."""
+    out, start = [], None
+    for t, v in samples:
+        if not good(v) and start is None:
+            start = t
+        elif good(v) and start is not None:
+            out.append(t - start)
+            start = None
+    if start is not None and until is not None:
+        out.append(until - start)
+    return out

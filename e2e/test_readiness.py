@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import statistics
-import threading
 import time
 import uuid
 
@@ -18,50 +17,10 @@ import pytest
 from kubernetes.client import ApiException
 
 from e2e import cluster
-from e2e.helpers import wait_until
+from e2e.helpers import Sampler, drops, wait_until
 from e2e.release import Release
 
 CLUSTER_SOURCE_WINDOW = 5.0  # gpuLossDebounce default of the cluster source (mechanisms/inventory/select.py)
-
-
-class Sampler:
-    """Calls `probe` every `interval` seconds in a thread and keeps (monotonic time, value)."""
-
-    def __init__(self, probe, interval: float) -> None:
-        self.probe, self.interval = probe, interval
-        self.samples: list[tuple[float, object]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                value = self.probe()
-            except Exception as e:  # noqa: BLE001 - recorded, judged by the test
-                value = f"error: {type(e).__name__}"
-            self.samples.append((started, value))
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
-def drops(samples: list[tuple[float, object]], good) -> list[float]:
-    """Durations of the runs of samples where `good(value)` is false."""
-    out, start = [], None
-    for t, v in samples:
-        if not good(v) and start is None:
-            start = t
-        elif good(v) and start is not None:
-            out.append(t - start)
-            start = None
-    return out
 
 
 @pytest.fixture

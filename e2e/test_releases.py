@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client, watch
 
 from e2e.cluster import provider
-from e2e.helpers import wait_until
+from e2e.helpers import Sampler, drops, wait_until
 from e2e.release import APP_VERSION, CHART, Release, helm
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
 
@@ -135,24 +135,9 @@ def items(release: Release) -> dict[str, str]:
     return {i["idempotencyKey"]: i["state"] for i in json.loads(out.strip().splitlines()[-1])}
 
 
-def readiness_sampler(release: Release, stop: threading.Event, samples: list):
-    """Records (monotonic time, /healthz status) until stopped; the test reads the record."""
-    while not stop.is_set():
-        try:
-            samples.append((time.monotonic(), release.healthz()[0]))
-        except Exception:  # noqa: BLE001 - an agent between pods answers nothing: not Ready
-            samples.append((time.monotonic(), 0))
-        stop.wait(0.5)
-
-
 def longest_not_ready(samples) -> float:
-    worst, since = 0.0, None
-    for t, code in samples:
-        if code != 200 and since is None:
-            since = t
-        elif code == 200 and since is not None:
-            worst, since = max(worst, t - since), None
-    return max(worst, samples[-1][0] - since) if since is not None else worst
+    """The longest run of /healthz answers other than 200 (one still open counts to the last sample)."""
+    return max(drops(samples, lambda code: code == 200, until=samples[-1][0] if samples else None), default=0.0)
 
 
 def persistent_control_plane(core, namespace: str, release: Release) -> str:
@@ -212,19 +197,17 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         enqueue(release, first)
         wait_until(lambda: pods.executions(), 60, "the first work pods")
         in_flight = sum(1 for state in items(release).values() if state == "leased")
-        stop, samples = threading.Event(), []
-        sampler = threading.Thread(target=readiness_sampler, args=(release, stop, samples), daemon=True)
-        sampler.start()
-        started = time.monotonic()
-        release.upgrade("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true",
-                        "--set", "domain.name=fabric", "--set", "hooks.backoffLimit=0")
-        upgraded = time.monotonic() - started
-        wait_until(lambda: release.healthz()[0] == 200, 120, "the upgraded cluster agent Ready")
-        ready_again = time.monotonic() - started
-        wait_until(lambda: (domain("v1beta1").get("status") or {}).get("status") == "Ready", 60, "the domain Ready again")
-        domain_ready = time.monotonic() - started
-        stop.set()
-        sampler.join(5)
+        with Sampler(lambda: release.healthz()[0], 0.5) as health:
+            started = time.monotonic()
+            release.upgrade("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true",
+                            "--set", "domain.name=fabric", "--set", "hooks.backoffLimit=0")
+            upgraded = time.monotonic() - started
+            wait_until(lambda: release.healthz()[0] == 200, 120, "the upgraded cluster agent Ready")
+            ready_again = time.monotonic() - started
+            wait_until(lambda: (domain("v1beta1").get("status") or {}).get("status") == "Ready", 60,
+                       "the domain Ready again")
+            domain_ready = time.monotonic() - started
+        samples = health.samples
         second = [f"up-b{i}" for i in range(4)]
         enqueue(release, second)
         wait_until(lambda: set(items(release).values()) == {"done"} and len(items(release)) == len(first) + len(second),
@@ -281,12 +264,9 @@ def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_go
     args = release.args("--set", f"image.tag={version}", "--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
                         "--set", "hooks.backoffLimit=0")
     args[args.index(str(CHART))] = str(old_chart)
-    stop, samples = threading.Event(), []
-    sampler = threading.Thread(target=readiness_sampler, args=(release, stop, samples), daemon=True)
-    sampler.start()
-    r = helm("upgrade", *args, "--timeout", "120s", check=False)
-    stop.set()
-    sampler.join(5)
+    with Sampler(lambda: release.healthz()[0], 0.5) as health:
+        r = helm("upgrade", *args, "--timeout", "120s", check=False)
+    samples = health.samples
     assert r.returncode != 0 and "pre-upgrade" in r.stderr, r.stderr
     job = core.list_namespaced_pod(namespace, label_selector=f"job-name={release.fullname}-skew-check").items[0]
     log = core.read_namespaced_pod_log(job.metadata.name, namespace)
