@@ -9,6 +9,8 @@ Error kinds decide what the caller does:
   unavailable  connection refused/dropped, timeout, 5xx, 429   -> retry with backoff
   unauthorized 401/403                                          -> credentials are bad: register again
   protocol     the body is not what the API promises            -> retry with backoff
+  fenced       409 naming a newer term                           -> this agent's term is over: stop, start a new one
+                                                                   only when it leads again
   rejected     any other 4xx                                    -> a bug or bad input: report, retry slowly
 """
 
@@ -53,12 +55,20 @@ class Registration:
 
 
 @dataclass(frozen=True)
+class Fence:
+    """Who leases, and under which term (POST /v1/queue/terms): named on every queue call."""
+    holder: str
+    term: int
+
+
+@dataclass(frozen=True)
 class WorkItem:
     item_id: int
     idempotency_key: str
     payload: dict[str, Any]
     lease_id: str
     deliveries: int
+    fence: Fence | None = None  # the term it was leased under; its ack, renewal and release name it
 
 
 def _field(doc: Any, name: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -105,6 +115,8 @@ class ControlPlaneClient:
             raise ControlPlaneError("unauthorized", f"{where}: {status} {_reason(resp)}", status)
         if status == 429 or status >= 500:
             raise ControlPlaneError("unavailable", f"{where}: {status} {_reason(resp)}", status)
+        if status == 409 and _reason(resp).startswith("fenced"):
+            raise ControlPlaneError("fenced", f"{where}: {status} {_reason(resp)}", status)
         if status >= 400:
             raise ControlPlaneError("rejected", f"{where}: {status} {_reason(resp)}", status)
         if status == 204 or not resp.content:
@@ -140,10 +152,21 @@ class ControlPlaneClient:
         _, doc = self._call("POST", "/v1/credentials/renew", credential, {})
         return self._credential(doc, "POST /v1/credentials/renew")
 
-    def lease(self, credential: Secret, lease_seconds: float, wait_seconds: float = 0.0) -> WorkItem | None:
+    def start_term(self, credential: Secret, holder: str) -> Fence:
+        where = "POST /v1/queue/terms"
+        _, doc = self._call("POST", "/v1/queue/terms", credential, {"holder": holder})
+        term = _field(doc, "term", int, where)
+        log.v(2, "%s: term %d started; %d lease(s) of older terms handed back", where, term,
+              _field(doc, "handedBack", int, where))
+        return Fence(holder, term)
+
+    def lease(self, credential: Secret, lease_seconds: float, wait_seconds: float = 0.0,
+              fence: Fence | None = None) -> WorkItem | None:
         where = "POST /v1/queue/lease"
-        status, doc = self._call("POST", "/v1/queue/lease", credential,
-                                 {"leaseSeconds": lease_seconds, "waitSeconds": wait_seconds}, extra_timeout=wait_seconds)
+        body: dict[str, Any] = {"leaseSeconds": lease_seconds, "waitSeconds": wait_seconds}
+        if fence is not None:
+            body.update(holder=fence.holder, term=fence.term)
+        status, doc = self._call("POST", "/v1/queue/lease", credential, body, extra_timeout=wait_seconds)
         if status == 204:
             return None
         payload = _field(doc, "payload", dict, where)
@@ -153,17 +176,29 @@ class ControlPlaneClient:
             payload=payload,
             lease_id=_field(doc, "leaseId", str, where),
             deliveries=_field(doc, "deliveries", int, where),
+            fence=fence,
         )
 
+    @staticmethod
+    def _lease_ref(item: WorkItem, **more: Any) -> dict[str, Any]:
+        return {"leaseId": item.lease_id, **({"term": item.fence.term} if item.fence else {}), **more}
+
     def ack(self, credential: Secret, item: WorkItem) -> None:
-        self._call("POST", f"/v1/queue/items/{item.item_id}/ack", credential, {"leaseId": item.lease_id})
+        self._call("POST", f"/v1/queue/items/{item.item_id}/ack", credential, self._lease_ref(item))
 
     def renew_lease(self, credential: Secret, item: WorkItem, lease_seconds: float) -> None:
         self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
-                   {"leaseId": item.lease_id, "leaseSeconds": lease_seconds})
+                   self._lease_ref(item, leaseSeconds=lease_seconds))
 
     def release(self, credential: Secret, item: WorkItem) -> None:
-        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, {"leaseId": item.lease_id})
+        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item))
+
+    def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
+        _, doc = self._call("GET", "/v1/queue/deliveries", admin_token)
+        found = _field(doc, "deliveries", list, "GET /v1/queue/deliveries")
+        if not all(isinstance(d, dict) for d in found):
+            raise ControlPlaneError("protocol", "GET /v1/queue/deliveries: field 'deliveries' holds a non-object")
+        return found
 
     def enqueue(self, admin_token: Secret, idempotency_key: str, payload: dict[str, Any]) -> int:
         _, doc = self._call("POST", "/v1/queue/items", admin_token, {"idempotencyKey": idempotency_key, "payload": payload})

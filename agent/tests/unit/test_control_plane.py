@@ -243,3 +243,58 @@ def test_long_poll_lease_returns_as_soon_as_an_item_is_enqueued(cp):
     started = time.monotonic()
     assert client.lease(cred, 10, wait_seconds=0.4) is None
     assert time.monotonic() - started >= 0.35
+
+
+def test_a_new_term_hands_back_older_leases_and_fences_every_call_of_the_older_term(cp):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    for k in ("a", "b"):
+        client.enqueue(ADMIN, k, {})
+    old = client.start_term(cred, "agent-old")
+    running = client.lease(cred, 30, fence=old)
+    assert running.idempotency_key == "a"
+    new = client.start_term(cred, "agent-new")
+    assert new.term > old.term
+    # The item the old term held is queued again at once (not after its 30 s lease), for the new term.
+    adopted = client.lease(cred, 30, fence=new)
+    assert adopted.idempotency_key == "a" and adopted.deliveries == 2
+    for call in (lambda: client.ack(cred, running), lambda: client.renew_lease(cred, running, 30),
+                 lambda: client.release(cred, running), lambda: client.lease(cred, 30, fence=old),
+                 lambda: client.lease(cred, 30)):
+        with pytest.raises(ControlPlaneError) as refused:
+            call()
+        assert refused.value.kind == "fenced" and f"term {new.term}" in str(refused.value)
+    client.ack(cred, adopted)
+    assert client.status(ADMIN)["items"] == {"queued": 1, "leased": 0, "done": 1}
+    assert client.status(ADMIN)["term"] == {"term": new.term, "holder": "agent-new"}
+    log = client.deliveries(ADMIN)
+    assert [(d["itemId"], d["holder"], d["term"]) for d in log] == [(1, "agent-old", old.term), (1, "agent-new", new.term)]
+
+
+def test_a_database_written_before_terms_existed_gains_them_and_keeps_its_items(tmp_path, clock):
+    import sqlite3
+    db = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(db)
+    conn.executescript("""CREATE TABLE items (id INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE,
+        payload TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'queued', lease_id TEXT, lease_expires_at REAL,
+        deliveries INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, acked_at REAL);
+        INSERT INTO items (idempotency_key, payload, state, lease_id, lease_expires_at, deliveries, created_at)
+        VALUES ('leased-by-0.1', '{}', 'leased', 'x', 9999999999, 1, 1);""")
+    conn.commit()
+    conn.close()
+    store = Store(db, clock)
+    term, handed_back = store.start_term("agent")
+    assert handed_back == 1  # a lease taken by a 0.1 agent (no term) is handed back too
+    assert store.lease(30, "agent", term)["idempotencyKey"] == "leased-by-0.1"
+    store.close()
+
+
+def test_term_fields_are_validated_naming_the_field(cp):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    for path, body, field in (("/v1/queue/terms", "{}", "holder"), ("/v1/queue/terms", '{"holder": ""}', "holder"),
+                              ("/v1/queue/lease", '{"term": 0}', "term"), ("/v1/queue/lease", '{"term": "1"}', "term"),
+                              ("/v1/queue/items/1/ack", '{"leaseId": "x", "term": -1}', "term")):
+        r = requests.post(server.url + path, data=body, timeout=5,
+                          headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
+        assert r.status_code == 422 and field in r.json()["error"], (path, body, r.text)

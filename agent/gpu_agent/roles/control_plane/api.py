@@ -66,7 +66,20 @@ class EnqueueRequest(Model):
     payload: dict[str, Any] = Field(description=f"any JSON object, nested at most {MAX_PAYLOAD_DEPTH} deep")
 
 
+Holder = Field(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
+               description="the consumer's identity (the cluster agent's Pod name)")
+TermNumber = Field(default=None, ge=1, le=INT64_MAX,
+                   description="the fencing term the consumer holds (POST /v1/queue/terms); refused once a newer term began")
+
+
+class TermRequest(Model):
+    holder: str = Holder
+
+
 class LeaseRequest(Model):
+    holder: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
+                               description="the consumer's identity, recorded with the delivery")
+    term: Int | None = TermNumber
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="lease length; capped by the server's maxLeaseSeconds")
     waitSeconds: float = Field(default=0.0, ge=0, le=30, description="long poll: wait this long for an item")
@@ -74,10 +87,12 @@ class LeaseRequest(Model):
 
 class LeaseRef(Model):
     leaseId: str = Field(min_length=1, max_length=64)
+    term: Int | None = TermNumber
 
 
 class LeaseRenewal(Model):
     leaseId: str = Field(min_length=1, max_length=64)
+    term: Int | None = TermNumber
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="the lease's new length from now; capped by the server's maxLeaseSeconds")
 
@@ -140,6 +155,28 @@ class RenewedLease(Model):
     leaseExpiresInSeconds: float
 
 
+class TermStarted(Model):
+    term: int
+    handedBack: int
+
+
+class CurrentTerm(Model):
+    term: int
+    holder: str
+
+
+class Delivery(Model):
+    id: int
+    itemId: int
+    holder: str | None
+    term: int | None
+    at: float
+
+
+class DeliveryLog(Model):
+    deliveries: list[Delivery]
+
+
 class ItemSummary(Model):
     id: int
     idempotencyKey: str
@@ -171,6 +208,7 @@ class StatusResponse(Model):
     items: ItemCounts
     deliveries: int
     registrations: list[RegistrationSummary]
+    term: CurrentTerm | None = None
 
 
 class Armed(Model):
@@ -205,7 +243,8 @@ class Route:
         return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[0-9]{1,19})", self.path) + "$")
 
 
-ITEM_ERRORS = {404: ("no such item", ErrorBody), 409: ("the lease is no longer the item's current lease", ErrorBody)}
+ITEM_ERRORS = {404: ("no such item", ErrorBody),
+               409: ("the lease is no longer the item's current lease, or its term is over (fenced)", ErrorBody)}
 
 ROUTES = [
     Route("GET", "/healthz", "healthz", "Liveness of the control plane", frozenset(),
@@ -220,8 +259,15 @@ ROUTES = [
           responses={200: ("items", ItemList)}),
     Route("POST", "/v1/queue/items", "enqueue", "Enqueue a work item; idempotent on idempotencyKey",
           frozenset({"admin"}), EnqueueRequest, {201: ("created", EnqueueResponse), 200: ("already present", EnqueueResponse)}),
+    Route("POST", "/v1/queue/terms", "start_term",
+          "Start a new fencing term for this holder: leases of older terms are handed back, and calls naming them refused",
+          frozenset({"credential"}), TermRequest, {200: ("started", TermStarted)}),
+    Route("GET", "/v1/queue/deliveries", "deliveries", "The newest 1000 deliveries (item, holder, term, time), oldest first",
+          frozenset({"admin"}), responses={200: ("deliveries", DeliveryLog)}),
     Route("POST", "/v1/queue/lease", "lease", "Lease the next item; waitSeconds > 0 long-polls for one",
-          frozenset({"credential"}), LeaseRequest, {200: ("leased", LeasedItem), 204: ("the queue is empty", None)}),
+          frozenset({"credential"}), LeaseRequest, {200: ("leased", LeasedItem), 204: ("the queue is empty", None),
+                                                    409: ("the term named is over, or none was named while terms are in use",
+                                                          ErrorBody)}),
     Route("POST", "/v1/queue/items/{itemId}/ack", "ack", "Acknowledge a leased item", frozenset({"credential"}),
           LeaseRef, {200: ("acknowledged", ItemResult), **ITEM_ERRORS}),
     Route("POST", "/v1/queue/items/{itemId}/renew", "renew_lease",

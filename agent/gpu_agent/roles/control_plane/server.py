@@ -26,7 +26,7 @@ from gpu_agent.foundations import http
 from gpu_agent.foundations.klog import get_logger, quote
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.roles.control_plane import api
-from gpu_agent.roles.control_plane.store import Store
+from gpu_agent.roles.control_plane.store import Fenced, Store
 
 log = get_logger(__name__)
 
@@ -202,16 +202,31 @@ class ControlPlane:
         item_id, created = self.store.enqueue(body.idempotencyKey, body.payload)
         return (201 if created else 200), api.EnqueueResponse(id=item_id, created=created)
 
+    def start_term(self, body: api.TermRequest, **_: Any) -> tuple[int, api.Model]:
+        term, handed_back = self.store.start_term(body.holder)
+        log.info("term %d started by %s; %d lease(s) of older terms handed back", term, quote(body.holder), handed_back)
+        return 200, api.TermStarted(term=term, handedBack=handed_back)
+
+    def deliveries(self, **_: Any) -> tuple[int, api.Model]:
+        return 200, api.DeliveryLog(deliveries=[api.Delivery(**d) for d in self.store.delivery_log(1000)])
+
+    @staticmethod
+    def _fenced(call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Fenced as e:
+            raise Refused(409, str(e)) from None
+
     def lease(self, body: api.LeaseRequest, **_: Any) -> tuple[int, api.Model | None]:
         s = self.settings
         seconds = min(body.leaseSeconds or s.max_lease_seconds, s.max_lease_seconds)
-        item = self.store.lease_waiting(seconds, min(body.waitSeconds, s.max_lease_wait))
+        item = self._fenced(self.store.lease_waiting, seconds, min(body.waitSeconds, s.max_lease_wait), body.holder, body.term)
         return (204, None) if item is None else (200, api.LeasedItem(**item))
 
     def _item(self, params: dict[str, str], body: api.LeaseRef, action: str) -> tuple[int, api.Model]:
         item_id = int(params["itemId"])
-        result = "unknown" if item_id > api.INT64_MAX else (
-            self.store.ack(item_id, body.leaseId) if action == "ack" else self.store.release(item_id, body.leaseId))
+        result = "unknown" if item_id > api.INT64_MAX else self._fenced(
+            self.store.ack if action == "ack" else self.store.release, item_id, body.leaseId, body.term)
         if result == "unknown":
             raise Refused(404, f"no item {item_id}")
         if result == "stale-lease":
@@ -227,7 +242,8 @@ class ControlPlane:
     def renew_lease(self, params: dict[str, str], body: api.LeaseRenewal, **_: Any) -> tuple[int, api.Model]:
         item_id = int(params["itemId"])
         seconds = min(body.leaseSeconds or self.settings.max_lease_seconds, self.settings.max_lease_seconds)
-        result = "unknown" if item_id > api.INT64_MAX else self.store.renew(item_id, body.leaseId, seconds)
+        result = "unknown" if item_id > api.INT64_MAX else self._fenced(self.store.renew, item_id, body.leaseId, seconds,
+                                                                         body.term)
         if result == "unknown":
             raise Refused(404, f"no item {item_id}")
         if result == "stale-lease":

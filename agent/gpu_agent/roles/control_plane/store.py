@@ -3,6 +3,14 @@
 Credentials are stored as SHA-256 hashes only: a copy of the database holds no usable
 token. Leasing is one IMMEDIATE transaction, so two consumers never get the same item,
 and an item whose lease has expired is simply eligible again (redelivery).
+
+Fencing: a consumer that becomes the active agent starts a term (`start_term`), numbered one
+higher than any before. Starting a term hands back every lease taken under an older term (those
+items are queued again at once: the new agent adopts them), and from then on a lease, ack,
+renewal or release that names an older term, or names none, is refused (`Fenced`). An agent
+that lost its leadership while partitioned can therefore neither take nor finish work once its
+successor has begun. Each delivery is logged with its holder and term (`deliveries`), the
+record the failover tests read instead of the agents' own journals.
 """
 
 from __future__ import annotations
@@ -27,7 +35,24 @@ CREATE TABLE IF NOT EXISTS items (
     id INTEGER PRIMARY KEY AUTOINCREMENT, idempotency_key TEXT NOT NULL UNIQUE, payload TEXT NOT NULL,
     state TEXT NOT NULL DEFAULT 'queued', lease_id TEXT, lease_expires_at REAL,
     deliveries INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, acked_at REAL);
+CREATE TABLE IF NOT EXISTS terms (
+    term INTEGER PRIMARY KEY AUTOINCREMENT, holder TEXT NOT NULL, started_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS deliveries (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, item_id INTEGER NOT NULL, holder TEXT, term INTEGER, at REAL NOT NULL);
 """
+# Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
+ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER")]}
+DELIVERY_LOG_LIMIT = 10000
+
+
+class Fenced(Exception):
+    """The request names an older term than the current one, or none while terms are in use."""
+
+    def __init__(self, term: int, holder: str) -> None:
+        super().__init__(f"fenced: term {term} (holder {holder}) is the current term; "
+                         "a consumer must start a term (POST /v1/queue/terms) and name it")
+        self.term = term
+        self.holder = holder
 
 
 def token_hash(token: str) -> str:
@@ -37,6 +62,11 @@ def token_hash(token: str) -> str:
 class Store:
     def __init__(self, path: Path, clock: Any = time.time) -> None:
         self._db = open_database(path, "control-plane database", "--database", SCHEMA)
+        for table, columns in ADDED_COLUMNS.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns:
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
         self._lock = threading.Lock()
         self._now = clock
         self._queue_changed = threading.Condition()
@@ -107,24 +137,66 @@ class Store:
         with self._queue_changed:
             self._queue_changed.notify_all()
 
-    def lease_waiting(self, lease_seconds: float, wait_seconds: float) -> dict[str, Any] | None:
+    # fencing -------------------------------------------------------------------------------
+    def start_term(self, holder: str) -> tuple[int, int]:
+        """(the new term, how many leases of older terms were handed back)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                term = int(self._db.execute("INSERT INTO terms (holder, started_at) VALUES (?, ?)",
+                                            (holder, self._now())).lastrowid)
+                released = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL,
+                    lease_holder=NULL, lease_term=NULL WHERE state='leased' AND (lease_term IS NULL OR lease_term < ?)""",
+                                            (term,)).rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        self._notify()
+        return term, released
+
+    def current_term(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self._current_term()
+
+    def _current_term(self) -> tuple[int, str] | None:
+        row = self._db.execute("SELECT term, holder FROM terms ORDER BY term DESC LIMIT 1").fetchone()
+        return (int(row[0]), row[1]) if row else None
+
+    def _check_term(self, term: int | None) -> None:
+        """Raises Fenced unless `term` is the current term (or no term was ever started). Call under the lock."""
+        current = self._current_term()
+        if current is not None and (term is None or term < current[0]):
+            raise Fenced(*current)
+
+    def delivery_log(self, limit: int) -> list[dict[str, Any]]:
+        """The newest `limit` deliveries, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, item_id, holder, term, at FROM deliveries ORDER BY id DESC LIMIT ?",
+                                    (limit,)).fetchall()
+        return [{"id": r[0], "itemId": r[1], "holder": r[2], "term": r[3], "at": r[4]} for r in reversed(rows)]
+
+    # queue (continued) -----------------------------------------------------------------------
+    def lease_waiting(self, lease_seconds: float, wait_seconds: float, holder: str | None = None,
+                      term: int | None = None) -> dict[str, Any] | None:
         """Long poll: lease the next item, waiting up to `wait_seconds` for one to appear.
         Idle consumers then cost one request per wait instead of one per poll interval."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            item = self.lease(lease_seconds)
+            item = self.lease(lease_seconds, holder, term)
             remaining = deadline - time.monotonic()
             if item is not None or remaining <= 0 or self._closing:
                 return item
             with self._queue_changed:
-                # Woken by enqueue/release; the 0.5 s bound also catches leases that expire.
+                # Woken by enqueue/release/a new term; the 0.5 s bound also catches leases that expire.
                 self._queue_changed.wait(min(remaining, 0.5))
 
-    def lease(self, lease_seconds: float) -> dict[str, Any] | None:
+    def lease(self, lease_seconds: float, holder: str | None = None, term: int | None = None) -> dict[str, Any] | None:
         now = self._now()
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._check_term(term)
                 row = self._db.execute("""SELECT id, idempotency_key, payload, deliveries FROM items
                     WHERE state = 'queued' OR (state = 'leased' AND lease_expires_at <= ?)
                     ORDER BY id LIMIT 1""", (now,)).fetchone()
@@ -133,7 +205,12 @@ class Store:
                     return None
                 lease_id = secrets.token_hex(8)
                 self._db.execute("""UPDATE items SET state='leased', lease_id=?, lease_expires_at=?,
-                    deliveries=deliveries+1 WHERE id=?""", (lease_id, now + lease_seconds, row[0]))
+                    deliveries=deliveries+1, lease_holder=?, lease_term=? WHERE id=?""",
+                                 (lease_id, now + lease_seconds, holder, term, row[0]))
+                self._db.execute("INSERT INTO deliveries (item_id, holder, term, at) VALUES (?, ?, ?, ?)",
+                                 (row[0], holder, term, now))
+                self._db.execute("DELETE FROM deliveries WHERE id <= (SELECT MAX(id) FROM deliveries) - ?",
+                                 (DELIVERY_LOG_LIMIT,))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -141,9 +218,10 @@ class Store:
         return {"id": row[0], "idempotencyKey": row[1], "payload": json.loads(row[2]), "leaseId": lease_id,
                 "deliveries": row[3] + 1, "leaseExpiresInSeconds": lease_seconds}
 
-    def ack(self, item_id: int, lease_id: str) -> str:
-        """"acked", "already-acked", "stale-lease" or "unknown"."""
+    def ack(self, item_id: int, lease_id: str, term: int | None = None) -> str:
+        """"acked", "already-acked", "stale-lease" or "unknown"; raises Fenced."""
         with self._lock:
+            self._check_term(term)
             row = self._db.execute("SELECT state, lease_id FROM items WHERE id = ?", (item_id,)).fetchone()
             if row is None:
                 return "unknown"
@@ -154,11 +232,12 @@ class Store:
             self._db.execute("UPDATE items SET state='done', acked_at=? WHERE id=?", (self._now(), item_id))
             return "acked"
 
-    def renew(self, item_id: int, lease_id: str, lease_seconds: float) -> str:
+    def renew(self, item_id: int, lease_id: str, lease_seconds: float, term: int | None = None) -> str:
         """"renewed", "stale-lease" (expired, replaced or acked) or "unknown". An expired lease is
         not revived: the item may already be on its way to another consumer."""
         now = self._now()
         with self._lock:
+            self._check_term(term)
             cur = self._db.execute("""UPDATE items SET lease_expires_at=? WHERE id=? AND lease_id=? AND state='leased'
                 AND lease_expires_at > ?""", (now + lease_seconds, item_id, lease_id, now))
             if cur.rowcount:
@@ -166,9 +245,11 @@ class Store:
             known = self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
         return "stale-lease" if known else "unknown"
 
-    def release(self, item_id: int, lease_id: str) -> str:
+    def release(self, item_id: int, lease_id: str, term: int | None = None) -> str:
         with self._lock:
-            cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL
+            self._check_term(term)
+            cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL,
+                lease_holder=NULL, lease_term=NULL
                 WHERE id=? AND lease_id=? AND state='leased'""", (item_id, lease_id))
             known = cur.rowcount or self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
         self._notify()
@@ -189,5 +270,7 @@ class Store:
             regs = [{"clusterId": r[0], "registrationId": r[1], "generation": r[2], "gpuCount": len(json.loads(r[3])),
                      "registrations": r[4]}
                     for r in self._db.execute("SELECT cluster_id, registration_id, generation, gpus, count FROM registrations")]
+            term = self._current_term()
         return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0)},
-                "deliveries": deliveries, "registrations": regs}
+                "deliveries": deliveries, "registrations": regs,
+                **({"term": {"term": term[0], "holder": term[1]}} if term else {})}
