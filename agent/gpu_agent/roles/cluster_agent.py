@@ -1,11 +1,15 @@
 """The cluster agent: graceful no-GPU mode, from GPU discovery to leasing work.
 
-    GPU source -> InventoryMonitor -> RegistrationManager -> (credentials) -> QueueConsumer -> Executor
+    GPU source -> InventoryMonitor -> RegistrationManager -> (credentials) --+
+                                                                             +--> QueueConsumer -> Executor
+    LeaderElector (a Lease, when leaderElection is on) -> (leading) ---------+--> Aggregator (domain status)
 
 It is live from the first moment (`/livez` 200) and ready (`/healthz` 200) only when the
-cluster has GPUs, registration for the current GPU generation has succeeded and a valid
-credential is installed; only then are the work queues open. Losing the last GPU closes
-them and drops readiness again.
+cluster has GPUs, registration for the current GPU generation has succeeded, a valid
+credential is installed and it leads; only then are the work queues open. Losing the last
+GPU, or the lease, closes them and drops readiness again. A standby registers too (a hot
+standby: it takes over with its credential in hand) but leases no work and folds no domain;
+it reports "standby: the leader is <identity>".
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import threading
 from pathlib import Path
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, Config, Setting
+from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
@@ -26,6 +31,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
+from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.executor import Executor, RecordingExecutor
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
@@ -33,7 +39,7 @@ from gpu_agent.roles.endpoints import EndpointServer
 
 log = get_logger(__name__)
 
-COMPONENTS = ["gpus", "registration", "credentials", "queues"]
+COMPONENTS = ["gpus", "registration", "credentials", "leadership", "queues"]
 
 
 SETTINGS = [
@@ -66,6 +72,18 @@ SETTINGS = [
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
     Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
+    Setting("identity", "str", os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
+            "this agent's name in the Lease and at the control plane (its Pod's name in a cluster)"),
+    Setting("leaderElection", "bool", False, "elect one active agent through a coordination.k8s.io Lease "
+            "(on in the chart: replicas beyond the first are hot standbys)"),
+    Setting("leaderElectionLeaseName", "str", "gpu-agent-cluster-agent", "name of that Lease"),
+    Setting("leaderElectionNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that Lease"),
+    Setting("leaderElectionLeaseDuration", "seconds", 15.0, "how long a standby waits after the leader's last "
+            "renewal it saw before taking over", 1, 3600),
+    Setting("leaderElectionRenewDeadline", "seconds", 10.0, "how long the leader may fail to renew before it stops "
+            "leading and pauses its queues (shorter than the lease duration)", 0.5, 3600),
+    Setting("leaderElectionRetryPeriod", "seconds", 2.0, "wait between attempts to acquire or renew "
+            "(shorter than the renew deadline)", 0.1, 600),
 ]
 
 
@@ -97,7 +115,18 @@ class ClusterAgent:
         self.queue = QueueConsumer(self.client, self.registration.current_credential, self.executor, self.clock,
                                    self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
                                    self.registration.credential_refused,
-                                   cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0)
+                                   cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0, cfg.identity)
+        self.election = ElectionSettings(cfg.leaderElectionLeaseDuration, cfg.leaderElectionRenewDeadline,
+                                         cfg.leaderElectionRetryPeriod)
+        if cfg.leaderElection and self.election.problems():
+            raise ConfigError("; ".join(self.election.problems()))
+        self.registered = (False, "waiting for GPUs, registration and credentials")
+        self.leading = (not cfg.leaderElection, "leader election off: this is the only agent"
+                        if not cfg.leaderElection else "standby: electing a leader")
+        self.health.set("leadership", *self.leading)
+        self.rng = rng or random.Random()
+        self.aggregator: Any = None
+        self.logged: tuple[bool, str] | None = None
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed,
                                         loss_debounce=cfg.gpuLossDebounce,
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
@@ -116,26 +145,67 @@ class ClusterAgent:
         await self.registration.gpus_changed(event.generation, event.inventory)
 
     async def _readiness_changed(self, ready: bool, reason: str) -> None:
+        self.registered = (ready, reason)
+        await self._open_queues_when_ready()
+
+    async def _leadership_changed(self, leading: bool, reason: str) -> None:
+        was_leading = self.leading[0]
+        self.leading = (leading, reason)
+        self.health.set("leadership", leading, reason)
+        if leading and not was_leading:
+            self.queue.new_term()
+            self._start_folding()
+        elif not leading and was_leading:
+            self._stop_folding()
+        await self._open_queues_when_ready()
+
+    async def _open_queues_when_ready(self) -> None:
+        ready = self.registered[0] and self.leading[0]
+        reason = self.registered[1] if not self.registered[0] else self.leading[1]
         await self.queue.set_open(ready, reason)
         self.metrics.ready.set(1 if ready else 0)
+        if (ready, reason) == self.logged:
+            return
+        self.logged = (ready, reason)
         if ready:
-            log.info("cluster agent Ready: GPUs registered, credentials installed, queues open")
+            log.info("cluster agent Ready: GPUs registered, credentials installed, %s, queues open",
+                     "leading" if self.cfg.leaderElection else "the only agent")
         else:
             log.info("cluster agent NotReady: %s", reason)
+
+    def _start_folding(self) -> None:
+        if not self.cfg.domainName or self.aggregator is not None:
+            return
+        from gpu_agent.foundations.kube import api_client
+        from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+        self.aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName)
+        threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
+        log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
+
+    def _stop_folding(self) -> None:
+        if self.aggregator is not None:
+            self.aggregator.stop()
+            self.aggregator = None
+            log.info("stopped folding GPUDomain %s/%s (not leading)", self.cfg.domainNamespace, self.cfg.domainName)
+
+    def _elector(self) -> LeaderElector:
+        from gpu_agent.foundations.kube import api_client
+        from gpu_agent.mechanisms.leadership.kube_lease import KubeLease
+
+        lease = KubeLease(api_client(self.cfg.kubeconfig), self.cfg.leaderElectionNamespace,
+                          self.cfg.leaderElectionLeaseName, min(self.cfg.requestTimeout, self.election.retry_period * 2))
+        log.info("electing a leader through Lease %s/%s as %s", self.cfg.leaderElectionNamespace,
+                 self.cfg.leaderElectionLeaseName, self.cfg.identity)
+        return LeaderElector(lease, self.cfg.identity, self.election, self.clock, self.rng, self._leadership_changed)
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration (secrets redacted):")
         for line in self.cfg.describe():
             log.info("  %s", line)
         self.endpoints.start()
-        aggregator: Any = None
-        if self.cfg.domainName:
-            from gpu_agent.foundations.kube import api_client
-            from gpu_agent.mechanisms.domain.aggregate import Aggregator
-
-            aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName)
-            threading.Thread(target=aggregator.run, name="domain-aggregator", daemon=True).start()
-            log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
+        if not self.cfg.leaderElection:
+            self._start_folding()
         log.info("serving /livez /healthz /version /metrics on http://%s", self.endpoints.address)
         self.started.set()
         try:
@@ -144,13 +214,14 @@ class ClusterAgent:
                          tg.create_task(self.monitor.run(), name="inventory-monitor"),
                          tg.create_task(self.registration.run(), name="registration"),
                          tg.create_task(self.queue.run(), name="queue-consumer")]
+                if self.cfg.leaderElection:
+                    tasks.append(tg.create_task(self._elector().run(), name="leader-election"))
                 await stop.wait()
                 log.info("shutting down")
                 for t in tasks:
                     t.cancel()
         finally:
-            if aggregator is not None:
-                aggregator.stop()
+            self._stop_folding()
             self.endpoints.stop()
             self.monitor.source.close()
             self.client.close()

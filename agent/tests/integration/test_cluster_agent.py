@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from gpu_agent.foundations.control_plane_client import Fence
+from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.mechanisms.queues.executor import RecordingExecutor
 from tests.integration.harness import free_port, klog_time, wait_until
 
@@ -144,27 +146,58 @@ def test_100_items_killed_mid_run_and_restarted_are_each_executed_exactly_once(r
     assert restarted.alive()
 
 
-def test_an_item_longer_than_three_leases_runs_once_while_a_second_agent_waits_for_work(rig):
-    """Evidence from the control plane's delivery count and the second agent's own journal, not
-    from the agent that ran the item."""
+def test_an_item_longer_than_three_leases_runs_once_while_a_second_consumer_polls_for_work(rig):
+    """Evidence from the control plane's delivery log and a second consumer of the same term (a
+    thread of this test polling the queue), not from the agent that ran the item."""
     cp = rig.start_control_plane()
     rig.set_gpus(4)
-    flags = ("--lease-seconds", "1", "--executor-work-seconds", "3.5")
-    first = rig.start_agent(*flags)
+    rig.start_agent("--lease-seconds", "1", "--executor-work-seconds", "3.5")
     rig.wait_health(200, 15)
     cp.enqueue(rig.admin_token, "long-item", {})
-    wait_until(lambda: cp.status(rig.admin_token)["items"]["leased"] == 1, 10, "the first agent to lease the item")
-    other_journal = rig.root / "second-executions.sqlite"
-    second = rig.start_agent(*flags, "--cluster-id", "second", "--listen-address", f"127.0.0.1:{free_port()}",
-                             "--executor-journal", str(other_journal))
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["leased"] == 1, 10, "the agent to lease the item")
+    term = cp.status(rig.admin_token)["term"]
+    credential = cp.register(rig.registration_token, "second", 1, Inventory(())).credential.token
+    second_got, stop = [], threading.Event()
+
+    def poll() -> None:  # records; the test asserts
+        while not stop.is_set():
+            item = cp.lease(credential, 1, 0.2, Fence("second-consumer", term["term"]))
+            if item is not None:
+                second_got.append(item.idempotency_key)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     try:
         wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 1, 20, "the item done")
-        (item,) = cp.list_items(rig.admin_token)
-        assert item["deliveries"] == 1, item
-        assert rig.executed_keys() == ["long-item"]
-        assert second.alive() and "long-item" not in RecordingExecutor(other_journal).executed_keys()
     finally:
-        first.stop()
+        stop.set()
+        poller.join(5)
+    (item,) = cp.list_items(rig.admin_token)
+    assert item["deliveries"] == 1, item
+    assert [d["holder"] for d in cp.deliveries(rig.admin_token)] == [term["holder"]]
+    assert second_got == []
+
+
+def test_a_second_agent_fences_the_first_which_stops_leasing_and_says_so(rig):
+    """Two agents without leader election on one queue: the one that started the newer term leases;
+    the other's calls are refused and it reports it. The delivery log shows one holder after the switch."""
+    cp = rig.start_control_plane()
+    rig.set_gpus(2)
+    first = rig.start_agent("--identity", "agent-one", "--lease-seconds", "5", "--executor-work-seconds", "1.5")
+    rig.wait_health(200, 15)
+    cp.enqueue(rig.admin_token, "before", {})
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 1, 10, "the first item done by agent-one")
+    port = free_port()
+    second = rig.start_agent("--identity", "agent-two", "--cluster-id", "second", "--listen-address", f"127.0.0.1:{port}",
+                             "--executor-journal", str(rig.root / "second-executions.sqlite"))
+    wait_until(lambda: cp.status(rig.admin_token).get("term", {}).get("holder") == "agent-two", 15, "agent-two's term")
+    for i in range(4):
+        cp.enqueue(rig.admin_token, f"after-{i}", {})
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 5, 20, "the items after the switch done")
+    holders = [d["holder"] for d in cp.deliveries(rig.admin_token)]
+    assert holders[0] == "agent-one" and set(holders[1:]) == {"agent-two"}, holders
+    wait_until(lambda: "fenced" in rig.healthz()[1]["components"]["queues"]["reason"], 10, "agent-one to report it")
+    assert rig.healthz()[0] == 503 and first.alive() and second.alive()
+    assert first.grep("this agent's term is over")
 
 
 def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):

@@ -6,6 +6,14 @@ refuses (the lease expired or was replaced) is logged and not retried: the item 
 elsewhere, and its executor's idempotency decides. A renewal that fails for want of an answer is
 tried again at the next third.
 
+Fencing: the consumer leases under a term it starts at the control plane the first time it
+leases after it began to lead (`new_term()` drops the old one). Every lease, ack, renewal and
+release names that term. Once another agent has started a newer term the control plane refuses
+them ("fenced"); the consumer then stops leasing and reports it, and leases again only under a
+term of its own next leadership. Starting a term hands back the leases older terms held, so the
+items a dead or partitioned agent held are delivered again at once, to the new leader, whose
+executor adopts what already ran (the Pod executor finds the item's Pod by name).
+
 Pausing stops new leases; an item already leased runs to its end and is acked. An item
 leased in the instant the queue was paused (a long-polled lease call can be waiting at the
 server when it happens) is released back at once rather than run on GPUs the agent may no
@@ -18,7 +26,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gpu_agent.foundations.clock import Clock, sleep_or
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, WorkItem
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Fence, WorkItem
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
@@ -33,8 +41,12 @@ log = get_logger(__name__)
 class QueueConsumer:
     def __init__(self, client: ControlPlaneClient, credential: Callable[[], Secret | None], executor: Executor,
                  clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
-                 poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0) -> None:
+                 poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0,
+                 identity: str = "gpu-agent") -> None:
         self.client = client
+        self.identity = identity
+        self.fence: Fence | None = None
+        self.fenced_by = ""  # set when a newer term refused ours: no leasing until new_term()
         self.credential = credential
         self.executor = executor
         self.clock = clock
@@ -50,8 +62,36 @@ class QueueConsumer:
         self._report()
 
     def _report(self) -> None:
-        on = self.open.is_on
-        self.health.set("queues", on, "leasing work" if on else f"paused: {self.pause_reason}", processed=self.processed)
+        on = self.open.is_on and not self.fenced_by
+        reason = "leasing work" if on else f"paused: {self.fenced_by or self.pause_reason}"
+        self.health.set("queues", on, reason, processed=self.processed, term=self.fence.term if self.fence else 0)
+
+    def new_term(self) -> None:
+        """This agent began to lead (again): its next lease starts a new term."""
+        self.fence = None
+        self.fenced_by = ""
+        self._report()
+
+    def _fenced(self, e: ControlPlaneError) -> None:
+        if not self.fenced_by:
+            log.warning("this agent's term is over (%s); it stops leasing work", e)
+        self.fence = None
+        self.fenced_by = "fenced: another agent holds a newer term at the control plane"
+        self._report()
+
+    async def _term(self, credential: Secret) -> Fence | None:
+        if self.fence is None:
+            try:
+                self.fence = await in_daemon_thread(self.client.start_term, credential, self.identity)
+            except ControlPlaneError as e:
+                if e.kind == "unauthorized":
+                    await self.on_refused()
+                else:
+                    log.warning("starting a term failed: %s; retrying in %.1fs", e, self.poll_interval)
+                return None
+            log.info("leasing work under term %d as %s (leases of older terms handed back)", self.fence.term, self.identity)
+            self._report()
+        return self.fence
 
     async def set_open(self, on: bool, reason: str) -> None:
         if on != self.open.is_on:
@@ -69,12 +109,17 @@ class QueueConsumer:
     async def step(self) -> bool:
         """Lease and run at most one item; False when there was nothing to do."""
         credential = self.credential()
-        if credential is None:
+        if credential is None or self.fenced_by:
+            return False
+        fence = await self._term(credential)
+        if fence is None:
             return False
         try:
-            item = await in_daemon_thread(self.client.lease, credential, self.lease_seconds, self.long_poll)
+            item = await in_daemon_thread(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
         except ControlPlaneError as e:
-            if e.kind == "unauthorized":
+            if e.kind == "fenced":
+                self._fenced(e)
+            elif e.kind == "unauthorized":
                 await self.on_refused()
             else:
                 log.warning("leasing work failed: %s; retrying in %.1fs", e, self.poll_interval)
@@ -126,12 +171,18 @@ class QueueConsumer:
                     log.warning("renewing the lease of item %d failed: %s; trying again", item.item_id, e)
                     continue
                 log.warning("the lease of item %d was not renewed: %s; the item may be delivered again", item.item_id, e)
+                if e.kind == "fenced":
+                    self._fenced(e)
                 return
 
     async def _quietly(self, call: Callable[..., object], *args: object) -> bool:
         try:
             await asyncio.to_thread(call, *args)
         except ControlPlaneError as e:
+            if e.kind == "fenced":
+                log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
+                self._fenced(e)
+                return False
             log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
             return False
         return True

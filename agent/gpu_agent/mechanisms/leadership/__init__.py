@@ -1,0 +1,1 @@
+"""Leader election: which cluster agent is the active one."""

@@ -1,0 +1,201 @@
+"""Leader election on a Lease, with client-go's rules and timing, written down.
+
+    candidate --acquired--> leader --renewDeadline passed without a renewal--> candidate
+        ^                      |
+        +------ released ------+ (on shutdown: holder cleared, so a standby takes over at once)
+
+Settings (client-go's names and defaults):
+  leaseDuration  15 s  how long a candidate waits, from the moment it last saw the record change,
+                       before it may take the lease over from a silent holder
+  renewDeadline  10 s  how long a leader may go without a successful renewal before it stops leading
+  retryPeriod     2 s  the wait between attempts (a candidate's waits get x U[1, 1.2) jitter)
+Rules checked at start: retryPeriod < renewDeadline < leaseDuration.
+
+Why this is safe: a leader stops leading (and the agent pauses its queues) renewDeadline after its
+last successful renewal. No candidate takes over before leaseDuration has passed since it last
+saw the record change, which is no earlier than that renewal; so the old leader has stopped at
+least leaseDuration - renewDeadline (5 s) before anyone else starts. Every decision uses the local
+monotonic clock and the time the record was *observed* to change (client-go's observedTime),
+never the timestamps written in the record, so clock skew between nodes does not matter. Calls
+to the API server are bounded by the time left before the deadline: a hung call cannot keep a
+leader leading past it.
+
+Each change of holder increments the record's transitions (client-go's leaseTransitions). Fencing
+at the control plane uses its own terms (a term is started each time an agent begins to lead), so
+a Lease deleted and recreated cannot bring back an old token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.threads import in_daemon_thread
+
+log = get_logger(__name__)
+
+
+class LeaseConflict(Exception):
+    """Someone else wrote the record first (create: it exists; update: its version moved)."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    holder: str  # "" once released
+    lease_duration: float
+    acquire_time: float  # wall clock, for people reading the record; never used for a decision
+    renew_time: float
+    transitions: int
+    version: str = ""  # the store's resourceVersion; not part of what "changed" means
+
+    def same_as(self, other: LeaseRecord | None) -> bool:
+        return other is not None and replace(self, version="") == replace(other, version="")
+
+
+class LeaseBackend(Protocol):
+    """Where the record lives (a coordination.k8s.io/v1 Lease in a cluster; a dict in unit tests)."""
+
+    def get(self) -> LeaseRecord | None: ...
+
+    def create(self, record: LeaseRecord) -> LeaseRecord: ...
+
+    def update(self, record: LeaseRecord) -> LeaseRecord: ...
+
+
+@dataclass(frozen=True)
+class ElectionSettings:
+    lease_duration: float = 15.0
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.renew_deadline < self.lease_duration:
+            out.append(f"leaderElectionRenewDeadline ({self.renew_deadline:g}s) must be shorter than "
+                       f"leaderElectionLeaseDuration ({self.lease_duration:g}s)")
+        if not self.retry_period < self.renew_deadline:
+            out.append(f"leaderElectionRetryPeriod ({self.retry_period:g}s) must be shorter than "
+                       f"leaderElectionRenewDeadline ({self.renew_deadline:g}s)")
+        return out
+
+
+JITTER = 0.2
+
+
+class LeaderElector:
+    def __init__(self, backend: LeaseBackend, identity: str, settings: ElectionSettings, clock: Clock,
+                 rng: random.Random, on_change: Callable[[bool, str], Awaitable[None]],
+                 run_blocking: Callable[..., Awaitable[object]] = in_daemon_thread) -> None:
+        self.backend = backend
+        self.run_blocking = run_blocking  # unit tests call their in-memory backend inline
+        self.identity = identity
+        self.settings = settings
+        self.clock = clock
+        self.rng = rng
+        self.on_change = on_change
+        self.leading = False
+        self.observed: LeaseRecord | None = None
+        self.observed_at = float("-inf")
+        self.last_renewal = float("-inf")
+        self.terms = 0  # how many times this agent began to lead
+
+    @property
+    def leader(self) -> str:
+        """Who holds the lease, as last seen ("" when nobody)."""
+        return self.identity if self.leading else (self.observed.holder if self.observed else "")
+
+    async def _call(self, fn: Callable[..., LeaseRecord | None], *args: object, limit: float) -> LeaseRecord | None:
+        return await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(limit, 0.001))  # type: ignore[return-value]
+
+    async def try_acquire_or_renew(self, limit: float) -> bool:
+        """One attempt (client-go's tryAcquireOrRenew); `limit` bounds the time it may take."""
+        now, wall = self.clock.monotonic(), self.clock.wall()
+        s = self.settings
+        try:
+            current = await self._call(self.backend.get, limit=limit)
+            if current is None:
+                mine = LeaseRecord(self.identity, s.lease_duration, wall, wall, 0)
+                self._saw(await self._call(self.backend.create, mine, limit=limit), now)
+                self.last_renewal = now  # when the attempt began: the conservative end of it
+                return True
+            if not current.same_as(self.observed):
+                self._saw(current, now)
+            held_by_other = current.holder not in ("", self.identity)
+            if held_by_other and self.observed_at + current.lease_duration > now:
+                return False
+            ours = current.holder == self.identity
+            mine = LeaseRecord(self.identity, s.lease_duration, current.acquire_time if ours else wall, wall,
+                               current.transitions if ours else current.transitions + 1, current.version)
+            self._saw(await self._call(self.backend.update, mine, limit=limit), now)
+            self.last_renewal = now
+            return True
+        except LeaseConflict:
+            log.v(2, "lease: someone else wrote it first")
+            return False
+        except (asyncio.TimeoutError, TimeoutError):
+            log.warning("lease: no answer within %.1fs", limit)
+            return False
+        except Exception as e:  # noqa: BLE001 - API trouble: the next attempt decides
+            log.warning("lease: attempt failed: %s", e)
+            return False
+
+    def _saw(self, record: LeaseRecord | None, now: float) -> None:
+        self.observed, self.observed_at = record, now
+
+    async def _acquire(self) -> None:
+        reported = None
+        while True:
+            if await self.try_acquire_or_renew(self.settings.retry_period):
+                return
+            if self.leader != reported:
+                reported = self.leader
+                await self.on_change(False, f"standby: the leader is {reported or '(nobody yet)'}")
+            await self.clock.sleep(self.settings.retry_period * (1 + JITTER * self.rng.random()))
+
+    async def _keep(self) -> None:
+        """Renew every retryPeriod; return when renewDeadline has passed since the last renewal."""
+        s = self.settings
+
+        def left() -> float:
+            return self.last_renewal + s.renew_deadline - self.clock.monotonic()
+
+        while left() > 0:
+            await self.clock.sleep(min(s.retry_period, left()))  # never sleep past the deadline
+            if left() > 0:
+                await self.try_acquire_or_renew(left())
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._acquire()
+                self.leading = True
+                self.terms += 1
+                log.info("became the leader (lease held by %s, transition %d)", self.identity,
+                         self.observed.transitions if self.observed else 0)
+                await self.on_change(True, f"leader: {self.identity}")
+                await self._keep()
+                self.leading = False
+                log.warning("stopped leading: the lease was not renewed within %.1fs", self.settings.renew_deadline)
+                await self.on_change(False, "standby: lost the lease (not renewed within the renew deadline)")
+        finally:
+            if self.leading:
+                self.leading = False
+                await self._release()
+
+    async def _release(self) -> None:
+        """On shutdown, clear the holder so a standby takes over at its next attempt (client-go's ReleaseOnCancel)."""
+        if self.observed is None or self.observed.holder != self.identity:
+            return
+        wall = self.clock.wall()
+        released = replace(self.observed, holder="", lease_duration=1.0, renew_time=wall, acquire_time=wall)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.run_blocking(self.backend.update, released)), timeout=2.0)
+            log.info("released the lease")
+        except BaseException as e:  # noqa: BLE001 - shutdown goes on; the lease expires by itself
+            log.warning("releasing the lease failed: %s; it expires in %.0fs", e or type(e).__name__,
+                        self.settings.lease_duration)

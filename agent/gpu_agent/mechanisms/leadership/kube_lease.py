@@ -1,0 +1,66 @@
+"""The election's record as a coordination.k8s.io/v1 Lease (what client-go's LeaseLock writes)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from kubernetes import client
+
+from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
+
+
+def _time(seconds: float) -> dt.datetime:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+
+
+def _seconds(value: dt.datetime | None) -> float:
+    return value.timestamp() if value is not None else 0.0
+
+
+class KubeLease:
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, request_timeout: float = 5.0) -> None:
+        self.coordination = client.CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+        self.timeout = request_timeout
+
+    def _record(self, lease: client.V1Lease) -> LeaseRecord:
+        spec = lease.spec or client.V1LeaseSpec()
+        return LeaseRecord(spec.holder_identity or "", float(spec.lease_duration_seconds or 0),
+                           _seconds(spec.acquire_time), _seconds(spec.renew_time), int(spec.lease_transitions or 0),
+                           lease.metadata.resource_version or "")
+
+    def _body(self, r: LeaseRecord) -> client.V1Lease:
+        return client.V1Lease(
+            metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace, resource_version=r.version or None,
+                                         labels={"app.kubernetes.io/managed-by": "gpu-agent"}),
+            spec=client.V1LeaseSpec(holder_identity=r.holder, lease_duration_seconds=max(1, round(r.lease_duration)),
+                                    acquire_time=_time(r.acquire_time), renew_time=_time(r.renew_time),
+                                    lease_transitions=r.transitions))
+
+    def get(self) -> LeaseRecord | None:
+        try:
+            return self._record(self.coordination.read_namespaced_lease(self.name, self.namespace,
+                                                                        _request_timeout=self.timeout))
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise RuntimeError(f"reading Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+
+    def create(self, record: LeaseRecord) -> LeaseRecord:
+        try:
+            return self._record(self.coordination.create_namespaced_lease(self.namespace, self._body(record),
+                                                                          _request_timeout=self.timeout))
+        except client.ApiException as e:
+            if e.status == 409:
+                raise LeaseConflict() from None
+            raise RuntimeError(f"creating Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+
+    def update(self, record: LeaseRecord) -> LeaseRecord:
+        try:
+            return self._record(self.coordination.replace_namespaced_lease(self.name, self.namespace, self._body(record),
+                                                                           _request_timeout=self.timeout))
+        except client.ApiException as e:
+            if e.status == 409:
+                raise LeaseConflict() from None
+            raise RuntimeError(f"updating Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None

@@ -1,0 +1,167 @@
+"""Leader election's timing rules on a manual clock and an in-memory Lease."""
+
+import asyncio
+import random
+from dataclasses import replace
+
+from gpu_agent.foundations.clock import ManualClock
+from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict, LeaseRecord
+
+SETTINGS = ElectionSettings(15.0, 10.0, 2.0)
+
+
+class MemoryLease:
+    """One Lease record with resourceVersion semantics; a caller listed in `cut_off` gets errors."""
+
+    def __init__(self):
+        self.record = None
+        self.version = 0
+        self.cut_off = set()
+        self.caller = None
+
+    def _check(self, who):
+        if who in self.cut_off:
+            raise RuntimeError(f"{who}: connection refused")
+
+    def for_(self, who):
+        lease = self
+
+        class View:
+            def get(self):
+                lease._check(who)
+                return lease.record
+
+            def create(self, record):
+                lease._check(who)
+                if lease.record is not None:
+                    raise LeaseConflict()
+                return lease._store(record)
+
+            def update(self, record):
+                lease._check(who)
+                if record.version != lease.record.version:
+                    raise LeaseConflict()
+                return lease._store(record)
+        return View()
+
+    def _store(self, record):
+        self.version += 1
+        self.record = replace(record, version=str(self.version))
+        return self.record
+
+
+async def inline(fn, *args):
+    return fn(*args)
+
+
+class Agent:
+    def __init__(self, name, lease, clock, settings=SETTINGS):
+        self.name = name
+        self.changes = []  # (time, leading, reason): recorded, asserted by the test
+        self.clock = clock
+
+        async def changed(leading, reason):
+            self.changes.append((clock.monotonic(), leading, reason))
+        self.elector = LeaderElector(lease.for_(name), name, settings, clock, random.Random(7), changed, inline)
+        self.task = asyncio.ensure_future(self.elector.run())
+
+    def leading_since(self):
+        return [t for t, leading, _ in self.changes if leading]
+
+    def stopped_at(self):
+        return [t for t, leading, reason in self.changes if not leading and "lost" in reason]
+
+
+async def run_for(clock, seconds, step=0.5):
+    for _ in range(int(seconds / step)):
+        await clock.advance(step)
+
+
+def test_settings_that_break_the_timing_rules_are_named():
+    assert ElectionSettings(15, 10, 2).problems() == []
+    assert "leaderElectionRenewDeadline (15s) must be shorter than leaderElectionLeaseDuration (15s)" in \
+        ElectionSettings(15, 15, 2).problems()[0]
+    assert "leaderElectionRetryPeriod" in ElectionSettings(15, 10, 10).problems()[0]
+
+
+async def test_one_leader_and_a_standby_that_names_it():
+    clock, lease = ManualClock(), MemoryLease()
+    a = Agent("agent-a", lease, clock)
+    await run_for(clock, 1)
+    b = Agent("agent-b", lease, clock)
+    await run_for(clock, 30)
+    assert a.elector.leading and not b.elector.leading
+    assert b.changes == [(b.changes[0][0], False, "standby: the leader is agent-a")]
+    assert lease.record.holder == "agent-a" and lease.record.transitions == 0
+    a.task.cancel()
+    b.task.cancel()
+
+
+async def test_a_leader_cut_off_stops_before_anyone_else_can_start():
+    clock, lease = ManualClock(), MemoryLease()
+    a = Agent("agent-a", lease, clock)
+    await run_for(clock, 1)
+    b = Agent("agent-b", lease, clock)
+    await run_for(clock, 5)
+    cut = clock.monotonic()
+    lease.cut_off.add("agent-a")
+    await run_for(clock, 40)
+    (stopped,) = a.stopped_at()
+    (started,) = b.leading_since()
+    # The leader's last renewal was at most one retry period before the cut.
+    assert cut < stopped <= cut + SETTINGS.renew_deadline
+    # The standby waits a whole lease duration after it last saw the record change.
+    assert started - stopped >= SETTINGS.lease_duration - SETTINGS.renew_deadline
+    # ...and no longer than that after the last renewal it saw, plus one attempt's wait on either side.
+    assert started <= cut + SETTINGS.lease_duration + 2 * SETTINGS.retry_period * 1.2 + 0.5
+    assert lease.record.holder == "agent-b" and lease.record.transitions == 1
+    # Healed, the old leader stays a standby and names the new one.
+    lease.cut_off.clear()
+    await run_for(clock, 10)
+    assert not a.elector.leading and a.changes[-1][2] == "standby: the leader is agent-b"
+    a.task.cancel()
+    b.task.cancel()
+
+
+async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
+    clock, lease = ManualClock(), MemoryLease()
+    hang = asyncio.Event()
+
+    async def hanging(fn, *args):
+        if hang.is_set():
+            await asyncio.sleep(3600)  # real time: only wait_for's bound ends it
+        return fn(*args)
+    changes = []
+
+    async def changed(leading, reason):
+        changes.append((clock.monotonic(), leading))
+    settings = ElectionSettings(1.5, 1.0, 0.2)
+    elector = LeaderElector(lease.for_("a"), "a", settings, clock, random.Random(1), changed, hanging)
+    task = asyncio.ensure_future(elector.run())
+    await clock.advance(0.1)
+    assert changes == [(changes[0][0], True)]
+    hang.set()
+    # Each attempt is bounded by the time left before the deadline (real seconds here, at most 1 s).
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while elector.leading and loop.time() < deadline:
+        await clock.advance(0.2)
+        await asyncio.sleep(0.05)
+    assert not elector.leading
+    task.cancel()
+
+
+async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt():
+    clock, lease = ManualClock(), MemoryLease()
+    a = Agent("agent-a", lease, clock)
+    await run_for(clock, 1)
+    b = Agent("agent-b", lease, clock)
+    await run_for(clock, 5)
+    a.task.cancel()
+    await clock.settle()
+    assert lease.record.holder == ""
+    released = clock.monotonic()
+    await run_for(clock, 5, step=0.1)
+    (started,) = b.leading_since()
+    assert started - released <= SETTINGS.retry_period * 1.2 + 0.1
+    b.task.cancel()
