@@ -9,7 +9,6 @@ import pytest
 
 from gpu_agent.foundations.control_plane_client import Fence
 from gpu_agent.foundations.gpus import Inventory
-from gpu_agent.mechanisms.queues.executor import RecordingExecutor
 from tests.integration.harness import free_port, klog_time, wait_until
 
 pytestmark = pytest.mark.integration

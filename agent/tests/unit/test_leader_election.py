@@ -5,7 +5,7 @@ import random
 from dataclasses import replace
 
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict, LeaseRecord
+from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict
 
 SETTINGS = ElectionSettings(15.0, 10.0, 2.0)
 
