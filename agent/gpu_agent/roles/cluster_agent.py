@@ -70,6 +70,8 @@ SETTINGS = [
     Setting("domainName", "str", "", "GPUDomain whose members this agent folds into its status "
             "(node agents with domainWriteStrategy=aggregate); empty: none", optional=True),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
+    Setting("domainHeartbeatTTL", "number", 3.0, "heartbeat intervals a member may stay silent before it is marked "
+            "NotReady in the domain", 1.5, 100),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
     Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
     Setting("identity", "str", os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}",
@@ -179,7 +181,8 @@ class ClusterAgent:
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.domain.aggregate import Aggregator
 
-        self.aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName)
+        self.aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName,
+                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTTL)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
         log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
 

@@ -41,6 +41,11 @@ SETTINGS = [
             "GPUDomain itself with dra or fulljitter backoff (see make bench-domain)", choices=("aggregate", *OCC_STRATEGIES)),
     Setting("domainWriteRate", "number", 25.0, "successful writes per second the API server takes on one object "
             "(sets the fulljitter cap to nodes / rate)", 0.1, 10000),
+    Setting("domainHeartbeatInterval", "seconds", 5.0, "how often this node renews its GPUDomainMember's heartbeat "
+            "(aggregate strategy); the cluster agent marks the member NotReady after three intervals without one", 0.2, 3600),
+    Setting("podName", "str", os.environ.get("POD_NAME", ""), "this agent's Pod, the owner of its GPUDomainMember "
+            "(deleted with the Pod); empty: no owner", optional=True),
+    Setting("podUid", "str", os.environ.get("POD_UID", ""), "that Pod's UID", optional=True),
     Setting("peersFile", "path", "", "file the sorted peer list is rendered into (empty: none)", optional=True),
     Setting("shutdownTimeout", "seconds", 10.0, "how long shutdown may spend removing this node's entry", 0.1, 300),
     Setting("kubeconfig", "path", "", "kubeconfig; empty: in-cluster", optional=True),
@@ -63,12 +68,16 @@ class NodeAgent:
 
             api = api_client(cfg.kubeconfig)
             writer: DomainWriter | MemberWriter
+            resync = 60.0
             if cfg.domainWriteStrategy == "aggregate":
-                writer = MemberWriter(api, cfg.domainNamespace, cfg.domainName)
+                owner = {"name": cfg.podName, "uid": cfg.podUid} if cfg.podName and cfg.podUid else None
+                writer = MemberWriter(api, cfg.domainNamespace, cfg.domainName, owner=owner,
+                                      heartbeat_interval=cfg.domainHeartbeatInterval)
+                resync = cfg.domainHeartbeatInterval  # each resync applies the member again: the heartbeat
             else:
                 writer = DomainWriter(api, cfg.domainNamespace, cfg.domainName, cfg.domainWriteStrategy, cfg.domainWriteRate)
             self.domain = DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp,
-                                           Path(cfg.peersFile) if cfg.peersFile else None)
+                                           Path(cfg.peersFile) if cfg.peersFile else None, resync_seconds=resync)
         self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
                                         self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,

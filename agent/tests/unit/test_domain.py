@@ -183,3 +183,28 @@ def test_member_writer_reapplies_only_after_its_grace():
     assert not w.needs_reapply(domain(), e)  # just applied: the aggregator has not folded it yet
     w.applied_at -= MemberWriter.REAPPLY_AFTER + 1
     assert w.needs_reapply(domain(), e)
+
+
+def test_a_member_whose_heartbeat_stops_changing_is_folded_notready_after_its_ttl_and_ready_again_on_the_next():
+    from gpu_agent.mechanisms.domain.aggregate import HeartbeatTracker, fold
+
+    now = [100.0]
+    tracker = HeartbeatTracker(3.0, lambda: now[0])
+    members = {"a": {"ready": True, "heartbeat": "t0", "heartbeatIntervalSeconds": 5},
+               "old": {"ready": True}}  # a 0.1 agent: no heartbeat, trusted as before
+    for n, spec in members.items():
+        tracker.saw(n, spec)
+    now[0] += 15.0
+    assert tracker.silent(members) == frozenset()  # exactly the TTL: not yet
+    now[0] += 0.5
+    assert tracker.silent(members) == {"a"}
+    tracker.saw("a", members["a"])  # the same heartbeat seen again (a relist) is not a heartbeat
+    assert tracker.silent(members) == {"a"}
+    obj = domain([node("a", 0), node("old", 1)], expected=2)
+    folded = fold(obj, members, tracker.silent(members))
+    assert [n["status"] for n in folded["status"]["nodes"]] == ["NotReady", "Ready"]
+    assert folded["status"]["status"] == "NotReady"
+    members["a"] = {**members["a"], "heartbeat": "t1"}
+    tracker.saw("a", members["a"])
+    assert tracker.silent(members) == frozenset()
+    assert fold(folded, members, tracker.silent(members))["status"]["status"] == "Ready"

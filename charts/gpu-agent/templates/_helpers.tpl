@@ -162,3 +162,8 @@ its reason (the test command runs checkov and allows no other finding); call wit
 {{- end -}}
 {{- join "\n" $lines -}}
 {{- end -}}
+
+{{/* The members' admission policy: cluster-scoped, so named after the namespace as well as the release. */}}
+{{- define "gpu-agent.memberPolicyName" -}}
+{{- printf "%s-%s-own-member" (include "gpu-agent.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- end -}}

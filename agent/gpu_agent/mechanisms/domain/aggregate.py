@@ -11,13 +11,24 @@ other client (the cleanup hook, a user) wrote meanwhile: then it reads again and
 This is what reaches the ideal N / R where optimistic concurrency alone cannot (see
 make bench-domain): N writers on one object cost the API server a full decode and admission
 per conflicting attempt.
+
+Members tell the truth when their agent dies: each is owned by its node agent's Pod (the
+garbage collector deletes it with the Pod) and carries a heartbeat the agent renews every
+`heartbeatIntervalSeconds`. The aggregator marks a member NotReady once it has not seen the
+heartbeat change for its TTL (default three intervals), measured on its own monotonic clock
+from the moment it saw the last change (never by comparing the written timestamp with its own
+clock, so node clock skew does not matter), and the domain NotReady when fewer than expected
+members are Ready. A hung (SIGSTOPped) or killed agent therefore turns its member NotReady within
+the TTL, and a returning one Ready at its next heartbeat.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -47,8 +58,10 @@ class MemberWriter(DomainView):
     REAPPLY_AFTER = 5.0
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, rng: random.Random | None = None,
-                 sleep: Any = time.sleep) -> None:
+                 sleep: Any = time.sleep, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
         self.custom = client.CustomObjectsApi(api)
+        self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
+        self.heartbeat_interval = heartbeat_interval  # 0: no heartbeat
         self.api = api
         self.namespace = namespace
         self.domain = domain
@@ -81,10 +94,17 @@ class MemberWriter(DomainView):
             self.sleep(delay)
 
     def _apply(self, entry: Entry) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomainMember",
-                "metadata": {"name": member_name(self.domain, entry.name), "labels": {"gpu-agent.io/domain": self.domain}},
-                "spec": {"domain": self.domain, "node": entry.name, "ip": entry.ip, "ready": entry.ready,
-                         "gpuUUIDs": list(entry.gpu_uuids)}}
+        body: dict[str, Any] = {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomainMember",
+            "metadata": {"name": member_name(self.domain, entry.name), "labels": {"gpu-agent.io/domain": self.domain}},
+            "spec": {"domain": self.domain, "node": entry.name, "ip": entry.ip, "ready": entry.ready,
+                     "gpuUUIDs": list(entry.gpu_uuids)}}
+        if self.owner:
+            body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
+                                                    "uid": self.owner["uid"]}]
+        if self.heartbeat_interval > 0:
+            body["spec"]["heartbeat"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            body["spec"]["heartbeatIntervalSeconds"] = self.heartbeat_interval
         self.stats.calls += 1
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, body["metadata"]["name"], body,
                                                    field_manager=FIELD_MANAGER, force=True,
@@ -102,8 +122,10 @@ class MemberWriter(DomainView):
         return True
 
 
-def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged."""
+def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]], silent: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
+    Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say."""
+    members = {n: ({**m, "ready": False} if n in silent else m) for n, m in members.items()}
     old_nodes = list(((obj.get("status") or {}).get("nodes")) or [])
     kept = [n for n in old_nodes if n.get("name") in members]
     nodes: list[dict[str, Any]] = []
@@ -124,11 +146,43 @@ def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]]) -> dict[str, A
     return {**obj, "status": new_status}
 
 
+class HeartbeatTracker:
+    """When each member's heartbeat was last seen to change, on the aggregator's own clock."""
+
+    def __init__(self, ttl_intervals: float, monotonic: Callable[[], float]) -> None:
+        self.ttl_intervals = ttl_intervals
+        self.monotonic = monotonic
+        self.seen: dict[str, tuple[str, float]] = {}
+
+    def saw(self, node: str, spec: dict[str, Any]) -> None:
+        beat = str(spec.get("heartbeat") or "")
+        if self.seen.get(node, ("", 0.0))[0] != beat or node not in self.seen:
+            self.seen[node] = (beat, self.monotonic())
+
+    def forget(self, node: str) -> None:
+        self.seen.pop(node, None)
+
+    def silent(self, members: dict[str, dict[str, Any]]) -> frozenset[str]:
+        now = self.monotonic()
+        out = set()
+        for node, spec in members.items():
+            interval = spec.get("heartbeatIntervalSeconds")
+            if not isinstance(interval, (int, float)) or interval <= 0 or node not in self.seen:
+                continue  # a 0.1 agent (no heartbeat): trusted as before
+            if now - self.seen[node][1] > self.ttl_intervals * interval:
+                out.add(node)
+        return frozenset(out)
+
+
 class Aggregator:
     """Folds a domain's members into its status; one per domain (the cluster agent runs it)."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1,
+                 heartbeat_ttl_intervals: float = 3.0, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.api = api
+        self.ttl_intervals = heartbeat_ttl_intervals
+        self.monotonic = monotonic
+        self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, monotonic)
         self.custom = client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
@@ -143,6 +197,8 @@ class Aggregator:
     def _listed_members(self, listed: Any) -> None:
         with self._lock:
             self.members = {m["spec"]["node"]: m["spec"] for m in items_of(listed)}
+            for node, spec in self.members.items():
+                self.heartbeats.saw(node, spec)
         self._changed.set()
 
     def _member_event(self, kind: str, member: dict[str, Any]) -> None:
@@ -150,8 +206,10 @@ class Aggregator:
         with self._lock:
             if kind == "DELETED":
                 self.members.pop(spec["node"], None)
+                self.heartbeats.forget(spec["node"])
             else:
                 self.members[spec["node"]] = spec
+                self.heartbeats.saw(spec["node"], spec)
         self._changed.set()
 
     def _watch(self) -> None:
@@ -162,14 +220,25 @@ class Aggregator:
 
     def run(self) -> None:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
+        silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
-            if not self._changed.wait(1.0):
+            changed = self._changed.wait(0.5)  # also the step at which silent members are noticed
+            with self._lock:
+                now_silent = self.heartbeats.silent(self.members)
+            if now_silent != silent:
+                for node in sorted(now_silent - silent):
+                    log.warning("member %s of %s: no heartbeat for its TTL; marking it NotReady", node, self.writer.where)
+                for node in sorted(silent - now_silent):
+                    log.info("member %s of %s: heartbeat again", node, self.writer.where)
+                silent, changed = now_silent, True
+            if not changed:
                 continue
             time.sleep(self.interval)  # batch whatever else arrives meanwhile into the same write
             self._changed.clear()
             with self._lock:
                 members = dict(self.members)
-            if self.writer.update(lambda obj: fold(obj, members), f"fold {len(members)} members", lambda: False, None):
+            if self.writer.update(lambda obj: fold(obj, members, silent), f"fold {len(members)} members",
+                                  lambda: False, None):
                 self.writes += 1
 
     def stop(self) -> None:
