@@ -10,21 +10,19 @@ CLUSTER=existing)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from kubernetes import client, watch
+from kubernetes import client
 
 from e2e.cluster import provider
-from e2e.helpers import Sampler, drops, wait_until
-from e2e.release import APP_VERSION, CHART, Release, helm
+from e2e.helpers import Sampler, wait_until
+from e2e.release import (APP_VERSION, CHART, Release, WorkPods, enqueue, helm, items, longest_not_ready,
+                         persistent_control_plane, remove_volume)
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,106 +59,6 @@ def delete_crds(api) -> None:
 def stored_versions(api) -> dict[str, list[str]]:
     ext = client.ApiextensionsV1Api(api)
     return {name: list(ext.read_custom_resource_definition(name).status.stored_versions) for name in CRDS}
-
-
-class WorkPods:
-    """Every work Pod the namespace ever had, by name, with each distinct UID: an item run twice
-    shows as a second UID under its (deterministic) name. Read from the API server's watch, not
-    from anything the agent records.
-
-    A watch that breaks is relisted at once (the list shows every pod that exists then). Only a
-    pod created and deleted inside the gap could be missed, and a work Pod lives for seconds (its
-    container starts, works, exits; the agent deletes it after the ack), so the tests require
-    every gap to be shorter than MAX_GAP. `gaps` records (seconds, why) for each."""
-
-    MAX_GAP = 1.0
-
-    def __init__(self, core, namespace):
-        self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
-        self._lock, self._stopped, self._watch = threading.Lock(), threading.Event(), None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        selector, rv, broken_at, why = "gpu-agent.io/work-item=true", None, None, ""
-        while not self._stopped.is_set():
-            try:
-                if rv is None:
-                    listed = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
-                    for pod in listed.items:
-                        self._record(pod)
-                    rv = listed.metadata.resource_version
-                    if broken_at is not None:
-                        self.gaps.append((time.monotonic() - broken_at, why))
-                        broken_at = None
-                self._watch = watch.Watch()
-                for event in self._watch.stream(self.core.list_namespaced_pod, self.namespace, label_selector=selector,
-                                                resource_version=rv, timeout_seconds=120):
-                    self._record(event["object"])
-                    rv = event["object"].metadata.resource_version
-            except Exception as e:  # noqa: BLE001 - recorded as a gap; the tests bound it
-                if self._stopped.is_set():
-                    return
-                if broken_at is None:
-                    broken_at, why = time.monotonic(), f"{type(e).__name__} {getattr(e, 'status', '') or ''} {str(e)[:120]}"
-                rv = None
-                self._stopped.wait(0.1)
-
-    def _record(self, pod):
-        with self._lock:
-            self.events += 1
-            self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
-
-    def stop(self):
-        self._stopped.set()
-        if self._watch is not None:
-            self._watch.stop()
-
-    def complete(self) -> bool:
-        """True when no gap in the watch could have hidden a work Pod."""
-        return all(seconds < self.MAX_GAP for seconds, _ in self.gaps)
-
-    def executions(self) -> dict[str, int]:
-        with self._lock:
-            return {name: len(uids) for name, uids in self.uids.items()}
-
-
-def enqueue(release: Release, keys: list[str], seconds: int = 1) -> None:
-    payload = {"gpus": 1, "command": ["sh", "-c", f"sleep {seconds}; fake-gpu smi -L"]}
-    release.control_plane("".join(f"c.enqueue(t, {k!r}, {payload!r})\n" for k in keys))
-
-
-def items(release: Release) -> dict[str, str]:
-    out = release.control_plane("import json; print(json.dumps(c.list_items(t)))")
-    return {i["idempotencyKey"]: i["state"] for i in json.loads(out.strip().splitlines()[-1])}
-
-
-def longest_not_ready(samples) -> float:
-    """The longest run of /healthz answers other than 200 (one still open counts to the last sample)."""
-    return max(drops(samples, lambda code: code == 200, until=samples[-1][0] if samples else None), default=0.0)
-
-
-def persistent_control_plane(core, namespace: str, release: Release) -> str:
-    """A hostPath PersistentVolume bound ahead to the chart's claim, so that the control plane's
-    queue survives its pod being replaced by the upgrade (the CI cluster has no provisioner)."""
-    path = f"/var/lib/gpu-agent-ci/pv/{namespace}"
-    os.makedirs(path, exist_ok=True)
-    os.chown(path, 65532, 65532)
-    core.create_persistent_volume(client.V1PersistentVolume(
-        metadata=client.V1ObjectMeta(name=f"pv-{namespace}"),
-        spec=client.V1PersistentVolumeSpec(
-            capacity={"storage": "1Gi"}, access_modes=["ReadWriteOnce"], persistent_volume_reclaim_policy="Retain",
-            host_path=client.V1HostPathVolumeSource(path=path, type="Directory"),
-            claim_ref=client.V1ObjectReference(namespace=namespace, name=f"{release.fullname}-control-plane"))))
-    return path
-
-
-def remove_volume(core, namespace: str, path: str) -> None:
-    try:
-        core.delete_persistent_volume(f"pv-{namespace}")
-    except client.ApiException:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.disruptive

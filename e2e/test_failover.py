@@ -1,0 +1,395 @@
+"""Failover: one active cluster agent, and each work item executed once, whatever is deleted, killed
+or restarted; domain members that notice a hung or dead node agent. The DRA bats suite's failover
+and leader-election tests, on our components.
+
+Evidence comes from outside the agents:
+- executions from the API server's watch of work Pods (`WorkPods`: an item run twice is a second
+  UID under its deterministic name);
+- leadership from the control plane's delivery log (holder and fencing term of every delivery:
+  a delivery to an older term after a newer one began would be two active leaders) and from a
+  sampler of every cluster agent's /healthz (how many were leasing at once);
+- the domain from the GPUDomain object the API server holds.
+
+Killing a process without its shutdown path (SIGKILL, SIGSTOP) needs the host's process table,
+which only the CI cluster (kubelet on this machine) gives; elsewhere those disruptions are left
+out with the reason printed. The election runs on short settings (lease 6 s, renew deadline 4 s,
+retry 1 s) so that the suite stays quick; the defaults' rules are unit-tested."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from kubernetes import client
+
+from e2e.cluster import provider
+from e2e.helpers import Sampler, pod_http_get, wait_until
+from e2e.release import Release, WorkPods, enqueue, items, persistent_control_plane, remove_volume
+from gpu_agent.mechanisms.queues.pod_executor import pod_name
+
+CA = "app.kubernetes.io/component=cluster-agent"
+NA = "app.kubernetes.io/component=node-agent"
+CP = "app.kubernetes.io/component=control-plane"
+LEASE, RENEW, RETRY = 6, 4, 1
+ELECTION = ["--set", f"clusterAgent.leaderElection.leaseDuration={LEASE}",
+            "--set", f"clusterAgent.leaderElection.renewDeadline={RENEW}",
+            "--set", f"clusterAgent.leaderElection.retryPeriod={RETRY}"]
+HEARTBEAT, TTL = 1, 3
+
+
+def on_this_host() -> bool:
+    return provider() == "ci"
+
+
+def host_pid(pod_uid: str) -> int:
+    """The host PID of the agent in the pod (the CI cluster's kubelet uses cgroupfs: the pod's
+    UID is in its processes' cgroup paths)."""
+    marks = (f"pod{pod_uid}", f"pod{pod_uid.replace('-', '_')}")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cgroup") as f:
+                cgroup = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(m in cgroup for m in marks) and "gpu-agent" in cmdline and "pause" not in cmdline:
+            found.append(int(entry))
+    assert found, f"no process of pod {pod_uid} on this host"
+    return min(found)
+
+
+@dataclass
+class Cluster:
+    """A release with a persistent control plane, and the evidence of one test."""
+
+    release: Release
+    volume: str
+    pods: WorkPods
+    outages: list[tuple[str, float]] = field(default_factory=list)  # (disruption, seconds until leasing again)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return self.release.core
+
+    @property
+    def namespace(self) -> str:
+        return self.release.namespace
+
+    def running(self, selector: str) -> list[client.V1Pod]:
+        return [p for p in self.release.pods(selector)
+                if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
+
+    def leasing(self) -> list[str]:
+        """Cluster agent pods whose /healthz is 200 (queues open: leader, registered, GPUs)."""
+        out = []
+        for pod in self.running(CA):
+            code, body = pod_http_get(self.core, self.namespace, pod.metadata.name, 8080, "healthz")
+            if code == 200 and isinstance(body, dict):
+                out.append(pod.metadata.name)
+        return out
+
+    def leader(self) -> str | None:
+        lease = client.CoordinationV1Api(self.release.api).read_namespaced_lease(
+            f"{self.release.fullname}-cluster-agent", self.namespace)
+        return lease.spec.holder_identity or None
+
+    def deliveries(self) -> list[dict]:
+        out = self.release.control_plane("import json; print(json.dumps(c.deliveries(t)))")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def wait_leasing(self, what: str, started: float, timeout: float = 90) -> float:
+        wait_until(lambda: len(self.leasing()) == 1, timeout, f"one agent leasing again after {what}", interval=0.2)
+        took = time.monotonic() - started
+        self.outages.append((what, took))
+        return took
+
+    def verdict(self, keys: list[str], timeout: float = 240) -> dict:
+        """Waits for every item to be done, then counts lost and doubled executions and the most
+        leaders seen at once in the delivery log."""
+        wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(self.release)),
+                   timeout, "every item done")
+        wait_until(lambda: set(self.pods.executions()) >= {pod_name(k) for k in keys}, 30, "a work pod seen for each item")
+        self.pods.stop()
+        executions = self.pods.executions()
+        log = self.deliveries()
+        holders_of_term: dict[int, set[str]] = {}
+        newest, overlaps = 0, 0
+        for d in log:
+            holders_of_term.setdefault(d["term"], set()).add(d["holder"])
+            if d["term"] < newest:
+                overlaps += 1  # an older term delivered after a newer one began: two active leaders
+            newest = max(newest, d["term"])
+        return {"items": len(keys),
+                "lost": [k for k in keys if pod_name(k) not in executions],
+                "doubled": {n: c for n, c in executions.items() if c > 1},
+                "deliveries": len(log), "terms": len(holders_of_term),
+                "most_active_leaders": max([len(h) for h in holders_of_term.values()] + [1 + (overlaps > 0)]),
+                "gaps": self.pods.gaps, "complete": self.pods.complete()}
+
+
+def install(api, core, apps, kubeconfig, namespace, name: str, *extra: str) -> Cluster:
+    release = Release(api, core, apps, kubeconfig, namespace, name=name)
+    volume = persistent_control_plane(core, namespace, release)
+    release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION, *extra)
+    cluster = Cluster(release, volume, WorkPods(core, namespace))
+    wait_until(lambda: len(cluster.leasing()) == 1, 120, "one cluster agent leasing")
+    return cluster
+
+
+def teardown(cluster: Cluster) -> None:
+    cluster.pods.stop()
+    cluster.release.uninstall()
+    remove_volume(cluster.core, cluster.namespace, cluster.volume)
+
+
+def assert_once(cluster: Cluster, verdict: dict) -> None:
+    print(f"\n{verdict['items']} items, {len(verdict['lost'])} lost, {len(verdict['doubled'])} doubled, "
+          f"{verdict['deliveries']} deliveries in {verdict['terms']} term(s), most active leaders "
+          f"{verdict['most_active_leaders']}; back to leasing: "
+          + ", ".join(f"{what} {took:.1f} s" for what, took in cluster.outages))
+    if verdict["gaps"]:
+        print(f"work-pod watch gaps (relisted): {[(round(t, 2), why) for t, why in verdict['gaps']]}")
+    assert verdict["complete"], verdict["gaps"]
+    assert not verdict["lost"] and not verdict["doubled"], (verdict["lost"], verdict["doubled"])
+    assert verdict["most_active_leaders"] == 1
+
+
+# ---- disruptions: each does one thing and returns when it is done ---------------------------------
+
+def force_delete(cluster: Cluster, pod: str) -> None:
+    cluster.core.delete_namespaced_pod(pod, cluster.namespace, grace_period_seconds=0)
+
+
+def delete(cluster: Cluster, pod: str) -> None:
+    cluster.core.delete_namespaced_pod(pod, cluster.namespace)
+
+
+def kill(cluster: Cluster, pod: str, sig: signal.Signals = signal.SIGKILL) -> None:
+    uid = cluster.core.read_namespaced_pod(pod, cluster.namespace).metadata.uid
+    os.kill(host_pid(uid), sig)
+
+
+def restart_control_plane(cluster: Cluster) -> None:
+    (pod,) = cluster.running(CP)
+    delete(cluster, pod.metadata.name)
+    wait_until(lambda: pod.metadata.name not in [p.metadata.name for p in cluster.running(CP)], 60,
+               "the old control plane gone")
+
+
+def the_leader(cluster: Cluster) -> str:
+    return wait_until(lambda: (cluster.leasing() or [None])[0], 60, "a leasing agent")
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+def test_the_only_cluster_agent_force_deleted_killed_deleted_and_its_control_plane_restarted_loses_and_doubles_nothing(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(2)
+    cluster = install(api, core, apps, kubeconfig, namespace, "fo1")
+    try:
+        keys = [f"fo1-{i}" for i in range(14)]
+        enqueue(cluster.release, keys, seconds=2)
+        disruptions = [("force-delete", lambda: force_delete(cluster, the_leader(cluster))),
+                       ("delete", lambda: delete(cluster, the_leader(cluster))),
+                       ("control-plane restart", lambda: restart_control_plane(cluster))]
+        if on_this_host():
+            disruptions.insert(1, ("kill -9", lambda: kill(cluster, the_leader(cluster))))
+        else:
+            print(f"\nkill -9 left out: it needs the host's process table (E2E_CLUSTER={provider()})")
+        for what, disrupt in disruptions:
+            wait_until(lambda: any(s == "leased" for s in items(cluster.release).values()), 60, "an item in flight")
+            started = time.monotonic()
+            disrupt()
+            cluster.wait_leasing(what, started)
+        assert_once(cluster, cluster.verdict(keys))
+        assert all(took < LEASE + 60 for _, took in cluster.outages), cluster.outages
+    finally:
+        fake_gpus.set(0)
+        teardown(cluster)
+
+
+def test_a_hot_standby_names_the_leader_and_takes_over_when_the_leader_is_deleted_or_force_deleted(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(2)
+    cluster = install(api, core, apps, kubeconfig, namespace, "fo2", "--set", "clusterAgent.replicas=2")
+    try:
+        wait_until(lambda: len(cluster.running(CA)) == 2, 60, "two cluster agent pods running")
+        leader = the_leader(cluster)
+        (standby,) = [p.metadata.name for p in cluster.running(CA) if p.metadata.name != leader]
+        code, body = wait_until(lambda: (lambda r: r if r[0] == 503 and isinstance(r[1], dict) else None)(
+            pod_http_get(core, namespace, standby, 8080, "healthz")), 30, "the standby answering")
+        assert body["components"]["leadership"]["reason"] == f"standby: the leader is {leader}", body
+        assert body["components"]["registration"]["ready"], "a hot standby is registered"
+        assert cluster.leader() == leader
+        keys = [f"fo2-{i}" for i in range(10)]
+        enqueue(cluster.release, keys, seconds=2)
+        with Sampler(lambda: len(cluster.leasing()), 0.5) as active:
+            for what, disrupt in (("delete the leader", delete), ("force-delete the leader", force_delete)):
+                wait_until(lambda: any(s == "leased" for s in items(cluster.release).values()), 60, "an item in flight")
+                old = the_leader(cluster)
+                started = time.monotonic()
+                disrupt(cluster, old)
+                took = cluster.wait_leasing(what, started)
+                new = cluster.leader()
+                assert new != old, (old, new)
+                print(f"\n{what}: {old} -> {new}, leasing again after {took:.1f} s")
+            verdict = cluster.verdict(keys)
+        counts = [v for _, v in active.samples if isinstance(v, int)]
+        print(f"agents leasing at once, sampled every 0.5 s: at most {max(counts)} over {len(counts)} samples")
+        assert len(counts) >= 10, "the sampler took too few samples to measure anything"
+        assert max(counts) == 1
+        assert_once(cluster, verdict)
+        # A deleted leader releases the lease: its standby takes over at its next attempt, not a lease later.
+        assert cluster.outages[0][1] < LEASE + 20, cluster.outages
+    finally:
+        fake_gpus.set(0)
+        teardown(cluster)
+
+
+def domain_state(api, namespace: str, name: str = "fabric") -> tuple[str, list[tuple[str, int, str]]]:
+    obj = client.CustomObjectsApi(api).get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace,
+                                                                    "gpudomains", name)
+    status = obj.get("status") or {}
+    return status.get("status", ""), [(n["name"], n["index"], n["status"]) for n in status.get("nodes") or []]
+
+
+def test_a_hung_or_dead_node_agent_turns_its_member_and_the_domain_notready_and_only_its_own_member_is_writable(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(2)
+    cluster = install(api, core, apps, kubeconfig, namespace, "fo3", "--set", "domain.name=fabric",
+                      "--set", f"domain.heartbeatInterval={HEARTBEAT}", "--set", f"domain.heartbeatTTL={TTL}")
+    custom = client.CustomObjectsApi(api)
+    try:
+        wait_until(lambda: domain_state(api, namespace)[0] == "Ready", 60, "the domain Ready")
+        (before,) = domain_state(api, namespace)[1]
+        (agent,) = cluster.running(NA)
+        member = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers")["items"][0]
+        owner = member["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("Pod", agent.metadata.name, agent.metadata.uid)
+
+        # Only its own member: a token bound to the node agent's pod (as kubelet gives it) may not write another node's.
+        token = core.create_namespaced_service_account_token(
+            agent.spec.service_account_name, namespace, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+                audiences=[], expiration_seconds=600, bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name=agent.metadata.name, uid=agent.metadata.uid)))).status.token
+        config = copy.copy(api.configuration)
+        config.api_key, config.api_key_prefix = {"authorization": "Bearer " + token}, {}
+        config.cert_file = config.key_file = None  # a client certificate would authenticate first
+        as_agent = client.ApiClient(config)
+        forged = {"apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomainMember", "metadata": {"name": "fabric-elsewhere"},
+                  "spec": {"domain": "fabric", "node": "some-other-node", "ready": True}}
+        with pytest.raises(client.ApiException) as refused:
+            client.CustomObjectsApi(as_agent).create_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace,
+                                                                              "gpudomainmembers", forged)
+        assert refused.value.status == 403 and "only its own node" in refused.value.body, refused.value.body
+        own = {**member["spec"], "gpuUUIDs": member["spec"].get("gpuUUIDs", [])}
+        client.CustomObjectsApi(as_agent).patch_namespaced_custom_object(  # its own node's: allowed
+            "gpu-agent.io", "v1beta1", namespace, "gpudomainmembers", member["metadata"]["name"], {"spec": own})
+
+        if on_this_host():
+            kill(cluster, agent.metadata.name, signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                wait_until(lambda: domain_state(api, namespace)[0] == "NotReady", TTL * HEARTBEAT + 5,
+                           "the domain NotReady while the node agent is stopped", interval=0.1)
+                noticed = time.monotonic() - stopped
+                assert domain_state(api, namespace)[1][0][2] == "NotReady"
+            finally:
+                kill(cluster, agent.metadata.name, signal.SIGCONT)
+            resumed = time.monotonic()
+            wait_until(lambda: domain_state(api, namespace)[0] == "Ready", 20, "the domain Ready again", interval=0.1)
+            back = time.monotonic() - resumed
+            print(f"\nSIGSTOP: member and domain NotReady after {noticed:.1f} s (TTL {TTL * HEARTBEAT} s); "
+                  f"Ready {back:.1f} s after SIGCONT")
+            assert noticed <= TTL * HEARTBEAT + 1.0
+        else:
+            print(f"\nSIGSTOP left out: it needs the host's process table (E2E_CLUSTER={provider()})")
+
+        # Force-deleted: the member goes with its pod (garbage collection) and the new pod's returns at the same index.
+        force_delete(cluster, agent.metadata.name)
+        started = time.monotonic()
+        wait_until(lambda: [p for p in cluster.running(NA) if p.metadata.uid != agent.metadata.uid], 60, "a new node agent")
+        wait_until(lambda: domain_state(api, namespace)[0] == "Ready" and cluster.running(NA)[0].metadata.uid == (
+            custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers")["items"]
+            or [{"metadata": {"ownerReferences": [{}]}}])[0]["metadata"]["ownerReferences"][0].get("uid"),
+            90, "the domain Ready with the new pod's member")
+        (after,) = domain_state(api, namespace)[1]
+        print(f"force-deleted node agent: domain Ready again with the new pod's member after {time.monotonic() - started:.1f} s")
+        assert after[:2] == before[:2]  # same node, same index
+    finally:
+        fake_gpus.set(0)
+        teardown(cluster)
+
+
+CHAOS = ("force-delete leader", "delete leader", "kill -9 leader", "delete standby", "restart control plane",
+         "force-delete node agents", "stop node agent")
+
+
+def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeconfig, namespace, fake_gpus):
+    """K random disruptions (CHAOS_K, 5 in the test command; `make chaos K=50` as a benchmark)."""
+    k = int(os.environ.get("CHAOS_K", "5"))
+    seed = int(os.environ.get("CHAOS_SEED", str(random.randrange(1 << 30))))
+    rng = random.Random(seed)
+    fake_gpus.set(2)
+    cluster = install(api, core, apps, kubeconfig, namespace, "chaos", "--set", "clusterAgent.replicas=2",
+                      "--set", "domain.name=fabric", "--set", f"domain.heartbeatInterval={HEARTBEAT}",
+                      "--set", f"domain.heartbeatTTL={TTL}")
+    kinds = [c for c in CHAOS if on_this_host() or c not in ("kill -9 leader", "stop node agent")]
+    keys: list[str] = []
+    try:
+        wait_until(lambda: len(cluster.running(CA)) == 2, 60, "two cluster agent pods running")
+        with Sampler(lambda: len(cluster.leasing()), 0.5) as active:
+            for i in range(k):
+                batch = [f"chaos-{i}-{j}" for j in range(3)]
+                enqueue(cluster.release, batch, seconds=1)
+                keys += batch
+                what = rng.choice(kinds)
+                wait_until(lambda: any(s == "leased" for s in items(cluster.release).values()), 60, "an item in flight")
+                started = time.monotonic()
+                if what == "force-delete leader":
+                    force_delete(cluster, the_leader(cluster))
+                elif what == "delete leader":
+                    delete(cluster, the_leader(cluster))
+                elif what == "kill -9 leader":
+                    kill(cluster, the_leader(cluster))
+                elif what == "delete standby":
+                    leader = the_leader(cluster)
+                    standby = [p.metadata.name for p in cluster.running(CA) if p.metadata.name != leader]
+                    if standby:
+                        delete(cluster, standby[0])
+                elif what == "restart control plane":
+                    restart_control_plane(cluster)
+                elif what == "force-delete node agents":
+                    for pod in cluster.running(NA):
+                        force_delete(cluster, pod.metadata.name)
+                else:  # stop node agent: hung for two TTLs, then resumed
+                    (agent,) = cluster.running(NA)
+                    kill(cluster, agent.metadata.name, signal.SIGSTOP)
+                    wait_until(lambda: domain_state(api, namespace)[0] == "NotReady", TTL * HEARTBEAT + 5,
+                               "the domain NotReady", interval=0.1)
+                    kill(cluster, agent.metadata.name, signal.SIGCONT)
+                cluster.wait_leasing(what, started)
+                wait_until(lambda: len(cluster.running(CA)) == 2, 90, "two cluster agent pods running again")
+            verdict = cluster.verdict(keys, timeout=300)
+        counts = [v for _, v in active.samples if isinstance(v, int)]
+        worst = max(took for _, took in cluster.outages)
+        print(f"\nchaos (seed {seed}): | disruptions | items | lost | doubled | most active leaders seen | "
+              f"worst time back to Ready |\n| {k} | {verdict['items']} | {len(verdict['lost'])} | {len(verdict['doubled'])} | "
+              f"{max(max(counts), verdict['most_active_leaders'])} | {worst:.1f} s |")
+        print("disruptions: " + ", ".join(f"{what} {took:.1f} s" for what, took in cluster.outages))
+        assert len(counts) >= 10, "the sampler took too few samples to measure anything"
+        assert max(counts) == 1
+        assert_once(cluster, verdict)
+    finally:
+        fake_gpus.set(0)
+        teardown(cluster)
