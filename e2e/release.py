@@ -53,6 +53,10 @@ class Release:
     def uninstall(self):
         return helm("uninstall", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, "--wait", "--timeout", "120s")
 
+    def uninstall_if_installed(self):
+        if helm("status", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, check=False).returncode == 0:
+            self.uninstall()
+
     def all_running(self, at_least: int = 3) -> bool:
         pods = self.pods(f"app.kubernetes.io/instance={self.name}")
         return len(pods) >= at_least and all(p.status.phase == "Running" and p.metadata.deletion_timestamp is None

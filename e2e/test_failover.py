@@ -140,15 +140,19 @@ class Cluster:
 def install(api, core, apps, kubeconfig, namespace, name: str, *extra: str) -> Cluster:
     release = Release(api, core, apps, kubeconfig, namespace, name=name)
     volume = persistent_control_plane(core, namespace, release)
-    release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION, *extra)
     cluster = Cluster(release, volume, WorkPods(core, namespace))
-    wait_until(lambda: len(cluster.leasing()) == 1, 120, "one cluster agent leasing")
+    try:
+        release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION, *extra)
+        wait_until(lambda: len(cluster.leasing()) == 1, 120, "one cluster agent leasing")
+    except BaseException:
+        teardown(cluster)  # the release's cluster-scoped objects must not outlive the test
+        raise
     return cluster
 
 
 def teardown(cluster: Cluster) -> None:
     cluster.pods.stop()
-    cluster.release.uninstall()
+    cluster.release.uninstall_if_installed()
     remove_volume(cluster.core, cluster.namespace, cluster.volume)
 
 

@@ -70,7 +70,7 @@ SETTINGS = [
     Setting("domainName", "str", "", "GPUDomain whose members this agent folds into its status "
             "(node agents with domainWriteStrategy=aggregate); empty: none", optional=True),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
-    Setting("domainHeartbeatTTL", "number", 3.0, "heartbeat intervals a member may stay silent before it is marked "
+    Setting("domainHeartbeatTtl", "number", 3.0, "heartbeat intervals a member may stay silent before it is marked "
             "NotReady in the domain", 1.5, 100),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
     Setting("kubeconfig", "path", "", "kubeconfig (cluster source, pod executor); empty: in-cluster", optional=True),
@@ -182,7 +182,7 @@ class ClusterAgent:
         from gpu_agent.mechanisms.domain.aggregate import Aggregator
 
         self.aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName,
-                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTTL)
+                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
         log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
 
