@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e cluster-up cluster-down images
+.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e chaos cluster-up cluster-down images
 
 setup: $(STAMP)
 
@@ -48,6 +48,13 @@ e2e: setup
 ## e2e-fast: install, GPU basic and readiness only (marker `fast`); KEEP_CLUSTER=1 keeps the cluster for the next run
 e2e-fast: setup
 	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m fast"
+
+## chaos: K random disruptions (leader force-deleted, deleted, killed; standby deleted; control plane restarted; node
+## agents force-deleted or stopped) under a stream of work on the CI cluster, then a table: items, lost, doubled, most
+## active leaders seen, worst time back to Ready. A benchmark: `make chaos K=50` (the test command runs K=5).
+K ?= 50
+chaos: setup
+	CHAOS_K=$(K) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k chaos"
 
 cluster-up cluster-down images:
 	$(MAKE) -C ci $@

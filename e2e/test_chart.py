@@ -125,9 +125,13 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
         "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": release.name}},
         "spec": {"containers": [{"name": "c", "image": "localhost/gpu-agent:dev", "imagePullPolicy": "Never",
                                  "command": ["sleep", "600"]}]}})
+    leases = client.CoordinationV1Api(release.api)
+    assert leases.read_namespaced_lease(f"{release.fullname}-cluster-agent", release.namespace).spec.holder_identity
     release.uninstall()
     wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30, "leftover work Pod deleted by the pre-delete hook")
     wait_until(lambda: not release.pods(f"app.kubernetes.io/instance={release.name}"), 60, "every release pod gone after uninstall")
+    # ...and the leader-election Lease the agents made (not a release object) goes with them
+    assert not [x.metadata.name for x in leases.list_namespaced_lease(release.namespace).items]
 
 
 def test_upgrade_with_graceful_no_gpu_while_not_ready_never_runs_two_agents(release, apps):

@@ -39,9 +39,15 @@ class MemoryLease:
 
             def update(self, record):
                 lease._check(who)
-                if record.version != lease.record.version:
+                if lease.record is None or record.version != lease.record.version:
                     raise LeaseConflict()
                 return lease._store(record)
+
+            def delete(self, record):
+                lease._check(who)
+                if lease.record is None or record.version != lease.record.version:
+                    raise LeaseConflict()
+                lease.record = None
         return View()
 
     def _store(self, record):
@@ -159,7 +165,7 @@ async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt(
     await run_for(clock, 5)
     a.task.cancel()
     await clock.settle()
-    assert lease.record.holder == ""
+    assert lease.record is None  # released: deleted, so nothing is left behind on uninstall
     released = clock.monotonic()
     await run_for(clock, 5, step=0.1)
     (started,) = b.leading_since()

@@ -2,7 +2,7 @@
 
     candidate --acquired--> leader --renewDeadline passed without a renewal--> candidate
         ^                      |
-        +------ released ------+ (on shutdown: holder cleared, so a standby takes over at once)
+        +------ released ------+ (on shutdown: the record deleted, so a standby takes over at once)
 
 Settings (client-go's names and defaults):
   leaseDuration  15 s  how long a candidate waits, from the moment it last saw the record change,
@@ -65,6 +65,10 @@ class LeaseBackend(Protocol):
     def create(self, record: LeaseRecord) -> LeaseRecord: ...
 
     def update(self, record: LeaseRecord) -> LeaseRecord: ...
+
+    def delete(self, record: LeaseRecord) -> None:
+        """Delete the record if it is still at `record.version` (LeaseConflict otherwise)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -188,13 +192,13 @@ class LeaderElector:
                 await self._release()
 
     async def _release(self) -> None:
-        """On shutdown, clear the holder so a standby takes over at its next attempt (client-go's ReleaseOnCancel)."""
+        """On shutdown, give the lease up so a standby takes over at its next attempt (client-go's
+        ReleaseOnCancel clears the holder; we delete the record, only if it is still the one we
+        wrote, so that an uninstall leaves no Lease behind: a standby creates it afresh)."""
         if self.observed is None or self.observed.holder != self.identity:
             return
-        wall = self.clock.wall()
-        released = replace(self.observed, holder="", lease_duration=1.0, renew_time=wall, acquire_time=wall)
         try:
-            await asyncio.wait_for(asyncio.shield(self.run_blocking(self.backend.update, released)), timeout=2.0)
+            await asyncio.wait_for(asyncio.shield(self.run_blocking(self.backend.delete, self.observed)), timeout=2.0)
             log.info("released the lease")
         except BaseException as e:  # noqa: BLE001 - shutdown goes on; the lease expires by itself
             log.warning("releasing the lease failed: %s; it expires in %.0fs", e or type(e).__name__,

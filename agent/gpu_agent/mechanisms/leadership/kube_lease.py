@@ -64,3 +64,14 @@ class KubeLease:
             if e.status == 409:
                 raise LeaseConflict() from None
             raise RuntimeError(f"updating Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+
+    def delete(self, record: LeaseRecord) -> None:
+        try:
+            self.coordination.delete_namespaced_lease(
+                self.name, self.namespace, _request_timeout=self.timeout,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(resource_version=record.version)))
+        except client.ApiException as e:
+            if e.status == 409:
+                raise LeaseConflict() from None
+            if e.status != 404:
+                raise RuntimeError(f"deleting Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
