@@ -194,10 +194,14 @@ class ControlPlaneClient:
         self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item))
 
     def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
-        _, doc = self._call("GET", "/v1/queue/deliveries", admin_token)
-        found = _field(doc, "deliveries", list, "GET /v1/queue/deliveries")
-        if not all(isinstance(d, dict) for d in found):
-            raise ControlPlaneError("protocol", "GET /v1/queue/deliveries: field 'deliveries' holds a non-object")
+        return self._objects("/v1/queue/deliveries", "deliveries", admin_token)
+
+    def _objects(self, path: str, name: str, token: Secret) -> list[dict[str, Any]]:
+        """GET a list of JSON objects held in field `name`."""
+        _, doc = self._call("GET", path, token)
+        found = _field(doc, name, list, f"GET {path}")
+        if not all(isinstance(o, dict) for o in found):
+            raise ControlPlaneError("protocol", f"GET {path}: field {name!r} holds a non-object")
         return found
 
     def enqueue(self, admin_token: Secret, idempotency_key: str, payload: dict[str, Any]) -> int:
@@ -205,11 +209,7 @@ class ControlPlaneClient:
         return _field(doc, "id", int, "POST /v1/queue/items")
 
     def list_items(self, admin_token: Secret) -> list[dict[str, Any]]:
-        _, doc = self._call("GET", "/v1/queue/items", admin_token)
-        items = _field(doc, "items", list, "GET /v1/queue/items")
-        if not all(isinstance(i, dict) for i in items):
-            raise ControlPlaneError("protocol", "GET /v1/queue/items: field 'items' holds a non-object")
-        return items
+        return self._objects("/v1/queue/items", "items", admin_token)
 
     def status(self, token: Secret) -> dict[str, Any]:
         _, doc = self._call("GET", "/v1/status", token)

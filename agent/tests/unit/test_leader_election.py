@@ -90,12 +90,18 @@ def test_settings_that_break_the_timing_rules_are_named():
     assert "leaderElectionRetryPeriod" in ElectionSettings(15, 10, 10).problems()[0]
 
 
-async def test_one_leader_and_a_standby_that_names_it():
+async def leader_and_standby(settle: float):
+    """agent-a leads (it started first), agent-b stands by; `settle` seconds later."""
     clock, lease = ManualClock(), MemoryLease()
     a = Agent("agent-a", lease, clock)
     await run_for(clock, 1)
     b = Agent("agent-b", lease, clock)
-    await run_for(clock, 30)
+    await run_for(clock, settle)
+    return clock, lease, a, b
+
+
+async def test_one_leader_and_a_standby_that_names_it():
+    clock, lease, a, b = await leader_and_standby(30)
     assert a.elector.leading and not b.elector.leading
     assert b.changes == [(b.changes[0][0], False, "standby: the leader is agent-a")]
     assert lease.record.holder == "agent-a" and lease.record.transitions == 0
@@ -104,11 +110,7 @@ async def test_one_leader_and_a_standby_that_names_it():
 
 
 async def test_a_leader_cut_off_stops_before_anyone_else_can_start():
-    clock, lease = ManualClock(), MemoryLease()
-    a = Agent("agent-a", lease, clock)
-    await run_for(clock, 1)
-    b = Agent("agent-b", lease, clock)
-    await run_for(clock, 5)
+    clock, lease, a, b = await leader_and_standby(5)
     cut = clock.monotonic()
     lease.cut_off.add("agent-a")
     await run_for(clock, 40)
@@ -158,11 +160,7 @@ async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
 
 
 async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt():
-    clock, lease = ManualClock(), MemoryLease()
-    a = Agent("agent-a", lease, clock)
-    await run_for(clock, 1)
-    b = Agent("agent-b", lease, clock)
-    await run_for(clock, 5)
+    clock, lease, a, b = await leader_and_standby(5)
     a.task.cancel()
     await clock.settle()
     assert lease.record is None  # released: deleted, so nothing is left behind on uninstall
