@@ -80,6 +80,8 @@ SETTINGS = [
             "(on in the chart: replicas beyond the first are hot standbys)"),
     Setting("leaderElectionLeaseName", "str", "gpu-agent-cluster-agent", "name of that Lease"),
     Setting("leaderElectionNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that Lease"),
+    Setting("leaderElectionOwner", "str", "", "Deployment (in that namespace) that owns the Lease, so that it is deleted "
+            "with it; empty: no owner", optional=True),
     Setting("leaderElectionLeaseDuration", "seconds", 15.0, "how long a standby waits after the leader's last "
             "renewal it saw before taking over", 1, 3600),
     Setting("leaderElectionRenewDeadline", "seconds", 10.0, "how long the leader may fail to renew before it stops "
@@ -197,7 +199,8 @@ class ClusterAgent:
         from gpu_agent.mechanisms.leadership.kube_lease import KubeLease
 
         lease = KubeLease(api_client(self.cfg.kubeconfig), self.cfg.leaderElectionNamespace,
-                          self.cfg.leaderElectionLeaseName, min(self.cfg.requestTimeout, self.election.retry_period * 2))
+                          self.cfg.leaderElectionLeaseName, min(self.cfg.requestTimeout, self.election.retry_period * 2),
+                          self.cfg.leaderElectionOwner)
         log.info("electing a leader through Lease %s/%s as %s", self.cfg.leaderElectionNamespace,
                  self.cfg.leaderElectionLeaseName, self.cfg.identity)
         return LeaderElector(lease, self.cfg.identity, self.election, self.clock, self.rng, self._leadership_changed)

@@ -163,7 +163,8 @@ its reason (the test command runs checkov and allows no other finding); call wit
 {{- join "\n" $lines -}}
 {{- end -}}
 
-{{/* The members' admission policy: cluster-scoped, so named after the namespace as well as the release. */}}
+{{/* The members' admission policy: cluster-scoped, so its name carries a hash of the namespace as well as the
+release's name, within 63 characters like every other name of the chart. */}}
 {{- define "gpu-agent.memberPolicyName" -}}
-{{- printf "%s-%s-own-member" (include "gpu-agent.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- printf "%s-%s-own-member" (include "gpu-agent.fullname" . | trunc 44 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}

@@ -1,4 +1,9 @@
-"""The election's record as a coordination.k8s.io/v1 Lease (what client-go's LeaseLock writes)."""
+"""The election's record as a coordination.k8s.io/v1 Lease (what client-go's LeaseLock writes).
+
+The agents create the Lease, so Helm does not know it. It is owned by the agents' Deployment
+(when named): the garbage collector deletes it with the Deployment, and deletes it again if a
+leader that is still shutting down recreates it after its Deployment is gone.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,11 @@ def _seconds(value: dt.datetime | None) -> float:
 
 
 class KubeLease:
-    def __init__(self, api: client.ApiClient, namespace: str, name: str, request_timeout: float = 5.0) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, request_timeout: float = 5.0,
+                 owner_deployment: str = "") -> None:
+        self.api = api
+        self.owner_deployment = owner_deployment
+        self._owner: list[dict[str, str]] | None = None
         self.coordination = client.CoordinationV1Api(api)
         self.namespace = namespace
         self.name = name
@@ -30,10 +39,24 @@ class KubeLease:
                            _seconds(spec.acquire_time), _seconds(spec.renew_time), int(spec.lease_transitions or 0),
                            lease.metadata.resource_version or "")
 
+    def _owner_references(self) -> list[dict[str, str]] | None:
+        if self.owner_deployment and self._owner is None:
+            try:
+                uid = client.AppsV1Api(self.api).read_namespaced_deployment(
+                    self.owner_deployment, self.namespace, _request_timeout=self.timeout).metadata.uid
+                self._owner = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": self.owner_deployment, "uid": uid}]
+            except client.ApiException as e:  # the Lease still works; it is only not garbage-collected
+                if e.status != 404:
+                    raise RuntimeError(f"reading Deployment {self.namespace}/{self.owner_deployment} (the Lease's owner): "
+                                       f"{e.status} {e.reason}") from None
+                self._owner = []
+        return self._owner or None
+
     def _body(self, r: LeaseRecord) -> client.V1Lease:
         return client.V1Lease(
             metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace, resource_version=r.version or None,
-                                         labels={"app.kubernetes.io/managed-by": "gpu-agent"}),
+                                         labels={"app.kubernetes.io/managed-by": "gpu-agent"},
+                                         owner_references=self._owner_references()),
             spec=client.V1LeaseSpec(holder_identity=r.holder, lease_duration_seconds=max(1, round(r.lease_duration)),
                                     acquire_time=_time(r.acquire_time), renew_time=_time(r.renew_time),
                                     lease_transitions=r.transitions))
