@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import annotated_types
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from gpu_agent import __version__
@@ -68,7 +69,10 @@ class EnqueueRequest(Model):
 
 Holder = Field(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
                description="the consumer's identity (the cluster agent's Pod name)")
-TermNumber = Field(default=None, ge=1, le=INT64_MAX,
+# The bounds sit on the integer itself: on an Optional Annotated type pydantic would write them into the
+# document as "ge"/"le", which JSON Schema does not know (schemathesis found it).
+Term = Annotated[int, annotated_types.Ge(1), annotated_types.Le(INT64_MAX), BeforeValidator(_whole_float_to_int)]
+TermNumber = Field(default=None,
                    description="the fencing term the consumer holds (POST /v1/queue/terms); refused once a newer term began")
 
 
@@ -79,7 +83,7 @@ class TermRequest(Model):
 class LeaseRequest(Model):
     holder: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
                                description="the consumer's identity, recorded with the delivery")
-    term: Int | None = TermNumber
+    term: Term | None = TermNumber
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="lease length; capped by the server's maxLeaseSeconds")
     waitSeconds: float = Field(default=0.0, ge=0, le=30, description="long poll: wait this long for an item")
@@ -87,12 +91,12 @@ class LeaseRequest(Model):
 
 class LeaseRef(Model):
     leaseId: str = Field(min_length=1, max_length=64)
-    term: Int | None = TermNumber
+    term: Term | None = TermNumber
 
 
 class LeaseRenewal(Model):
     leaseId: str = Field(min_length=1, max_length=64)
-    term: Int | None = TermNumber
+    term: Term | None = TermNumber
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="the lease's new length from now; capped by the server's maxLeaseSeconds")
 
@@ -103,7 +107,8 @@ class FaultRequest(Model):
     status: Int = Field(default=503, ge=400, le=599)
     delaySeconds: float = Field(default=0.0, ge=0, le=60)
     path: str = Field(default="", max_length=200, description="only calls whose path starts with this")
-    retryAfterSeconds: Int | None = Field(default=None, ge=0, le=3600)
+    retryAfterSeconds: Annotated[int, annotated_types.Ge(0), annotated_types.Le(3600),
+                                 BeforeValidator(_whole_float_to_int)] | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
