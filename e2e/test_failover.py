@@ -316,8 +316,28 @@ def test_a_hung_or_dead_node_agent_turns_its_member_and_the_domain_notready_and_
             print(f"\nSIGSTOP: member and domain NotReady after {noticed:.1f} s (TTL {TTL * HEARTBEAT} s); "
                   f"Ready {back:.1f} s after SIGCONT")
             assert noticed <= TTL * HEARTBEAT + 1.0
+
+            # SIGKILL: kubelet restarts the container at once; the new process renews the same member.
+            def heartbeat():
+                return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
+                                                           member["metadata"]["name"])["spec"].get("heartbeat")
+            restarts = core.read_namespaced_pod(agent.metadata.name, namespace).status.container_statuses[0].restart_count
+            with Sampler(lambda: domain_state(api, namespace)[0], 0.2) as seen:
+                kill(cluster, agent.metadata.name)
+                killed = time.monotonic()
+                wait_until(lambda: core.read_namespaced_pod(agent.metadata.name, namespace).status.container_statuses[0]
+                           .restart_count > restarts, 30, "the node agent container restarted")
+                beat = heartbeat()
+                wait_until(lambda: heartbeat() != beat and domain_state(api, namespace)[0] == "Ready", 30,
+                           "a heartbeat from the restarted node agent")
+                renewed = time.monotonic() - killed
+            states = [v for _, v in seen.samples]
+            print(f"SIGKILL: container restarted, heartbeat renewed by the new process {renewed:.1f} s after the kill; "
+                  f"the domain was {'NotReady for a while' if 'NotReady' in states else 'never NotReady'} "
+                  f"({len(states)} samples; TTL {TTL * HEARTBEAT} s)")
+            assert len(states) >= 3, "the domain sampler took too few samples to measure anything"
         else:
-            print(f"\nSIGSTOP left out: it needs the host's process table (E2E_CLUSTER={provider()})")
+            print(f"\nSIGSTOP and SIGKILL left out: they need the host's process table (E2E_CLUSTER={provider()})")
 
         # Force-deleted: the member goes with its pod (garbage collection) and the new pod's returns at the same index.
         force_delete(cluster, agent.metadata.name)
