@@ -99,7 +99,7 @@ def _bounded(name: str, seconds: float, fn: Any) -> None:
 
 
 def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
-            timeout: float, domain: str = "", lease: str = "") -> None:
+            timeout: float, domain: str = "") -> None:
     deadline = time.monotonic() + timeout
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
@@ -136,18 +136,8 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
             custom.delete_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
                                                    m["metadata"]["name"])
 
-    def delete_lease() -> None:
-        # the cluster agents' leader-election Lease: they create it, so Helm does not delete it
-        if not lease:
-            return
-        try:
-            client.CoordinationV1Api(api).delete_namespaced_lease(lease, namespace)
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-
     for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
-                       ("GPUDomain members", delete_members), ("leader-election Lease", delete_lease)):
+                       ("GPUDomain members", delete_members)):
         _bounded(name, deadline - time.monotonic(), step)
 
 
@@ -170,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--token-file", type=Path, required=True)
     u.add_argument("--timeout", type=float, default=60)
     u.add_argument("--domain", default="", help="GPUDomain whose leftover members to delete")
-    u.add_argument("--lease", default="", help="the cluster agents' leader-election Lease to delete")
     a = p.parse_args(argv)
     api = api_client(a.kubeconfig)
     try:
@@ -179,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         elif a.hook == "skew-check":
             skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
         else:
-            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain,
-                    a.lease)
+            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain)
     except SkewError as e:
         print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
         return 1

@@ -169,3 +169,19 @@ async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt(
     (started,) = b.leading_since()
     assert started - released <= SETTINGS.retry_period * 1.2 + 0.1
     b.task.cancel()
+
+
+async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_attempt_not_at_the_deadline():
+    clock, lease, a, b = await leader_and_standby(5)
+    lease.record = None  # someone deletes the Lease (a person, a cleanup); the standby creates it first
+    lease.cut_off.add("agent-a")
+    await run_for(clock, SETTINGS.retry_period * 1.2 + 0.5, step=0.1)
+    assert b.elector.leading
+    taken = clock.monotonic()
+    lease.cut_off.clear()
+    await run_for(clock, SETTINGS.retry_period + 0.5, step=0.1)
+    stopped, lost, reason = next(c for c in a.changes if not c[1])
+    assert "lost the lease" in reason and a.changes[-1][2] == "standby: the leader is agent-b"
+    assert stopped - taken <= SETTINGS.retry_period + 0.2 < SETTINGS.renew_deadline
+    a.task.cancel()
+    b.task.cancel()

@@ -162,7 +162,8 @@ class LeaderElector:
             await self.clock.sleep(self.settings.retry_period * (1 + JITTER * self.rng.random()))
 
     async def _keep(self) -> None:
-        """Renew every retryPeriod; return when renewDeadline has passed since the last renewal."""
+        """Renew every retryPeriod; return when renewDeadline has passed since the last renewal, or at
+        once when the record shows another holder."""
         s = self.settings
 
         def left() -> float:
@@ -172,6 +173,8 @@ class LeaderElector:
             await self.clock.sleep(min(s.retry_period, left()))  # never sleep past the deadline
             if left() > 0:
                 await self.try_acquire_or_renew(left())
+            if self.observed is not None and self.observed.holder not in ("", self.identity):
+                return  # someone else holds it (the Lease was deleted and recreated): stop now, not at the deadline
 
     async def run(self) -> None:
         try:
