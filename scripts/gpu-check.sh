@@ -26,6 +26,7 @@ print(f"nvidia-smi: {len(smi)} GPUs; agent: {inv['count']} GPUs")
 for g in inv["gpus"]:
     print(f"  {g['index']}: {g['uuid']} {g['name']} {g['memoryTotalBytes'] / 2**30:.1f} GiB migMode={g['migMode']}")
 print("UUIDs MATCH" if sorted(smi) == sorted(ours) else f"UUIDs DIFFER: smi={smi} agent={ours}")
+print(f"NVLink fabric: {inv.get('fabric') or '(not read)'}; clique: {inv.get('clique') or '(none)'}")
 PY
 echo "== cluster agent with NVML"
 $py -m gpu_agent local --gpu-source nvml --state-dir "$state" --executor-journal "$state/exec.sqlite" \

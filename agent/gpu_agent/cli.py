@@ -132,6 +132,7 @@ def _print_inventory(cfg) -> int:  # type: ignore[no-untyped-def]
     source = make_source(cfg)
     reading = source.read()
     doc = {"source": source.name, "count": reading.inventory.count, "gpus": reading.inventory.to_json(),
+           "clique": reading.inventory.clique, "fabric": reading.inventory.fabric,
            "error": reading.error, "note": reading.note}
     source.close()
     print(json.dumps(doc, indent=2))

@@ -23,6 +23,8 @@ class GPU:
 @dataclass(frozen=True)
 class Inventory:
     gpus: tuple[GPU, ...] = ()
+    clique: str = ""  # the node's NVLink clique ("<clusterUuid>.<cliqueId>"); "" when it has none
+    fabric: str = ""  # what the fabric says (why there is no clique), where the source knows
 
     @property
     def count(self) -> int:

@@ -101,3 +101,58 @@ def test_a_lost_gpu_is_an_error_and_nvml_is_reinitialised():
     assert "NVML error 15" in r.error and nvml.shutdowns == 1
     nvml.lost = False
     assert src.read().inventory.count == 1 and nvml.inits == 2
+
+
+class FabricNVML(FakeNVML):
+    """NVML whose GPUs report fabric info (as nvmlDeviceGetGpuFabricInfo does), or an error code."""
+
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13
+
+    def nvmlDeviceGetGpuFabricInfo(self, h):
+        fabric = h.get("fabric")
+        if isinstance(fabric, int):
+            raise NVMLError(fabric)
+        return SimpleNamespace(**fabric)
+
+
+RACK = bytes(range(16))
+
+
+def gb200(i, state=3, status=0, cluster=RACK, clique=7):
+    return {"uuid": f"GPU-00000000-0000-0000-0000-00000000000{i}", "name": "NVIDIA GB200", "mem": 1 << 37, "mig": 0,
+            "fabric": {"state": state, "status": status, "clusterUuid": cluster, "cliqueId": clique}}
+
+
+def reading_of(*gpus):
+    return NVMLSource(FabricNVML(list(gpus))).read()
+
+
+def test_the_clique_of_a_node_whose_gpus_agree_and_completed_registration():
+    r = reading_of(gb200(0), gb200(1))
+    assert r.inventory.clique == "00010203-0405-0607-0809-0a0b0c0d0e0f.7"
+    assert r.inventory.fabric == "fabric completed: clique 00010203-0405-0607-0809-0a0b0c0d0e0f.7"
+
+
+def test_no_clique_when_gpus_disagree_are_still_registering_failed_or_have_no_fabric():
+    cases = [
+        ((gb200(0), gb200(1, clique=8)), "GPUs disagree on their clique"),
+        ((gb200(0), gb200(1, cluster=bytes(16))), "GPUs disagree on their clique"),
+        ((gb200(0), gb200(1, state=2)), "fabric registration in progress on GPU(s) 1"),
+        ((gb200(0, state=1), gb200(1, state=1)), "fabric registration not started on GPU(s) 0, 1"),
+        ((gb200(0, status=5), gb200(1)), "fabric registration failed on GPU(s) 0 (NVML status 5)"),
+        (({**H200, "fabric": {"state": 0, "status": 0, "clusterUuid": bytes(16), "cliqueId": 0}},),
+         "fabric not supported (no multi-node NVLink)"),
+        (({**H200, "fabric": FakeNVML.NVML_ERROR_NOT_SUPPORTED},), "fabric not supported (no multi-node NVLink)"),
+        (({**H200, "fabric": FabricNVML.NVML_ERROR_FUNCTION_NOT_FOUND},), "fabric not supported (no multi-node NVLink)"),
+    ]
+    for gpus, reason in cases:
+        r = reading_of(*gpus)
+        assert r.error is None and r.inventory.count == len(gpus)
+        assert r.inventory.clique == "" and r.inventory.fabric.startswith(reason), (gpus, r.inventory.fabric)
+
+
+def test_a_binding_without_the_fabric_call_means_no_fabric_and_other_fabric_errors_are_errors():
+    r = NVMLSource(FakeNVML([H200])).read()  # FakeNVML has no nvmlDeviceGetGpuFabricInfo
+    assert r.inventory.clique == "" and r.inventory.fabric.startswith("fabric not supported")
+    broken = reading_of({**H200, "fabric": FakeNVML.NVML_ERROR_GPU_IS_LOST})
+    assert broken.error is not None and "NVML error 15" in broken.error

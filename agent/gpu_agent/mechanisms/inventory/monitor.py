@@ -88,7 +88,8 @@ class InventoryMonitor:
 
     async def observe(self, reading: Reading) -> InventoryEvent | None:
         prev = self.current
-        if prev is not None and prev.inventory.uuids == reading.inventory.uuids and prev.error == reading.error:
+        if (prev is not None and prev.inventory.uuids == reading.inventory.uuids and prev.error == reading.error
+                and (prev.inventory.clique, prev.inventory.fabric) == (reading.inventory.clique, reading.inventory.fabric)):
             if self.pending is not None:
                 held = self.clock.monotonic() - self.pending.since_monotonic
                 self.pending = None
@@ -129,6 +130,8 @@ class InventoryMonitor:
         """Health from `e` (plus any pending drop); `announce` logs the inventory as a change."""
         details = {"count": e.inventory.count, "generation": e.generation, "source": self.source.name,
                    "uuids": sorted(e.inventory.uuids)}
+        if e.inventory.fabric:  # the NVML source knows the node's NVLink fabric
+            details.update(clique=e.inventory.clique, fabric=e.inventory.fabric)
         pending = ""
         if self.pending is not None:
             act_at = self.pending.since_wall + self.loss_debounce

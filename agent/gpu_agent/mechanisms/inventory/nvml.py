@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.mechanisms.inventory.fabric import NOT_SUPPORTED, GPUFabric, node_fabric
 from gpu_agent.mechanisms.inventory.source import Reading
 
 
@@ -54,7 +55,7 @@ class NVMLSource:
                 return Reading(Inventory(), error=f"nvmlInit failed: {self._describe(e)}")
             self._initialised = True
         try:
-            gpus = []
+            gpus, fabrics = [], []
             for i in range(n.nvmlDeviceGetCount()):
                 h = n.nvmlDeviceGetHandleByIndex(i)
                 mem = n.nvmlDeviceGetMemoryInfo(h)
@@ -67,12 +68,28 @@ class NVMLSource:
                     mig = False
                 gpus.append(GPU(uuid=_text(n.nvmlDeviceGetUUID(h)), name=_text(n.nvmlDeviceGetName(h)),
                                 memory_total_bytes=int(mem.total), mig_mode=mig, index=i))
+                fabrics.append(self._fabric(h))
         except n.NVMLError as e:
             # A GPU that fell off the bus or a driver reload: start over on the next read.
             self.close()
             return Reading(Inventory(), error=f"reading GPUs failed: {self._describe(e)}")
-        inventory = Inventory(tuple(gpus))
+        fabric = node_fabric(fabrics)
+        inventory = Inventory(tuple(gpus), clique=fabric.clique, fabric=fabric.reason if gpus else "")
         return Reading(inventory, note=None if gpus else "NVML reports no GPUs")
+
+    def _fabric(self, handle: Any) -> GPUFabric:
+        """This GPU's fabric; a driver or binding without the call, or a GPU without a fabric, is "not supported"."""
+        n = self._nvml
+        get = getattr(n, "nvmlDeviceGetGpuFabricInfo", None)
+        if get is None:
+            return GPUFabric(NOT_SUPPORTED)
+        try:
+            info = get(handle)
+        except n.NVMLError as e:
+            if getattr(e, "value", None) in (n.NVML_ERROR_NOT_SUPPORTED, getattr(n, "NVML_ERROR_FUNCTION_NOT_FOUND", -1)):
+                return GPUFabric(NOT_SUPPORTED)
+            raise
+        return GPUFabric(int(info.state), int(info.status), bytes(info.clusterUuid), int(info.cliqueId))
 
     def driver_version(self) -> str | None:
         if not self._initialised:
