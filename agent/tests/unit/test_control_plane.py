@@ -3,7 +3,7 @@
 import pytest
 import requests
 
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Fence
 from gpu_agent.foundations.gpus import GPU, Inventory
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
@@ -260,7 +260,7 @@ def test_a_new_term_hands_back_older_leases_and_fences_every_call_of_the_older_t
     assert adopted.idempotency_key == "a" and adopted.deliveries == 2
     for call in (lambda: client.ack(cred, running), lambda: client.renew_lease(cred, running, 30),
                  lambda: client.release(cred, running), lambda: client.lease(cred, 30, fence=old),
-                 lambda: client.lease(cred, 30)):
+                 lambda: client.lease(cred, 30), lambda: client.lease(cred, 30, fence=Fence("forger", new.term + 5))):
         with pytest.raises(ControlPlaneError) as refused:
             call()
         assert refused.value.kind == "fenced" and f"term {new.term}" in str(refused.value)

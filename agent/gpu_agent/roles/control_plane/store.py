@@ -166,7 +166,7 @@ class Store:
     def _check_term(self, term: int | None) -> None:
         """Raises Fenced unless `term` is the current term (or no term was ever started). Call under the lock."""
         current = self._current_term()
-        if current is not None and (term is None or term < current[0]):
+        if current is not None and term != current[0]:  # older, none, or one never started
             raise Fenced(*current)
 
     def delivery_log(self, limit: int) -> list[dict[str, Any]]:
