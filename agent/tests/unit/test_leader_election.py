@@ -181,7 +181,7 @@ async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_att
     lease.cut_off.clear()
     await run_for(clock, SETTINGS.retry_period + 0.5, step=0.1)
     stopped, lost, reason = next(c for c in a.changes if not c[1])
-    assert "lost the lease" in reason and a.changes[-1][2] == "standby: the leader is agent-b"
+    assert reason == "standby: lost the lease (the lease is held by agent-b)" and a.changes[-1][2] == "standby: the leader is agent-b"
     assert stopped - taken <= SETTINGS.retry_period + 0.2 < SETTINGS.renew_deadline
     a.task.cancel()
     b.task.cancel()

@@ -161,9 +161,9 @@ class LeaderElector:
                 await self.on_change(False, f"standby: the leader is {reported or '(nobody yet)'}")
             await self.clock.sleep(self.settings.retry_period * (1 + JITTER * self.rng.random()))
 
-    async def _keep(self) -> None:
-        """Renew every retryPeriod; return when renewDeadline has passed since the last renewal, or at
-        once when the record shows another holder."""
+    async def _keep(self) -> str:
+        """Renew every retryPeriod; return (why) when renewDeadline has passed since the last renewal, or
+        at once when the record shows another holder."""
         s = self.settings
 
         def left() -> float:
@@ -174,7 +174,9 @@ class LeaderElector:
             if left() > 0:
                 await self.try_acquire_or_renew(left())
             if self.observed is not None and self.observed.holder not in ("", self.identity):
-                return  # someone else holds it (the Lease was deleted and recreated): stop now, not at the deadline
+                # the Lease was deleted and recreated under us: stop now, not at the deadline
+                return f"the lease is held by {self.observed.holder}"
+        return f"the lease was not renewed within the renew deadline ({s.renew_deadline:g}s)"
 
     async def run(self) -> None:
         try:
@@ -185,10 +187,10 @@ class LeaderElector:
                 log.info("became the leader (lease held by %s, transition %d)", self.identity,
                          self.observed.transitions if self.observed else 0)
                 await self.on_change(True, f"leader: {self.identity}")
-                await self._keep()
+                why = await self._keep()
                 self.leading = False
-                log.warning("stopped leading: the lease was not renewed within %.1fs", self.settings.renew_deadline)
-                await self.on_change(False, "standby: lost the lease (not renewed within the renew deadline)")
+                log.warning("stopped leading: %s", why)
+                await self.on_change(False, f"standby: lost the lease ({why})")
         finally:
             if self.leading:
                 self.leading = False
