@@ -156,7 +156,7 @@ class HeartbeatTracker:
 
     def saw(self, node: str, spec: dict[str, Any]) -> None:
         beat = str(spec.get("heartbeat") or "")
-        if self.seen.get(node, ("", 0.0))[0] != beat or node not in self.seen:
+        if node not in self.seen or self.seen[node][0] != beat:  # the same beat seen again (a relist) is no heartbeat
             self.seen[node] = (beat, self.monotonic())
 
     def forget(self, node: str) -> None:
@@ -180,8 +180,6 @@ class Aggregator:
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1,
                  heartbeat_ttl_intervals: float = 3.0, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.api = api
-        self.ttl_intervals = heartbeat_ttl_intervals
-        self.monotonic = monotonic
         self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, monotonic)
         self.custom = client.CustomObjectsApi(api)
         self.namespace = namespace
