@@ -42,7 +42,8 @@ SETTINGS = [
     Setting("domainWriteRate", "number", 25.0, "successful writes per second the API server takes on one object "
             "(sets the fulljitter cap to nodes / rate)", 0.1, 10000),
     Setting("domainHeartbeatInterval", "seconds", 5.0, "how often this node renews its GPUDomainMember's heartbeat "
-            "(aggregate strategy); the cluster agent marks the member NotReady after three intervals without one", 0.2, 3600),
+            "(aggregate strategy); the cluster agent marks the member NotReady after its domainHeartbeatTtl (3) intervals "
+            "without one", 0.2, 3600),
     Setting("podName", "str", os.environ.get("POD_NAME", ""), "this agent's Pod, the owner of its GPUDomainMember "
             "(deleted with the Pod); empty: no owner", optional=True),
     Setting("podUid", "str", os.environ.get("POD_UID", ""), "that Pod's UID", optional=True),

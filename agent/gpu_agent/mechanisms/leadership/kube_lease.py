@@ -8,6 +8,7 @@ leader that is still shutting down recreates it after its Deployment is gone.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from kubernetes import client
 
@@ -61,40 +62,32 @@ class KubeLease:
                                     acquire_time=_time(r.acquire_time), renew_time=_time(r.renew_time),
                                     lease_transitions=r.transitions))
 
-    def get(self) -> LeaseRecord | None:
+    def _call(self, what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """One API call: 409 is LeaseConflict (someone wrote first), 404 is None, anything else an error naming it."""
         try:
-            return self._record(self.coordination.read_namespaced_lease(self.name, self.namespace,
-                                                                        _request_timeout=self.timeout))
+            return call(*args, _request_timeout=self.timeout, **kwargs)
         except client.ApiException as e:
+            if e.status == 409:
+                raise LeaseConflict() from None
             if e.status == 404:
                 return None
-            raise RuntimeError(f"reading Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+            raise RuntimeError(f"{what} Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+
+    def get(self) -> LeaseRecord | None:
+        lease = self._call("reading", self.coordination.read_namespaced_lease, self.name, self.namespace)
+        return None if lease is None else self._record(lease)
 
     def create(self, record: LeaseRecord) -> LeaseRecord:
-        try:
-            return self._record(self.coordination.create_namespaced_lease(self.namespace, self._body(record),
-                                                                          _request_timeout=self.timeout))
-        except client.ApiException as e:
-            if e.status == 409:
-                raise LeaseConflict() from None
-            raise RuntimeError(f"creating Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+        return self._record(self._call("creating", self.coordination.create_namespaced_lease, self.namespace,
+                                       self._body(record)))
 
     def update(self, record: LeaseRecord) -> LeaseRecord:
-        try:
-            return self._record(self.coordination.replace_namespaced_lease(self.name, self.namespace, self._body(record),
-                                                                           _request_timeout=self.timeout))
-        except client.ApiException as e:
-            if e.status == 409:
-                raise LeaseConflict() from None
-            raise RuntimeError(f"updating Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+        lease = self._call("updating", self.coordination.replace_namespaced_lease, self.name, self.namespace,
+                           self._body(record))
+        if lease is None:  # deleted meanwhile: someone else's doing, as a conflict is
+            raise LeaseConflict()
+        return self._record(lease)
 
     def delete(self, record: LeaseRecord) -> None:
-        try:
-            self.coordination.delete_namespaced_lease(
-                self.name, self.namespace, _request_timeout=self.timeout,
-                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(resource_version=record.version)))
-        except client.ApiException as e:
-            if e.status == 409:
-                raise LeaseConflict() from None
-            if e.status != 404:
-                raise RuntimeError(f"deleting Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+        self._call("deleting", self.coordination.delete_namespaced_lease, self.name, self.namespace,
+                   body=client.V1DeleteOptions(preconditions=client.V1Preconditions(resource_version=record.version)))
