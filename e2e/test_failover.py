@@ -230,10 +230,13 @@ def test_a_hot_standby_names_the_leader_and_takes_over_when_the_leader_is_delete
         wait_until(lambda: len(cluster.running(CA)) == 2, 60, "two cluster agent pods running")
         leader = the_leader(cluster)
         (standby,) = [p.metadata.name for p in cluster.running(CA) if p.metadata.name != leader]
-        # Registration takes a moment after the pod starts (seconds when the control plane is busy): wait for it.
+        # Registration takes a moment after the pod starts (seconds when the control plane is busy), and the
+        # first election attempt may end after it: wait for both, then read whom the standby names.
         code, body = wait_until(lambda: (lambda r: r if r[0] == 503 and isinstance(r[1], dict)
-                                         and r[1]["components"]["registration"]["ready"] else None)(
-            pod_http_get(core, namespace, standby, 8080, "healthz")), 30, "the standby answering, registered")
+                                         and r[1]["components"]["registration"]["ready"]
+                                         and r[1]["components"]["leadership"]["reason"] != "standby: electing a leader"
+                                         else None)(
+            pod_http_get(core, namespace, standby, 8080, "healthz")), 30, "the standby answering, registered, past its first attempt")
         assert body["components"]["leadership"]["reason"] == f"standby: the leader is {leader}", body
         assert body["components"]["registration"]["ready"], "a hot standby is registered"
         assert cluster.leader() == leader

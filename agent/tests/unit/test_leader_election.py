@@ -5,7 +5,7 @@ import random
 from dataclasses import replace
 
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict
+from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict, LeaseRecord
 
 SETTINGS = ElectionSettings(15.0, 10.0, 2.0)
 
@@ -107,6 +107,36 @@ async def test_one_leader_and_a_standby_that_names_it():
     assert lease.record.holder == "agent-a" and lease.record.transitions == 0
     a.task.cancel()
     b.task.cancel()
+
+
+async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once():
+    """Both agents find no Lease and both create it; the one refused must name the winner in its first
+    report, not "(nobody yet)" until its next attempt (seen on the CI cluster with two replicas)."""
+    clock, lease = ManualClock(), MemoryLease()
+    b_view = lease.for_("agent-b")
+    original_get = b_view.get
+    gets = []
+
+    def get_after_a_creates():
+        gets.append(1)
+        if len(gets) == 1:  # agent-b's first read races agent-a's create: it saw no Lease yet
+            lease._store(lease_record_of("agent-a"))
+            return None
+        return original_get()
+    b_view.get = get_after_a_creates
+    changes = []
+
+    async def changed(leading, reason):
+        changes.append((leading, reason))
+    elector = LeaderElector(b_view, "agent-b", SETTINGS, clock, random.Random(7), changed, inline)
+    task = asyncio.ensure_future(elector.run())
+    await clock.advance(0.1)
+    assert changes == [(False, "standby: the leader is agent-a")]
+    task.cancel()
+
+
+def lease_record_of(holder):
+    return LeaseRecord(holder, SETTINGS.lease_duration, 0.0, 0.0, 0)
 
 
 async def test_a_leader_cut_off_stops_before_anyone_else_can_start():

@@ -140,6 +140,7 @@ class LeaderElector:
             return True
         except LeaseConflict:
             log.v(2, "lease: someone else wrote it first")
+            await self._read_after_conflict(now, limit)
             return False
         except (asyncio.TimeoutError, TimeoutError):
             log.warning("lease: no answer within %.1fs", limit)
@@ -147,6 +148,17 @@ class LeaderElector:
         except Exception as e:  # noqa: BLE001 - API trouble: the next attempt decides
             log.warning("lease: attempt failed: %s", e)
             return False
+
+    async def _read_after_conflict(self, began: float, limit: float) -> None:
+        """Whoever wrote first is the holder: read it now, within what is left of the attempt, so a
+        standby names the leader at once instead of "(nobody yet)" until its next attempt."""
+        try:
+            current = await self._call(self.backend.get, limit=began + limit - self.clock.monotonic())
+        except Exception as e:  # noqa: BLE001 - the next attempt reads it again
+            log.v(2, "lease: reading it after a conflict failed: %s", e)
+            return
+        if current is not None and not current.same_as(self.observed):
+            self._saw(current, self.clock.monotonic())  # seen now: its lease runs from here
 
     def _saw(self, record: LeaseRecord | None, now: float) -> None:
         self.observed, self.observed_at = record, now
