@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e chaos cluster-up cluster-down images
+.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -56,7 +56,8 @@ K ?= 50
 chaos: setup
 	CHAOS_K=$(K) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k chaos"
 
-cluster-up cluster-down images:
+## cluster-up NODES=3 | cluster-down | images | node-stop/node-start/node-partition/node-heal NODE=w1: see ci/Makefile
+cluster-up cluster-down images node-stop node-start node-partition node-heal:
 	$(MAKE) -C ci $@
 
 ## fuzz: the longer fuzzing run (schemathesis on the control plane, hypothesis on every parsed file)

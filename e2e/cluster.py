@@ -51,8 +51,11 @@ CI_CLUSTER_DIR = Path(os.environ.get("CLUSTER_DIR", "/var/lib/gpu-agent-ci"))
 def host_paths() -> dict[str, str]:
     """Host folders the fake GPUs use. kubelet's device-plugin folder is fixed at
     /var/lib/kubelet/device-plugins whatever its root dir; the state folder of the CI cluster
-    lives under its own state folder, so that it goes when the cluster does."""
-    state = str(CI_CLUSTER_DIR / "fake-gpu") if provider() == "ci" else "/var/lib/gpu-agent/fake-gpu"
+    goes when the cluster does."""
+    # On the CI cluster every node, workers included, has its own /var/lib/kubelet (a worker binds
+    # its own folder there), so a state folder under it is per node, as on separate machines; the
+    # cluster made /var/lib/kubelet, and removes it.
+    state = "/var/lib/kubelet/fake-gpu" if provider() == "ci" else "/var/lib/gpu-agent/fake-gpu"
     return {"devicePluginPath": "/var/lib/kubelet/device-plugins", "stateDir": state}
 
 
@@ -62,3 +65,11 @@ def restart_kubelet() -> None:
         raise RuntimeError("restarting kubelet is supported on the CI cluster only")
     repo = Path(__file__).resolve().parent.parent
     subprocess.run(["bash", str(repo / "ci" / "scripts" / "restart-kubelet.sh")], check=True)
+
+
+def node_fault(action: str, node: str) -> None:
+    """stop | start | partition | heal a worker of the CI cluster (ci/scripts/node.sh)."""
+    if provider() != "ci":
+        raise RuntimeError("node faults are supported on the CI cluster only")
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run(["bash", str(repo / "ci" / "scripts" / "node.sh"), action, node], check=True, timeout=120)

@@ -206,16 +206,19 @@ class FakeGPUs:
         return subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", self.kubeconfig, "--namespace",
                                self.namespace, *args], capture_output=True, text=True, timeout=60)
 
-    def allocatable(self) -> int:
-        node = self.core.read_node(self.node)
-        return int((node.status.allocatable or {}).get("nvidia.com/gpu", "0"))
+    def allocatable(self, node: str | None = None) -> int:
+        status = self.core.read_node(node or self.node).status
+        return int((status.allocatable or {}).get("nvidia.com/gpu", "0"))
 
-    def set(self, count: int, timeout: float = 10) -> float:
-        """Set the count; returns seconds from the command's return to allocatable matching."""
-        r = self.command("set", "--node", self.node, "--count", str(count))
+    def set(self, count: int, timeout: float = 10, node: str | None = None) -> float:
+        """Set the count of one node (the first node unless named); returns seconds from the
+        command's return to that node's allocatable matching."""
+        node = node or self.node
+        r = self.command("set", "--node", node, "--count", str(count))
         assert r.returncode == 0, r.stderr
         started = time.monotonic()
-        wait_until(lambda: self.allocatable() == count, timeout, f"allocatable nvidia.com/gpu == {count}", interval=0.05)
+        wait_until(lambda: self.allocatable(node) == count, timeout, f"{node}: allocatable nvidia.com/gpu == {count}",
+                   interval=0.05)
         return time.monotonic() - started
 
 

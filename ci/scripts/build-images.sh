@@ -58,8 +58,8 @@ if [[ $what == last-stable ]]; then
     rm -rf "$out"; mv "$out.tmp" "$out"
   fi
   if [[ -S $CONTAINERD_SOCK ]] && running containerd; then
-    ctr_ images import "$out/image.oci.tar" >/dev/null
-    log "imported localhost/gpu-agent:$version (last stable, commit ${commit:0:12}) into the cluster's containerd"
+    import_image "$out/image.oci.tar"
+    log "imported localhost/gpu-agent:$version (last stable, commit ${commit:0:12}) into every node's containerd"
   fi
   echo "$out"
   exit 0
@@ -77,10 +77,9 @@ python3 "$here/tools/oci_image.py" build --name "localhost/gpu-agent:${IMAGE_TAG
   --build-arg "VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")"
 log "gpu-agent image built in $((SECONDS - t))s"
 if [[ -z ${IMAGE_OUT:-} && -S $CONTAINERD_SOCK ]] && running containerd; then
-  ctr_ images import "$images/gpu-agent.oci.tar" >/dev/null
   # The chart's default tag is its appVersion: the same image under that name too, so a plain
   # `helm install charts/gpu-agent` runs what this build produced.
   version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
-  ctr_ images tag --force localhost/gpu-agent:dev "localhost/gpu-agent:$version" >/dev/null
-  log "imported localhost/gpu-agent:dev (also tagged :$version) into the cluster's containerd"
+  import_image "$images/gpu-agent.oci.tar" localhost/gpu-agent:dev "localhost/gpu-agent:$version"
+  log "imported localhost/gpu-agent:dev (also tagged :$version) into every node's containerd"
 fi

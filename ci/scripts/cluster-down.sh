@@ -8,8 +8,14 @@ source "$here/scripts/common.sh"
 source "$here/scripts/lib.sh"
 t0=$SECONDS
 
-# Node agents first, so nothing restarts the pods being removed.
+# Node agents first, so nothing restarts the pods being removed; workers with all they own.
 step() { log "down: $1 (+$((SECONDS - t0))s)"; }
+for dir in "$CLUSTER_DIR"/nodes/w*/; do
+  [[ -d $dir ]] && bash "$here/scripts/node.sh" down "$(basename "$dir")" &
+done
+wait
+[[ -d $CLUSTER_DIR/nodes ]] && step "workers removed"
+ip link show "$NODES_BRIDGE" >/dev/null 2>&1 && ip link delete "$NODES_BRIDGE"
 stop_daemon kubelet
 stop_daemon kube-proxy
 step "node agents stopped"
@@ -37,12 +43,18 @@ step "control plane stopped"
 if [[ -d $CLUSTER_DIR ]]; then
   awk -v d="$CLUSTER_DIR" '$2 ~ "^"d {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
 fi
+if [[ -f $CLUSTER_DIR/made-run-netns-mount ]]; then
+  while mountpoint -q /run/netns; do umount -l /run/netns || break; done
+fi
 for ns in /run/netns/cni-*; do
   [[ -e $ns ]] || continue
   ip netns delete "$(basename "$ns")" 2>/dev/null || { umount -l "$ns" 2>/dev/null; rm -f "$ns"; }
 done
 ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE"
-while iptables -t mangle -D FORWARD -i "$BRIDGE" ! -d "$CLUSTER_CIDR" -m comment --comment gpu-agent-ci-fence -j DROP 2>/dev/null; do :; done
+for bridge in "$BRIDGE" "$NODES_BRIDGE"; do
+  while iptables -t mangle -D FORWARD -i "$bridge" -j GPUCI-FENCE 2>/dev/null; do :; done
+done
+iptables -t mangle -F GPUCI-FENCE 2>/dev/null && iptables -t mangle -X GPUCI-FENCE
 # Whatever chains kubelet, kube-proxy and the portmap plugin left (KUBE-*, CNI-*), with the
 # jumps into them. iptables-save quotes its output for a shell, hence the eval.
 for cmd in iptables ip6tables; do
@@ -60,6 +72,6 @@ if [[ -f $CLUSTER_DIR/sysctl.saved ]]; then
   while IFS= read -r line; do sysctl -qw "$line" 2>/dev/null; done < "$CLUSTER_DIR/sysctl.saved"
 fi
 if [[ -f $CLUSTER_DIR/made-var-lib-kubelet ]]; then rm -rf /var/lib/kubelet
-else rm -f /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/fake-gpu.sock; fi
+else rm -rf /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/fake-gpu.sock /var/lib/kubelet/fake-gpu; fi
 rm -rf "$CLUSTER_DIR"
 log "cluster down in $((SECONDS - t0))s"

@@ -6,6 +6,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
 source "$here/scripts/lib.sh"
+source "$here/scripts/node-config.sh"
 t0=$SECONDS
 
 bash "$here/scripts/install-deps.sh"
@@ -25,10 +26,27 @@ if [[ ! -f $CLUSTER_DIR/sysctl.saved ]]; then
   done > "$CLUSTER_DIR/sysctl.saved"
 fi
 sysctl -qw net.ipv4.ip_forward=1
-# Pod traffic must never leave this machine: drop anything from the pod bridge not addressed to
-# the pod network (in mangle, which kube-proxy never rewrites, so its ACCEPTs cannot bypass it).
-fence=(FORWARD -i "$BRIDGE" ! -d "$CLUSTER_CIDR" -m comment --comment gpu-agent-ci-fence -j DROP)
-iptables -t mangle -C "${fence[@]}" 2>/dev/null || iptables -t mangle -I "${fence[@]}"
+# Pod traffic must never leave this machine: whatever the host forwards from the pod bridge or
+# from the worker nodes' bridge goes only to the pod network or the nodes' network (in mangle,
+# which kube-proxy never rewrites, so its ACCEPTs cannot bypass it).
+iptables -t mangle -N GPUCI-FENCE 2>/dev/null || true
+iptables -t mangle -F GPUCI-FENCE
+iptables -t mangle -A GPUCI-FENCE -d "$CLUSTER_CIDR" -j RETURN
+iptables -t mangle -A GPUCI-FENCE -d "$NODE_NETWORK" -j RETURN
+iptables -t mangle -A GPUCI-FENCE -m comment --comment gpu-agent-ci-fence -j DROP
+for bridge in "$BRIDGE" "$NODES_BRIDGE"; do
+  iptables -t mangle -C FORWARD -i "$bridge" -j GPUCI-FENCE 2>/dev/null || iptables -t mangle -I FORWARD -i "$bridge" -j GPUCI-FENCE
+done
+
+# The workers' network namespaces, before any pod exists: `ip netns add` bind-mounts /run/netns
+# onto itself the first time, and a pod's namespace mounted under that mount could not be removed
+# through it. Remember whether the mount is ours, so that teardown removes only ours.
+if ((NODES > 1)) && ! mountpoint -q /run/netns && [[ ! -f $CLUSTER_DIR/made-run-netns-mount ]]; then
+  touch "$CLUSTER_DIR/made-run-netns-mount"
+fi
+for ((i = 1; i < NODES; i++)); do
+  [[ -e /run/netns/gpuci-w$i ]] || ip netns add "gpuci-w$i"
+done
 
 # --- control plane ---------------------------------------------------------------------------
 start etcd etcd --name ci --data-dir "$CLUSTER_DIR/etcd" \
@@ -46,6 +64,7 @@ start kube-apiserver kube-apiserver --etcd-servers=http://127.0.0.1:12379 \
   --kubelet-certificate-authority="$PKI/ca.crt" --kubelet-preferred-address-types=InternalIP,Hostname \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
   --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+  --default-not-ready-toleration-seconds="$POD_EVICTION_SECONDS" --default-unreachable-toleration-seconds="$POD_EVICTION_SECONDS" \
   --profiling=false --v=1
 wait_for 60 kube-apiserver curl -sf --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
   "https://$NODE_IP:$API_PORT/readyz"
@@ -55,88 +74,25 @@ start kube-controller-manager kube-controller-manager --kubeconfig="$CLUSTER_DIR
   --authorization-kubeconfig="$CLUSTER_DIR/controller-manager.kubeconfig" \
   --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
   --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
-  --use-service-account-credentials=true --leader-elect=false --bind-address=127.0.0.1 --profiling=false --v=1
+  --use-service-account-credentials=true --leader-elect=false --bind-address=127.0.0.1 --profiling=false \
+  --node-monitor-grace-period="$NODE_GRACE_PERIOD" --node-monitor-period=1s --v=1
 start kube-scheduler kube-scheduler --kubeconfig="$CLUSTER_DIR/scheduler.kubeconfig" \
   --authentication-kubeconfig="$CLUSTER_DIR/scheduler.kubeconfig" --authorization-kubeconfig="$CLUSTER_DIR/scheduler.kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1 --profiling=false --v=1
 
 # --- node: containerd, CNI, kubelet, kube-proxy ---------------------------------------------
-mkdir -p "$CLUSTER_DIR/containerd" "$CLUSTER_DIR/cni/net.d" "$CLUSTER_DIR/kubelet"
-cat > "$CLUSTER_DIR/containerd/config.toml" <<TOML
-version = 2
-root = "$CLUSTER_DIR/containerd/root"
-state = "$CLUSTER_DIR/containerd/state"
-[grpc]
-  address = "$CONTAINERD_SOCK"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "localhost/pause:ci"
-  # Without CAP_SYS_RESOURCE runc cannot lower oom_score_adj: every pod fails otherwise.
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
-    conf_dir = "$CLUSTER_DIR/cni/net.d"
-TOML
-cat > "$CLUSTER_DIR/cni/net.d/10-gpuci.conflist" <<JSON
-{"cniVersion": "0.4.0", "name": "gpuci", "plugins": [
-  {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}],
-            "dataDir": "$CLUSTER_DIR/cni/ipam"}},
-  {"type": "portmap", "capabilities": {"portMappings": true}}
-]}
-JSON
+write_node_config "$CLUSTER_DIR" "$NODE_NAME" "$POD_CIDR" / kubelet-serving
 start containerd containerd --config "$CLUSTER_DIR/containerd/config.toml"
 wait_for 30 containerd ctr --address "$CONTAINERD_SOCK" version
 for image in pause coredns; do
   ctr_ images import "$CI_CACHE/images/$image.oci.tar" >/dev/null
 done
 
-cat > "$CLUSTER_DIR/kubelet/config.yaml" <<YAML
-apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-authentication:
-  anonymous: {enabled: false}
-  webhook: {enabled: true}
-  x509: {clientCAFile: $PKI/ca.crt}
-authorization: {mode: Webhook}
-cgroupDriver: cgroupfs
-failCgroupV1: false
-failSwapOn: false
-clusterDNS: [$DNS_SERVICE_IP]
-clusterDomain: cluster.local
-containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
-tlsCertFile: $PKI/kubelet-serving.crt
-tlsPrivateKeyFile: $PKI/kubelet-serving.key
-podCIDR: $POD_CIDR
-serializeImagePulls: false
-# Report node status every second (default 10 s), so allocatable follows fake GPUs within 2 s.
-nodeStatusUpdateFrequency: 1s
-# Images cannot be pulled again here: never garbage-collect them, never evict for disk.
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%"}
-YAML
 # kubelet's device-plugin folder is fixed at /var/lib/kubelet/device-plugins, outside its
 # root dir: remember whether we made /var/lib/kubelet so that teardown removes only ours.
 [[ -d /var/lib/kubelet || -f $CLUSTER_DIR/made-var-lib-kubelet ]] || touch "$CLUSTER_DIR/made-var-lib-kubelet"
 start_kubelet
 
-cat > "$CLUSTER_DIR/kube-proxy.yaml" <<YAML
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-mode: iptables
-clusterCIDR: $CLUSTER_CIDR
-hostnameOverride: $NODE_NAME
-bindAddress: 127.0.0.1
-metricsBindAddress: 127.0.0.1:10249
-healthzBindAddress: 127.0.0.1:10256
-clientConnection: {kubeconfig: $CLUSTER_DIR/kube-proxy.kubeconfig}
-conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
-YAML
 start kube-proxy kube-proxy --config="$CLUSTER_DIR/kube-proxy.yaml" --v=1
 
 wait_for 90 "node $NODE_NAME Ready" sh -c "kubectl --kubeconfig '$KUBECONFIG_PATH' get node '$NODE_NAME' -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}' | grep -qx True"
@@ -147,4 +103,13 @@ sysctl -qw net.bridge.bridge-nf-call-iptables=1 || true
 kc apply -f "$here/manifests/coredns.yaml" >/dev/null
 kc -n kube-system rollout status deploy/coredns --timeout=90s >/dev/null
 wait_for 30 "cluster DNS" python3 "$here/tools/dns_query.py" "$DNS_SERVICE_IP" kubernetes.default.svc.cluster.local "$API_SERVICE_IP"
-log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, node $NODE_NAME Ready, DNS answering"
+# --- worker nodes (NODES-1 of them), started side by side ---------------------------------
+workers=()
+for ((i = 1; i < NODES; i++)); do
+  bash "$here/scripts/pki.sh" node "gpu-ci-w$i" "$(worker_ip "$i")"  # one at a time: openssl's serial file
+  workers+=("$i")
+done
+pids=()
+for i in "${workers[@]}"; do bash "$here/scripts/node.sh" up "$i" & pids+=($!); done
+for pid in "${pids[@]}"; do wait "$pid"; done
+log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, $NODES node(s) Ready, DNS answering"

@@ -23,6 +23,17 @@ export SERVICE_CIDR=10.96.0.0/16
 export API_SERVICE_IP=10.96.0.1
 export DNS_SERVICE_IP=10.96.0.10
 export BRIDGE=gpuci0
+# How many nodes: the control-plane node plus NODES-1 workers (gpu-ci-w1, ...), each in its own
+# network namespace on the host bridge NODES_BRIDGE (NODE_NETWORK, the host at NODES_GATEWAY).
+export NODES=${NODES:-1}
+export NODE_NETWORK=10.250.0.0/16
+export NODES_BRIDGE=gpucin0
+export NODES_GATEWAY=10.250.1.1
+worker_ip() { echo "10.250.1.$((10 + $1))"; }
+# How soon the controller manager calls a silent node NotReady, and how long its pods then stay
+# bound before they are evicted (Kubernetes' defaults are 50 s and 300 s: minutes in a test).
+export NODE_GRACE_PERIOD=${NODE_GRACE_PERIOD:-12s}
+export POD_EVICTION_SECONDS=${POD_EVICTION_SECONDS:-30}
 export PKI=$CLUSTER_DIR/pki
 export PIDS=$CLUSTER_DIR/pids
 export LOGS=$CLUSTER_DIR/logs

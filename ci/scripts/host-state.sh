@@ -16,6 +16,7 @@ done
 echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables 2>/dev/null
 echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd" | sort
 echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause)' | sort | uniq -c
-echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods 2>/dev/null
+ps -eo args= | grep -c '^gpuci-node-holder' | sed 's/^/worker node holders: /'
+echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/gpuci-* 2>/dev/null
 echo "## state"; ls -d "$CLUSTER_DIR" 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort
 exit 0

@@ -39,6 +39,32 @@ wait_for() {
 kc() { kubectl --kubeconfig "$KUBECONFIG_PATH" "$@"; }
 ctr_() { ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
 
+# Every node's containerd socket: the control-plane node's, then each worker's that is running.
+node_sockets() {
+  echo "$CONTAINERD_SOCK"
+  local dir
+  for dir in "$CLUSTER_DIR"/nodes/w*/; do
+    [[ -S $dir/containerd/containerd.sock ]] && running "$(basename "$dir")-containerd" && echo "$dir/containerd/containerd.sock"
+  done
+  return 0
+}
+
+# import_image ARCHIVE [EXTRA_TAG_FROM EXTRA_TAG_TO]: into every node's containerd at once (each
+# node has its own image store, as kind's nodes do), optionally tagging it a second time.
+import_image() {
+  local archive=$1 from=${2:-} to=${3:-} sock pids=()
+  while read -r sock; do
+    {
+      ctr --address "$sock" --namespace k8s.io images import "$archive" >/dev/null
+      [[ -z $to ]] || ctr --address "$sock" --namespace k8s.io images tag --force "$from" "$to" >/dev/null
+    } &
+    pids+=($!)
+  done < <(node_sockets)
+  local pid rc=0
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  return $rc
+}
+
 start_kubelet() {
   start kubelet kubelet --config="$CLUSTER_DIR/kubelet/config.yaml" --kubeconfig="$CLUSTER_DIR/kubelet.kubeconfig" \
     --root-dir="$CLUSTER_DIR/kubelet" --node-ip="$NODE_IP" --hostname-override="$NODE_NAME" --v=1

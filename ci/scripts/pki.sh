@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # A throwaway CA and one certificate per identity, with openssl. Idempotent.
+#   pki.sh                 the CA and the control plane's, the first node's and kube-proxy's identities
+#   pki.sh node NAME IP    a worker node's kubelet identity (system:node:NAME) and serving certificate
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -27,17 +29,6 @@ cert() {
   openssl x509 -req -in "$name.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 3650 -extfile "$name.ext" -out "$name.crt" 2>/dev/null
   rm -f "$name.csr" "$name.ext"
 }
-cert apiserver kube-apiserver "" serverAuth \
-  "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost,IP:127.0.0.1,IP:$NODE_IP,IP:$API_SERVICE_IP"
-cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters clientAuth
-cert admin kubernetes-admin system:masters clientAuth
-cert controller-manager system:kube-controller-manager "" clientAuth
-cert scheduler system:kube-scheduler "" clientAuth
-cert kube-proxy system:kube-proxy "" clientAuth
-cert kubelet "system:node:$NODE_NAME" system:nodes clientAuth
-cert kubelet-serving "$NODE_NAME" "" serverAuth "DNS:$NODE_NAME,IP:$NODE_IP"
-chmod 600 ./*.key
-
 kubeconfig() {
   local name=$1 user=$2
   cat > "$CLUSTER_DIR/$name.kubeconfig" <<KC
@@ -60,6 +51,25 @@ current-context: gpu-agent-ci
 KC
   chmod 600 "$CLUSTER_DIR/$name.kubeconfig"
 }
+if [[ ${1:-} == node ]]; then
+  name=$2 ip=$3
+  cert "kubelet-$name" "system:node:$name" system:nodes clientAuth
+  cert "kubelet-serving-$name" "$name" "" serverAuth "DNS:$name,IP:$ip"
+  chmod 600 ./*.key
+  kubeconfig "kubelet-$name" "kubelet-$name"
+  exit 0
+fi
+cert apiserver kube-apiserver "" serverAuth \
+  "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost,IP:127.0.0.1,IP:$NODE_IP,IP:$API_SERVICE_IP"
+cert apiserver-kubelet-client kube-apiserver-kubelet-client system:masters clientAuth
+cert admin kubernetes-admin system:masters clientAuth
+cert controller-manager system:kube-controller-manager "" clientAuth
+cert scheduler system:kube-scheduler "" clientAuth
+cert kube-proxy system:kube-proxy "" clientAuth
+cert kubelet "system:node:$NODE_NAME" system:nodes clientAuth
+cert kubelet-serving "$NODE_NAME" "" serverAuth "DNS:$NODE_NAME,IP:$NODE_IP"
+chmod 600 ./*.key
+
 kubeconfig admin admin
 kubeconfig controller-manager controller-manager
 kubeconfig scheduler scheduler

@@ -1,0 +1,163 @@
+"""A cluster of several nodes (`make cluster-up NODES=3`): one pod per node, traffic between
+nodes, fake GPUs per node, and a GPUDomain that loses a node and gets it back.
+
+Marked `multinode`: `.ci/run` runs them on a 3-node CI cluster of their own (the rest of the suite
+runs on one node); on a cluster with fewer nodes they skip, saying so. The node faults (stop,
+partition) exist on the CI cluster only (ci/scripts/node.sh), as do the host's firewall counters.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+
+import pytest
+from kubernetes import client
+
+from e2e.cluster import node_fault, provider
+from e2e.helpers import apply, exec_python, wait_until
+from e2e.release import Release
+
+pytestmark = pytest.mark.multinode
+
+PROBE = """
+import json, socket, urllib.request
+out = {}
+for url in URLS:
+    try:
+        out[url] = urllib.request.urlopen(url, timeout=5).read().decode()
+    except Exception as e:
+        out[url] = "error: %s" % e
+try:
+    out["dns"] = socket.gethostbyname("kubernetes.default.svc.cluster.local")
+except Exception as e:
+    out["dns"] = "error: %s" % e
+try:
+    socket.create_connection(("192.0.2.1", 80), timeout=2)  # TEST-NET-1: must never leave the machine
+    out["outside"] = "connected"
+except Exception as e:
+    out["outside"] = "error: %s" % e
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def nodes(core) -> list[str]:
+    names = sorted(n.metadata.name for n in core.list_node().items)
+    if len(names) < 3:
+        pytest.skip(f"needs 3 nodes, the cluster has {len(names)}: make cluster-up NODES=3 (the CI cluster)")
+    return names
+
+
+def fence_drops() -> int:
+    """Packets the CI host's fence dropped so far (its last rule), read from the host's firewall."""
+    out = subprocess.run(["iptables", "-t", "mangle", "-L", "GPUCI-FENCE", "-v", "-x", "-n"], check=True,
+                         capture_output=True, text=True).stdout
+    return int([line for line in out.splitlines() if " DROP " in f" {line} "][0].split()[0])
+
+
+def test_a_daemonset_runs_one_pod_per_node_and_pods_reach_each_other_by_ip_service_and_dns(api, core, namespace, nodes):
+    apply(api, namespace, "named-web-daemonset.yaml.j2", name="web")
+
+    def ready_pods():
+        pods = core.list_namespaced_pod(namespace, label_selector="app=web").items
+        ok = [p for p in pods if any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))]
+        return ok if len(ok) == len(nodes) else None
+
+    pods = wait_until(ready_pods, 90, f"{len(nodes)} web pods Ready")
+    assert sorted(p.spec.node_name for p in pods) == nodes, "one pod on every node"
+    by_ip = {p.status.pod_ip: p.metadata.name for p in pods}
+    service = f"http://web.{namespace}.svc.cluster.local/name"
+    urls = [f"http://{ip}:8000/name" for ip in by_ip] + [service]
+    rows = []
+    for pod in pods:
+        before = fence_drops() if provider() == "ci" else 0
+        answers = json.loads(exec_python(api, namespace, pod.metadata.name, f"URLS = {urls!r}\n{PROBE}").strip())
+        for ip, name in by_ip.items():
+            assert answers[f"http://{ip}:8000/name"] == name, (pod.spec.node_name, ip, answers)
+        assert answers[service] in by_ip.values(), (pod.spec.node_name, answers)
+        assert answers["dns"] == "10.96.0.1" or answers["dns"].count(".") == 3, (pod.spec.node_name, answers)
+        assert answers["outside"].startswith("error"), (pod.spec.node_name, answers)
+        dropped = fence_drops() - before if provider() == "ci" else None
+        if dropped is not None:
+            assert dropped >= 1, f"{pod.spec.node_name}: the host's fence dropped nothing of the pod's outside attempt"
+        rows.append(f"{pod.spec.node_name}: {len(by_ip)} pods by IP, the Service, DNS {answers['dns']}, outside refused"
+                    + (f" ({dropped} packet(s) dropped by the fence)" if dropped is not None else ""))
+    print("\n" + "\n".join(rows))
+
+
+def test_fake_gpus_per_node_allocatable_follows_on_each_within_2s(fake_gpus, nodes):
+    counts = {node: count for node, count in zip(nodes, (1, 2, 4))}
+    times = {node: fake_gpus.set(count, timeout=2, node=node) for node, count in counts.items()}
+    assert {node: fake_gpus.allocatable(node) for node in nodes} == counts, "each node keeps its own count"
+    times[nodes[1]] = fake_gpus.set(3, timeout=2, node=nodes[1])
+    assert {node: fake_gpus.allocatable(node) for node in nodes} == {**counts, nodes[1]: 3}, "only that node changed"
+    print("\nallocatable followed in " + ", ".join(f"{n} {t:.2f} s" for n, t in times.items()))
+    for node in nodes:
+        fake_gpus.set(0, node=node)
+
+
+def node_ready(core, node: str) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in core.read_node(node).status.conditions or [])
+
+
+@pytest.mark.disruptive
+def test_node_agents_form_a_domain_across_nodes_and_a_stopped_or_partitioned_node_turns_notready_and_back(
+        api, core, apps, kubeconfig, namespace, fake_gpus, nodes):
+    """Real DaemonSet pods on three nodes form one GPUDomain; a worker stopped (node-stop: its kubelet,
+    containerd and pods killed) or cut off (node-partition) turns its member and the domain NotReady
+    within the heartbeat TTL + 1 s, and both come back when the node does."""
+    if provider() != "ci":
+        pytest.skip("node faults need the CI cluster (ci/scripts/node.sh)")
+    for node in nodes:
+        fake_gpus.set(1, node=node)
+    first, worker = nodes[0], nodes[-1]
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"nodes{uuid.uuid4().hex[:5]}")
+    pin = f"kubernetes\\.io/hostname={first}"  # the cluster agent and control plane stay on the node that lives
+    release.install("--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(nodes)}",
+                    "--set", "domain.heartbeatInterval=1", "--set", "domain.heartbeatTTL=3",
+                    "--set", f"clusterAgent.nodeSelector.{pin}", "--set", f"controlPlane.nodeSelector.{pin}")
+    custom = client.CustomObjectsApi(api)
+
+    def status():
+        try:
+            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus").get("status") or {}
+        except client.ApiException:
+            return {}
+
+    def member(node):
+        return next((m for m in status().get("nodes", []) if m["name"] == node), {})
+
+    faulted = None
+    try:
+        wait_until(lambda: status().get("status") == "Ready" and len(status().get("nodes", [])) == len(nodes), 120,
+                   f"the GPUDomain Ready with {len(nodes)} members")
+        indices = {m["name"]: m["index"] for m in status()["nodes"]}
+        assert sorted(indices) == nodes and sorted(indices.values()) == list(range(len(nodes))), indices
+        rows = []
+        for fault, undo in (("stop", "start"), ("partition", "heal")):
+            node_fault(fault, worker)
+            faulted, started = undo, time.monotonic()
+            wait_until(lambda: member(worker).get("status") == "NotReady" and status().get("status") == "NotReady",
+                       3 + 1 + 2, f"{worker}'s member and the domain NotReady after node-{fault}")  # TTL 3 s + 1 s + a poll
+            member_gone = time.monotonic() - started
+            wait_until(lambda: not node_ready(core, worker), 60, f"{worker} NotReady at the API server")
+            node_gone = time.monotonic() - started
+            node_fault(undo, worker)
+            faulted, started = None, time.monotonic()
+            wait_until(lambda: member(worker).get("status") == "Ready" and status().get("status") == "Ready", 120,
+                       f"{worker}'s member and the domain Ready after node-{undo}")
+            back = time.monotonic() - started
+            assert member(worker)["index"] == indices[worker], "the node keeps its index"
+            rows.append(f"node-{fault} {worker}: member and domain NotReady after {member_gone:.1f} s, node NotReady after "
+                        f"{node_gone:.1f} s; node-{undo}: Ready again after {back:.1f} s")
+        print("\n" + "\n".join(rows))
+    finally:
+        if faulted:
+            node_fault(faulted, worker)
+        wait_until(lambda: node_ready(core, worker), 120, f"{worker} Ready again (for the tests after this one)")
+        release.uninstall_if_installed()
+        for node in nodes:
+            fake_gpus.set(0, node=node)
