@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ bench: setup
 bench-footprint: setup
 	$(MAKE) -C ci cluster-up images
 	$(BIN)/python agent/bench/bench_footprint.py
+
+## bench-nodes: the CI cluster with 3 nodes (brought up), then each worker's idle RSS and CPU (printed, not asserted)
+bench-nodes:
+	$(MAKE) -C ci cluster-up NODES=3
+	python3 ci/tools/node_footprint.py
 
 ## bench-domain: N simulated node agents on one GPUDomain on the CI cluster, per write strategy, then the simulator
 bench-domain: setup

@@ -102,12 +102,12 @@ def test_50_writers_with_random_kills_and_restarts_converge_without_losing_an_en
 class LocalNodeAgent:
     """A real node agent process against the cluster's API server, on fake GPUs."""
 
-    def __init__(self, tmp: Path, kubeconfig, namespace, domain, node, strategy, gpus=1):
+    def __init__(self, tmp: Path, kubeconfig, namespace, domain, node, strategy, gpus=1, clique=""):
         self.node, self.tmp = node, tmp
         self.state = tmp / f"{node}.json"
         fake_state.write_atomic(self.state, fake_state.render(Inventory(tuple(
             GPU(f"GPU-{abs(hash(node)) % 10**8:08d}-0000-0000-0000-00000000000{i}", "fake", 1 << 30, index=i)
-            for i in range(gpus))), node))
+            for i in range(gpus)), clique=clique), node))
         self.peers = tmp / f"{node}.peers"
         self.log = tmp / f"{node}.log"
         self.argv = [sys.executable, "-m", "gpu_agent", "node-agent", "-v", "3", "--listen-address", "127.0.0.1:0",
@@ -182,5 +182,56 @@ def test_a_domain_with_one_node_gone_turns_not_ready_and_back(crd, api, kubeconf
         assert "peer(s)" in a.log.read_text()
     finally:
         for agent in (a, b):
+            if agent.proc.poll() is None:
+                agent.stop()
+
+
+def peers_of(agent: LocalNodeAgent) -> list[str]:
+    """The node names in an agent's peers file (what a workload on that node would be handed)."""
+    if not agent.peers.exists():
+        return []
+    return sorted(line.split()[1] for line in agent.peers.read_text().splitlines()[1:])
+
+
+def test_two_racks_number_their_nodes_per_clique_and_a_node_moved_to_the_other_rack_follows(
+        crd, api, kubeconfig, namespace, tmp_path):
+    """Two fake racks (NVLink cliques) of three node agents each in one domain: indices run per clique,
+    each node's peers file lists its own rack only; a node whose layout moves it to the other rack
+    (`fake-gpu set --clique`) leaves the old rack's peers files and joins the new rack's."""
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    make_domain(api, namespace, "racks", 6)
+    aggregator = Aggregator(api, namespace, "racks")
+    threading.Thread(target=aggregator.run, daemon=True).start()
+    racks = {"rack-a": ["a0", "a1", "a2"], "rack-b": ["b0", "b1", "b2"]}
+    agents = {node: LocalNodeAgent(tmp_path, kubeconfig, namespace, "racks", node, "aggregate", clique=rack).start()
+              for rack, nodes in racks.items() for node in nodes}
+    try:
+        def layout():
+            status = get_domain(api, namespace, "racks").get("status") or {}
+            return {n["name"]: (n.get("clique"), n["index"]) for n in status.get("nodes") or []}, status
+
+        wait_until(lambda: layout()[1].get("status") == "Ready" and len(layout()[0]) == 6, 60, "6 members Ready")
+        by_rack = {rack: sorted(index for c, index in layout()[0].values() if c == rack) for rack in racks}
+        assert by_rack == {"rack-a": [0, 1, 2], "rack-b": [0, 1, 2]}, layout()[0]
+        assert layout()[1]["cliques"] == [{"id": "rack-a", "nodes": 3, "readyNodes": 3},
+                                          {"id": "rack-b", "nodes": 3, "readyNodes": 3}]
+        for rack, nodes in racks.items():
+            for node in nodes:
+                wait_until(lambda node=node, nodes=nodes: peers_of(agents[node]) == nodes, 15, f"{node}'s peers: its rack")
+        started = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "fake_gpu", "--state-file", str(agents["a1"].state), "set", "--count", "1",
+                            "--clique", "rack-b"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: layout()[0].get("a1") == ("rack-b", 3), 30, "a1 in rack-b with the lowest free index there (3)")
+        for node in ("a0", "a2"):
+            wait_until(lambda node=node: peers_of(agents[node]) == ["a0", "a2"], 15, f"{node}'s peers without a1")
+        for node in ("b0", "b1", "b2", "a1"):
+            wait_until(lambda node=node: peers_of(agents[node]) == ["a1", "b0", "b1", "b2"], 15, f"{node}'s peers with a1")
+        print(f"\na1 moved from rack-a to rack-b: every peers file right after {time.monotonic() - started:.1f} s; "
+              f"indices {sorted(layout()[0].items())}")
+    finally:
+        aggregator.stop()
+        for agent in agents.values():
             if agent.proc.poll() is None:
                 agent.stop()

@@ -161,3 +161,44 @@ def test_node_agents_form_a_domain_across_nodes_and_a_stopped_or_partitioned_nod
         release.uninstall_if_installed()
         for node in nodes:
             fake_gpus.set(0, node=node)
+
+
+def test_a_gpudomain_a_user_creates_with_a_node_selector_is_joined_by_exactly_the_matching_nodes(
+        api, core, apps, kubeconfig, namespace, fake_gpus, nodes):
+    """domain.joinMatching: the chart's node agents join a GPUDomain created after install whose
+    nodeSelector matches their node's labels, and only those; a node relabelled out of it leaves."""
+    for node in nodes:
+        fake_gpus.set(1, node=node)
+    label, value = "gpu-agent.io/e2e-rack", uuid.uuid4().hex[:8]
+    members = nodes[1:]
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"sel{uuid.uuid4().hex[:5]}")
+    custom = client.CustomObjectsApi(api)
+
+    def names():
+        try:
+            obj = custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "rack")
+        except client.ApiException:
+            return None
+        return sorted(n["name"] for n in (obj.get("status") or {}).get("nodes") or [])
+
+    try:
+        for node in members:
+            core.patch_node(node, {"metadata": {"labels": {label: value}}})
+        release.install("--set", "domain.joinMatching=true")
+        custom.create_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", {
+            "apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomain", "metadata": {"name": "rack"},
+            "spec": {"expectedNodes": len(members), "nodeSelector": {label: value}}})
+        started = time.monotonic()
+        wait_until(lambda: names() == members, 90, f"the user's GPUDomain joined by {members} only")
+        joined = time.monotonic() - started
+        core.patch_node(members[-1], {"metadata": {"labels": {label: "elsewhere"}}})
+        started = time.monotonic()
+        wait_until(lambda: names() == members[:-1], 60, f"{members[-1]} relabelled out of the domain, gone from it")
+        print(f"\nuser GPUDomain with nodeSelector: joined by {members} in {joined:.1f} s; "
+              f"{members[-1]} left {time.monotonic() - started:.1f} s after its label changed")
+    finally:
+        for node in members:
+            core.patch_node(node, {"metadata": {"labels": {label: None}}})
+        release.uninstall_if_installed()
+        for node in nodes:
+            fake_gpus.set(0, node=node)

@@ -8,10 +8,17 @@ strategy, N threads are released at once and each runs the node agent's own writ
 its entry is in (aggregate: its member applied, and the one aggregator's write holding all N); the table gives the time to a Ready domain, t / (N / R), calls per
 writer, and the 409 and 429 answers, and checks that no entry was lost and indices are
 unique. The simulator (domain_sim.py), calibrated with the measured R, follows.
+
+Then many domains at once (BENCH_MANY=64x18): M domains of n members each, formed together (the
+cluster agent's EveryDomainAggregator folding them all), against a floor measured in the same run:
+the same M x n member applies from as many threads and clients with nobody folding. And the size of
+the largest status objects (144 nodes with 4 GPU UUIDs, in one clique and in 8 cliques of 18)
+against a quarter of etcd's 1.5 MiB request limit.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -21,7 +28,7 @@ from pathlib import Path
 from kubernetes import client, config
 
 from bench.domain_sim import table as sim_table
-from gpu_agent.mechanisms.domain.aggregate import Aggregator, MemberWriter
+from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator, MemberWriter, fold
 from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSION, DomainWriter
 from gpu_agent_hooks.cli import apply_crds
@@ -117,8 +124,93 @@ def run(n: int, strategy: str, rate: float) -> str:
             f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{f' ({gave_up} writers gave up at the deadline)' if gave_up else ''}")
 
 
+def many_domains(m: int, n: int) -> list[str]:
+    """M domains x n members at once, then the floor: the same member applies with no aggregator."""
+    clients = []
+
+    def client_for_domain() -> client.ApiClient:
+        api = new_client()
+        api.configuration.connection_pool_maxsize = n  # one connection per thread of this domain
+        api.rest_client.pool_manager.connection_pool_kw["maxsize"] = n
+        clients.append(api)
+        return api
+
+    def apply_all(tag: str, fold_them: bool) -> tuple[float, int, int]:
+        custom = client.CustomObjectsApi(new_client())
+        names = [f"many-{tag}-{d:03d}" for d in range(m)]
+        for name in names:
+            make_domain(custom, name, n)
+        folding = EveryDomainAggregator(new_client(), NAMESPACE) if fold_them else None
+        if folding is not None:
+            threading.Thread(target=folding.run, daemon=True).start()
+            deadline = time.monotonic() + 60
+            while len(folding.aggregators) < m and time.monotonic() < deadline:
+                time.sleep(0.05)  # every domain's aggregator listening before the writers start
+        domain_clients = [client_for_domain() for _ in range(m)]
+        writers = [(MemberWriter(domain_clients[d], NAMESPACE, names[d]), Entry(f"node-{d:03d}-{i:02d}", "", (), True,
+                                                                              f"rack-{d:03d}"))
+                   for d in range(m) for i in range(n)]
+        barrier = threading.Barrier(len(writers) + 1)
+        ok = [False] * len(writers)
+
+        def write(k: int) -> None:
+            barrier.wait()
+            ok[k] = writers[k][0].ensure(writers[k][1], deadline=time.monotonic() + 300)
+
+        threads = [threading.Thread(target=write, args=(k,), daemon=True) for k in range(len(writers))]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        started = time.monotonic()
+        for t in threads:
+            t.join(600)
+        if folding is not None:
+            def formed() -> int:
+                return sum(1 for a in list(folding.aggregators.values())
+                           if len((((a.writer.cached or {}).get("status") or {}).get("nodes")) or []) == n)
+            while formed() < m and time.monotonic() - started < 600:
+                time.sleep(0.01)
+            folding.stop()
+        elapsed = time.monotonic() - started
+        lost = bad_indices = 0
+        if folding is not None:
+            for name in names:
+                obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+                nodes = (obj.get("status") or {}).get("nodes") or []
+                lost += n - len(nodes)
+                for clique in {e.get("clique") for e in nodes}:
+                    indices = [e["index"] for e in nodes if e.get("clique") == clique]
+                    bad_indices += len(indices) - len(set(indices))
+        lost += len(ok) - sum(ok)
+        return elapsed, lost, bad_indices
+
+    floor, floor_lost, _ = apply_all("floor", fold_them=False)
+    formed, lost, bad = apply_all("formed", fold_them=True)
+    for api in clients:
+        api.close()
+    return [f"{'M x n':>8} {'members':>8} {'t (s)':>7} {'floor (s)':>9} {'ratio':>6} {'writes':>7} {'lost':>5} {'dup idx':>7}",
+            f"{f'{m} x {n}':>8} {m * n:>8} {formed:>7.1f} {floor:>9.1f} {formed / floor:>6.2f} {m * n + m:>7} "
+            f"{lost + floor_lost:>5} {bad:>7}   (writes: one member apply per node, at least one status write per domain)"]
+
+
+def status_sizes() -> list[str]:
+    """Bytes of the GPUDomain as the aggregator writes it, at the largest sizes we plan for."""
+    limit = 1.5 * 2**20
+    rows = []
+    for label, cliques, per in (("144 nodes, one clique", 1, 144), ("8 cliques of 18", 8, 18)):
+        members = {f"node-{c:02d}-{i:03d}": {"ready": True, "ip": f"10.{c}.{i // 250}.{i % 250}", "clique":
+                   f"6f9619ff-8b86-d011-b42d-00c04fc964ff.{c}",
+                   "gpuUUIDs": [f"GPU-{c:02d}{i:06d}-0000-0000-0000-00000000000{g}" for g in range(4)]}
+                   for c in range(cliques) for i in range(per)}
+        obj = fold({"apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomain",
+                    "metadata": {"name": "big", "namespace": NAMESPACE}, "spec": {"expectedNodes": 144}}, members)
+        size = len(json.dumps(obj, separators=(",", ":")))
+        rows.append(f"{label}: {size / 1024:.1f} KiB = {size / limit:.1%} of etcd's 1.5 MiB request limit (goal < 25%)")
+    return rows
+
+
 def main() -> int:
-    sizes = [int(x) for x in os.environ.get("BENCH_SIZES", "50,144,256").split(",")]
+    sizes = [int(x) for x in os.environ.get("BENCH_SIZES", "50,144,256").split(",") if x]  # "": many domains only
     api = new_client()
     apply_crds(api, REPO / "charts" / "gpu-agent" / "crds")
     try:
@@ -135,6 +227,13 @@ def main() -> int:
             print(run(n, strategy, rate), flush=True)
     print()
     print(sim_table(rate))
+    m, n = (int(x) for x in os.environ.get("BENCH_MANY", "64x18").split("x"))
+    print(f"\nmany domains at once: {m} domains x {n} members, against the floor of the same member applies unfolded")
+    for line in many_domains(m, n):
+        print(line, flush=True)
+    print("\nstatus object size (what the aggregator writes):")
+    for line in status_sizes():
+        print(line)
     client.CoreV1Api(api).delete_namespace(NAMESPACE)
     return 0
 

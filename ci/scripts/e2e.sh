@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
-#   ci        bring the CI cluster up (idempotent), build and import images, run, tear down
-#             (KEEP_CLUSTER=1 leaves it running for the next run or for poking at)
+#   ci        two stages, each on a cluster of its own, brought up (idempotent), images built and
+#             imported, tests run, torn down, the host checked to be exactly as before:
+#               1. every test not marked multinode, on E2E_NODES nodes (default 1)
+#               2. the multinode tests (e2e/test_nodes.py), on 3 nodes, when the selection has any
+#             KEEP_CLUSTER=1: one stage on the running cluster (NODES nodes), left running after
 #   existing  the current KUBECONFIG; images must already be loadable by its nodes
 #   kind|k3d  a cluster made by pytest-kind-ng / the k3d CLI (need Docker; not on CI machines)
 set -euo pipefail
@@ -11,38 +14,63 @@ source "$here/scripts/common.sh"
 cluster=${1:-ci}
 pytest=${PYTEST:-$repo/.venv/bin/pytest}
 export E2E_CLUSTER=$cluster
-case $cluster in
-  ci)
-    if [[ ${KEEP_CLUSTER:-0} != 1 ]]; then
-      # Teardown is checked too: the host must look exactly as it did before cluster-up.
-      before=$(mktemp); after=$(mktemp)
-      # Packages first: what an install step adds (iptables' empty tables, say) is the host's new
-      # baseline, not something the cluster left behind.
-      t=$SECONDS; bash "$here/scripts/install-deps.sh"; log "timing: host packages $((SECONDS - t))s"
-      if [[ ! -d $CLUSTER_DIR ]]; then bash "$here/scripts/host-state.sh" > "$before"; else : > "$before"; fi
-      teardown() {
-        local rc=$?
-        t=$SECONDS; bash "$here/scripts/cluster-down.sh"; log "timing: cluster-down $((SECONDS - t))s"
-        if [[ -s $before ]]; then
-          bash "$here/scripts/host-state.sh" > "$after"
-          if ! diff -u "$before" "$after"; then log "FAILED: cluster-down left the host changed (diff above)"; rc=1
-          else log "teardown check passed: host state identical to before cluster-up"; fi
-        fi
-        rm -f "$before" "$after"
-        exit $rc
-      }
-      trap teardown EXIT
-    fi
-    t=$SECONDS; bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up $((SECONDS - t))s"
-    t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
-    ;;
-  existing|kind|k3d) ;;
-  *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
-esac
-t=$SECONDS
 export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y%m%dT%H%M%S)}
 rc=0
-"$pytest" -p no:cacheprovider "$repo/e2e" "${@:2}" || rc=$?
-log "timing: e2e suite $((SECONDS - t))s"
+
+run_suite() {  # run_suite WHAT PYTEST_ARGS...
+  local what=$1 t=$SECONDS; shift
+  "$pytest" -p no:cacheprovider "$repo/e2e" "$@" || rc=$?
+  log "timing: e2e $what $((SECONDS - t))s"
+}
+
+cluster_up() {  # cluster_up NODES
+  local t=$SECONDS
+  NODES=$1 bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up ($1 node(s)) $((SECONDS - t))s"
+  t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
+}
+
+case $cluster in
+  ci)
+    if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
+      cluster_up "$NODES"
+      run_suite suite "${@:2}"
+      exit $rc
+    fi
+    # Teardown is checked too: the host must look exactly as it did before cluster-up.
+    before=$(mktemp); after=$(mktemp)
+    # Packages first: what an install step adds (iptables' empty tables, say) is the host's new
+    # baseline, not something the cluster left behind.
+    t=$SECONDS; bash "$here/scripts/install-deps.sh"; log "timing: host packages $((SECONDS - t))s"
+    if [[ ! -d $CLUSTER_DIR ]]; then bash "$here/scripts/host-state.sh" > "$before"; else : > "$before"; fi
+    down_and_check() {
+      local t=$SECONDS
+      bash "$here/scripts/cluster-down.sh"; log "timing: cluster-down $((SECONDS - t))s"
+      [[ -s $before ]] || return 0
+      bash "$here/scripts/host-state.sh" > "$after"
+      if ! diff -u "$before" "$after"; then log "FAILED: cluster-down left the host changed (diff above)"; return 1; fi
+      log "teardown check passed: host state identical to before cluster-up"
+    }
+    trap 'code=$?; down_and_check || code=1; rm -f "$before" "$after"; exit $code' EXIT
+    # A marker expression of the caller's (-m fast) is combined with each stage's, not replaced.
+    marks="" args=()
+    set -- "${@:2}"
+    while (($#)); do
+      if [[ $1 == -m ]]; then marks="($2) and "; shift 2; else args+=("$1"); shift; fi
+    done
+    cluster_up "${E2E_NODES:-1}"
+    run_suite "suite (${E2E_NODES:-1} node(s))" -m "${marks}not multinode" ${args[@]+"${args[@]}"}
+    if "$pytest" -p no:cacheprovider -q --collect-only -m "${marks}multinode" "$repo/e2e" ${args[@]+"${args[@]}"} >/dev/null 2>&1; then
+      down_and_check || rc=1
+      cluster_up 3
+      run_suite "multinode (3 nodes)" -m "${marks}multinode" ${args[@]+"${args[@]}"}
+    else
+      log "no multinode test selected: no 3-node stage"
+    fi
+    ;;
+  existing|kind|k3d)
+    run_suite suite "${@:2}"
+    ;;
+  *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
+esac
 if [[ -d $E2E_ARTIFACTS ]]; then log "what the failed tests touched (pods, logs, events, domains, helm history): $E2E_ARTIFACTS"; fi
 exit $rc

@@ -3,13 +3,13 @@
 On this machine (the agent's local mode), the state file is `--state-file`, else
 $FAKE_GPU_STATE_FILE, else .run/fake-gpus.json:
 
-    fake-gpu set --count 4 [--product NAME] [--memory-mib N]
+    fake-gpu set --count 4 [--product NAME] [--memory-mib N] [--clique NAME]
     fake-gpu cycle --from 0 --to 4 --times 3 [--interval 2]
     fake-gpu status
 
 On a cluster with charts/fake-gpu installed, name the node (KUBECONFIG as usual):
 
-    fake-gpu set --node NODE --count N        fake-gpu status --node any
+    fake-gpu set --node NODE --count N [--clique rack-a]     fake-gpu status --node any
     fake-gpu cycle --node NODE --from 0 --to 4 --times 3
 
 Inside the cluster: `fake-gpu daemon` (the DaemonSet) and `fake-gpu smi -L` (in a workload).
@@ -41,14 +41,16 @@ def _current(path: Path) -> Inventory:
         return Inventory()  # a missing or broken file is replaced whole by `set`
 
 
-def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: int) -> str:
-    inventory = build(_current(path), count, product, memory_mib, random.Random(), max_gpus)
+def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: int, clique: str | None) -> str:
+    current = _current(path)
+    inventory = build(current, count, product, memory_mib, random.Random(), max_gpus,
+                      current.clique if clique is None else clique)
     try:
         fake_state.write_atomic(path, fake_state.render(inventory, node="local"))
     except OSError as e:
         raise LayoutError(f"cannot write the state file {path}: {e.strerror or e}; "
                           "choose a writable one with --state-file PATH") from None
-    return f"{path}: {inventory.count} fake GPUs"
+    return f"{path}: {inventory.count} fake GPUs" + (f", clique {inventory.clique}" if inventory.clique else "")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--product", default=DEFAULT_PRODUCT, help=f"product name (default {DEFAULT_PRODUCT!r})")
         p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB, help=f"memory per GPU in MiB (default {DEFAULT_MEMORY_MIB})")
         p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted locally (default {MAX_GPUS})")
+        p.add_argument("--clique", default=None, help="the node's fake NVLink clique (a rack), e.g. rack-a; '' for none "
+                                                      "(default: keep the current one)")
     for p in (p_set, p_cycle, p_status):
         p.add_argument("--node", default=None, help="a cluster node: change its layout on the cluster instead of a local file")
         # Also after the subcommand, where people (and our own error messages) put it.
@@ -122,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
         def set_count(count: int) -> str:
             if cluster is not None:
-                layout = cluster.set(args.node, count, args.product, args.memory_mib)
-                return f"node {args.node}: {layout.count} fake GPUs"
-            return _set_local(path, count, args.product, args.memory_mib, args.max_gpus)
+                layout = cluster.set(args.node, count, args.product, args.memory_mib, args.clique)
+                return f"node {args.node}: {layout.count} fake GPUs" + (f", clique {layout.clique}" if layout.clique else "")
+            return _set_local(path, count, args.product, args.memory_mib, args.max_gpus, args.clique)
 
         if args.max_gpus < 1:
             raise LayoutError(f"--max must be 1 or more, got {args.max_gpus}")

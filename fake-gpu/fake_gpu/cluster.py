@@ -55,10 +55,16 @@ class ClusterLayout:
                 raise LayoutError(f"unknown node {node!r}; nodes: {names}") from None
             raise
 
-    def set(self, node: str, count: int, product: str, memory_mib: int) -> NodeLayout:
+    def set(self, node: str, count: int, product: str, memory_mib: int, clique: str | None = None) -> NodeLayout:
+        """`clique` None keeps the node's current clique; "" takes it away."""
         self._check_node(node)
         cm = self._configmap()
-        layout = validate(NodeLayout(count, product, memory_mib), max_count(cm.data or {}))
+        if clique is None:
+            try:
+                clique = json.loads((cm.data or {}).get(node) or "{}").get("clique", "")
+            except (ValueError, AttributeError):
+                clique = ""
+        layout = validate(NodeLayout(count, product, memory_mib, clique), max_count(cm.data or {}))
         # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
         patch = {"metadata": {"resourceVersion": cm.metadata.resource_version}, "data": {node: layout.to_json()}}
         self.core.patch_namespaced_config_map(cm.metadata.name, self.namespace, patch)

@@ -50,13 +50,15 @@ class LayoutApplier:
             log.error("refusing layout for node %s: %s; keeping %d GPUs", self.node, e, self.current.count)
             return
         self.last_error = None
-        inventory = build(self.current, layout.count, layout.product, layout.memory_mib, self.rng, max(layout.count, 1))
+        inventory = build(self.current, layout.count, layout.product, layout.memory_mib, self.rng, max(layout.count, 1),
+                          layout.clique)
         if inventory == self.current and self.state_file.exists():
             return
         fake_state.write_atomic(self.state_file, fake_state.render(inventory, node=self.node))
         self.current = inventory
         self.devices.set(inventory)
-        log.info("node %s now has %d fake GPUs (%s)", self.node, inventory.count, layout.product)
+        log.info("node %s now has %d fake GPUs (%s)%s", self.node, inventory.count, layout.product,
+                 f", clique {layout.clique}" if layout.clique else "")
 
 
 def watch_layout(api: client.ApiClient, namespace: str, configmap: str, applier: LayoutApplier,

@@ -1,7 +1,7 @@
 """The desired layout per node, from a ConfigMap the fake-gpu DaemonSet watches.
 
     data:
-      <node name>: '{"count": 4, "product": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559}'
+      <node name>: '{"count": 4, "product": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "clique": "rack-a"}'
       maxCount: "64"
 
 A node with no entry gets `defaultCount` GPUs. An entry that does not parse or breaks a
@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError
+from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError, check_clique
 
 # The layout ConfigMap is per release (<release>-fake-gpu-layout), labelled LAYOUT_SELECTOR so that
 # `fake-gpu set` finds it; charts before 0.2 named it LEGACY_CONFIGMAP whatever the release.
@@ -28,9 +28,11 @@ class NodeLayout:
     count: int
     product: str = DEFAULT_PRODUCT
     memory_mib: int = DEFAULT_MEMORY_MIB
+    clique: str = ""  # the node's fake NVLink clique ("": none, a plain server)
 
     def to_json(self) -> str:
-        return json.dumps({"count": self.count, "product": self.product, "memoryMiB": self.memory_mib}, sort_keys=True)
+        doc = {"count": self.count, "product": self.product, "memoryMiB": self.memory_mib}
+        return json.dumps({**doc, "clique": self.clique} if self.clique else doc, sort_keys=True)
 
 
 def max_count(data: dict[str, str]) -> int:
@@ -50,6 +52,7 @@ def validate(layout: NodeLayout, limit: int) -> NodeLayout:
         raise LayoutError(f"memoryMiB must be a positive integer, got {layout.memory_mib!r}")
     if not isinstance(layout.product, str) or not layout.product.strip():
         raise LayoutError("product must be a non-empty string")
+    check_clique(layout.clique, "clique")
     return layout
 
 
@@ -64,12 +67,12 @@ def parse_entry(text: str, node: str, limit: int) -> NodeLayout:
         raise LayoutError(f"layout of node {node} is not usable JSON: {type(e).__name__}") from None
     if not isinstance(doc, dict):
         raise LayoutError(f"layout of node {node} must be an object like {{\"count\": 4}}")
-    unknown = set(doc) - {"count", "product", "memoryMiB"}
+    unknown = set(doc) - {"count", "product", "memoryMiB", "clique"}
     if unknown:
         raise LayoutError(f"layout of node {node} has unknown field(s) {', '.join(sorted(unknown))}; "
-                          "known: count, product, memoryMiB")
+                          "known: count, product, memoryMiB, clique")
     return validate(NodeLayout(doc.get("count"), doc.get("product", DEFAULT_PRODUCT),
-                               doc.get("memoryMiB", DEFAULT_MEMORY_MIB)), limit)
+                               doc.get("memoryMiB", DEFAULT_MEMORY_MIB), doc.get("clique", "")), limit)
 
 
 def layout_for(data: dict[str, str] | None, node: str, default_count: int) -> NodeLayout:

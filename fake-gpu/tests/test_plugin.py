@@ -126,6 +126,8 @@ def test_registers_again_after_a_kubelet_restart(plugin):
     ('{"count": "x"}', "count must be"),
     ('{"count": 1, "colour": "red"}', "unknown field(s) colour"),
     ("not json", "not valid JSON"),
+    ('{"count": 1, "clique": "rack a"}', "clique must be empty"),
+    ('{"count": 1, "clique": 7}', "clique must be empty"),
 ])
 def test_bad_layout_entries_are_refused(entry, words):
     with pytest.raises(LayoutError) as e:
@@ -136,3 +138,10 @@ def test_bad_layout_entries_are_refused(entry, words):
 def test_a_node_without_an_entry_gets_the_default():
     assert layout_for({"other": '{"count": 3}'}, "n1", 2).count == 2
     assert layout_for({"n1": '{"count": 3}'}, "n1", 2).count == 3
+
+
+def test_a_layout_with_a_clique_gives_the_node_that_clique():
+    layout = layout_for({"n1": '{"count": 2, "clique": "rack-a"}'}, "n1", 0)
+    assert (layout.count, layout.clique) == (2, "rack-a")
+    assert '"clique": "rack-a"' in layout.to_json()
+    assert "clique" not in layout_for({"n1": '{"count": 2}'}, "n1", 0).to_json()

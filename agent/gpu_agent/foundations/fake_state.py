@@ -20,6 +20,7 @@ __all__ = ["API_VERSION", "FakeStateError", "Inventory", "default_path", "parse"
 
 API_VERSION = "fake-gpu.gpu-agent.io/v1"
 KIND = "FakeGPUState"
+CLIQUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a fake rack's NVLink clique
 UUID_RE = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 DEFAULT_PATH_ENV = "FAKE_GPU_STATE_FILE"
 DEFAULT_PATH = ".run/fake-gpus.json"
@@ -78,7 +79,11 @@ def parse(text: str, source: str = "fake GPU state") -> Inventory:
         if not isinstance(mig, bool):
             raise FakeStateError(f"{where}.migMode must be true or false, got {mig!r}")
         gpus.append(GPU(uuid=uuid, name=name, memory_total_bytes=mem, mig_mode=mig, index=i))
-    return Inventory(tuple(gpus))
+    clique = doc.get("clique", "")
+    if not isinstance(clique, str) or not (clique == "" or CLIQUE_RE.match(clique)):
+        raise FakeStateError(f"{source}: field 'clique' must be empty or 1-64 letters, digits, '.', '_' or '-', "
+                             f"got {clique!r}; {fix} --clique NAME")
+    return Inventory(tuple(gpus), clique=clique, fabric=f"fake fabric: clique {clique}" if clique else "fake fabric: no clique")
 
 
 def read(path: Path) -> Inventory:
@@ -101,4 +106,6 @@ def read(path: Path) -> Inventory:
 
 def render(inventory: Inventory, node: str = "") -> str:
     doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": inventory.to_json()}
+    if inventory.clique:
+        doc["clique"] = inventory.clique
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"

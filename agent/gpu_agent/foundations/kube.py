@@ -31,8 +31,9 @@ def api_client(kubeconfig: str = "") -> client.ApiClient:
 
 def core_v1_list(api: client.ApiClient, plural: str) -> Callable[..., Any]:
     """`list_namespaced_<kind>` of core/v1 `plural` (e.g. "configmaps") as plain dicts; it takes
-    the keyword arguments `watch.Watch().stream` and `list_then_watch` pass, so it can be watched."""
-    def list_namespaced(namespace: str, *, field_selector: str | None = None, label_selector: str | None = None,
+    the keyword arguments `watch.Watch().stream` and `list_then_watch` pass, so it can be watched.
+    Without a namespace it lists a cluster-scoped kind (e.g. "nodes")."""
+    def list_namespaced(namespace: str | None = None, *, field_selector: str | None = None, label_selector: str | None = None,
                         resource_version: str | None = None, timeout_seconds: int | None = None,
                         watch: bool | None = None, allow_watch_bookmarks: bool | None = None,
                         _preload_content: bool = True, _request_timeout: Any = None) -> Any:
@@ -40,7 +41,8 @@ def core_v1_list(api: client.ApiClient, plural: str) -> Callable[..., Any]:
             ("fieldSelector", field_selector), ("labelSelector", label_selector), ("resourceVersion", resource_version),
             ("timeoutSeconds", timeout_seconds), ("watch", watch), ("allowWatchBookmarks", allow_watch_bookmarks))
             if value is not None]
-        request = api.param_serialize("GET", f"/api/v1/namespaces/{{namespace}}/{plural}", path_params={"namespace": namespace},
+        path = f"/api/v1/namespaces/{{namespace}}/{plural}" if namespace is not None else f"/api/v1/{plural}"
+        request = api.param_serialize("GET", path, path_params={"namespace": namespace} if namespace is not None else {},
                                       query_params=query, header_params={"Accept": "application/json"},
                                       auth_settings=["BearerToken"])
         response = api.call_api(*request, _request_timeout=_request_timeout)

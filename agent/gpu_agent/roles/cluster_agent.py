@@ -70,6 +70,8 @@ SETTINGS = [
     Setting("domainName", "str", "", "GPUDomain whose members this agent folds into its status "
             "(node agents with domainWriteStrategy=aggregate); empty: none", optional=True),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
+    Setting("foldAllDomains", "bool", False, "fold the members of every GPUDomain of domainNamespace, those users create "
+            "at run time included (node agents with joinMatchingDomains; aggregate strategy only)"),
     Setting("domainHeartbeatTtl", "number", 3.0, "heartbeat intervals a member may stay silent before it is marked "
             "NotReady in the domain", 1.5, 100),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
@@ -178,21 +180,26 @@ class ClusterAgent:
             log.info("cluster agent NotReady: %s", reason)
 
     def _start_folding(self) -> None:
-        if not self.cfg.domainName or self.aggregator is not None:
+        if not (self.cfg.domainName or self.cfg.foldAllDomains) or self.aggregator is not None:
             return
         from gpu_agent.foundations.kube import api_client
-        from gpu_agent.mechanisms.domain.aggregate import Aggregator
+        from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
 
-        self.aggregator = Aggregator(api_client(self.cfg.kubeconfig), self.cfg.domainNamespace, self.cfg.domainName,
-                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl)
+        api = api_client(self.cfg.kubeconfig)
+        if self.cfg.foldAllDomains:  # the named domain is one of them
+            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace, self.cfg.domainHeartbeatTtl)
+            log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
+        else:
+            self.aggregator = Aggregator(api, self.cfg.domainNamespace, self.cfg.domainName,
+                                         heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl)
+            log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
-        log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
 
     def _stop_folding(self) -> None:
         if self.aggregator is not None:
             self.aggregator.stop()
             self.aggregator = None
-            log.info("stopped folding GPUDomain %s/%s (not leading)", self.cfg.domainNamespace, self.cfg.domainName)
+            log.info("stopped folding GPUDomains of %s (not leading)", self.cfg.domainNamespace)
 
     def _elector(self) -> LeaderElector:
         from gpu_agent.foundations.kube import api_client

@@ -5,7 +5,9 @@
 It is ready whenever its GPU source can be read, with any number of GPUs (zero included): it
 reports the truth about the node. A source that cannot be read makes it NotReady, with the
 reason. With `domainName` set it also keeps this node's entry in that shared GPUDomain
-(mechanisms/domain) and removes it on shutdown, bounded by `shutdownTimeout`.
+(mechanisms/domain) and removes it on shutdown, bounded by `shutdownTimeout`; with
+`joinMatchingDomains` it also joins every GPUDomain of `domainNamespace` whose nodeSelector matches
+this node's labels, and leaves one that stops matching (mechanisms/domain/membership.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SETTINGS = [
     Setting("nodeName", "str", os.environ.get("NODE_NAME") or socket.gethostname(), "this node's name"),
     *GPU_SOURCE_SETTINGS,
     Setting("domainName", "str", "", "GPUDomain to publish this node's entry into (empty: none)", optional=True),
+    Setting("joinMatchingDomains", "bool", False, "also join every GPUDomain of domainNamespace whose spec.nodeSelector "
+            "matches this node's labels (users create them at run time), and leave one that stops matching"),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of the GPUDomain"),
     Setting("nodeIp", "str", os.environ.get("NODE_IP", ""), "this node's IP, published in its entry", optional=True),
     Setting("domainWriteStrategy", "choice", "aggregate", "how this node's entry reaches the shared GPUDomain: "
@@ -60,25 +64,34 @@ class NodeAgent:
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
         self.domain: Any = None
-        if cfg.domainName:
+        if cfg.domainName or cfg.joinMatchingDomains:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.domain.aggregate import MemberWriter
             from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
             from gpu_agent.mechanisms.domain.writer import DomainWriter
 
+            from gpu_agent.mechanisms.domain.membership import DomainMembership
+
             api = api_client(cfg.kubeconfig)
-            writer: DomainWriter | MemberWriter
-            resync = 60.0
-            if cfg.domainWriteStrategy == "aggregate":
-                owner = {"name": cfg.podName, "uid": cfg.podUid} if cfg.podName and cfg.podUid else None
-                writer = MemberWriter(api, cfg.domainNamespace, cfg.domainName, owner=owner,
-                                      heartbeat_interval=cfg.domainHeartbeatInterval)
-                resync = cfg.domainHeartbeatInterval  # each resync applies the member again: the heartbeat
-            else:
-                writer = DomainWriter(api, cfg.domainNamespace, cfg.domainName, cfg.domainWriteStrategy, cfg.domainWriteRate)
-            self.domain = DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp,
-                                           Path(cfg.peersFile) if cfg.peersFile else None, resync_seconds=resync)
+
+            def reconciler_for(domain: str) -> DomainReconciler:
+                writer: DomainWriter | MemberWriter
+                resync = 60.0
+                if cfg.domainWriteStrategy == "aggregate":
+                    owner = {"name": cfg.podName, "uid": cfg.podUid} if cfg.podName and cfg.podUid else None
+                    writer = MemberWriter(api, cfg.domainNamespace, domain, owner=owner,
+                                          heartbeat_interval=cfg.domainHeartbeatInterval)
+                    resync = cfg.domainHeartbeatInterval  # each resync applies the member again: the heartbeat
+                else:
+                    writer = DomainWriter(api, cfg.domainNamespace, domain, cfg.domainWriteStrategy, cfg.domainWriteRate)
+                named = domain == cfg.domainName
+                peers = (cfg.peersFile if named else f"{cfg.peersFile}.{domain}") if cfg.peersFile else ""
+                return DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp, Path(peers) if peers else None,
+                                        resync_seconds=resync, health_component="domain" if named else None)
+
+            self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, cfg.domainName, cfg.joinMatchingDomains,
+                                           reconciler_for, leave_timeout=cfg.shutdownTimeout)
         self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
                                         self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,
@@ -90,7 +103,8 @@ class NodeAgent:
         self.metrics.gpus.set(event.inventory.count)
         self.metrics.gpu_generation.set(event.generation)
         if self.domain is not None:
-            self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0)
+            self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0,
+                                 clique=event.inventory.clique)
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration (secrets redacted):")
@@ -108,7 +122,7 @@ class NodeAgent:
                 for t in tasks:
                     t.cancel()
             if self.domain is not None:
-                await asyncio.to_thread(self.domain.remove_entry, self.cfg.shutdownTimeout)
+                await asyncio.to_thread(self.domain.remove_entries, self.cfg.shutdownTimeout)
         finally:
             self.endpoints.stop()
             self.monitor.source.close()

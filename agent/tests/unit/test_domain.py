@@ -208,3 +208,76 @@ def test_a_member_whose_heartbeat_stops_changing_is_folded_notready_after_its_tt
     tracker.saw("a", members["a"])
     assert tracker.silent(members) == frozenset()
     assert fold(folded, members, tracker.silent(members))["status"]["status"] == "Ready"
+
+
+def test_fold_numbers_each_clique_from_zero_and_a_node_that_moves_clique_gets_a_new_index():
+    from gpu_agent.mechanisms.domain.aggregate import fold
+
+    members = {f"a{i}": {"ready": True, "clique": "rack-a"} for i in range(3)}
+    members.update({f"b{i}": {"ready": i != 1, "clique": "rack-b"} for i in range(2)})
+    first = fold(domain(expected=5), members)
+    rows = [(n["name"], n.get("clique"), n["index"]) for n in first["status"]["nodes"]]
+    assert rows == [("a0", "rack-a", 0), ("a1", "rack-a", 1), ("a2", "rack-a", 2), ("b0", "rack-b", 0), ("b1", "rack-b", 1)]
+    assert first["status"]["cliques"] == [{"id": "rack-a", "nodes": 3, "readyNodes": 3},
+                                          {"id": "rack-b", "nodes": 2, "readyNodes": 1}]
+    # a1 leaves rack-a (a gap stays in rack-a) and joins rack-b, where the lowest free index is 2
+    moved = fold(first, {**members, "a1": {"ready": True, "clique": "rack-b"}})
+    rows = [(n["name"], n.get("clique"), n["index"]) for n in moved["status"]["nodes"]]
+    assert rows == [("a0", "rack-a", 0), ("a2", "rack-a", 2), ("b0", "rack-b", 0), ("b1", "rack-b", 1), ("a1", "rack-b", 2)]
+    # a new node of rack-a fills its gap
+    filled = fold(moved, {**members, "a1": {"ready": True, "clique": "rack-b"}, "a9": {"ready": True, "clique": "rack-a"}})
+    assert [(n["name"], n["index"]) for n in filled["status"]["nodes"] if n.get("clique") == "rack-a"] == \
+        [("a0", 0), ("a9", 1), ("a2", 2)]
+
+
+def test_fold_without_cliques_keeps_the_old_shape():
+    from gpu_agent.mechanisms.domain.aggregate import fold
+
+    new = fold(domain(expected=1), {"n1": {"ready": True}})
+    assert "cliques" not in new["status"] and "clique" not in new["status"]["nodes"][0]
+
+
+def test_a_full_clique_admits_no_more_nodes_and_the_rest_wait_until_a_place_frees():
+    from gpu_agent.mechanisms.domain.aggregate import fold
+
+    obj = domain(expected=2)
+    obj["spec"]["maxNodesPerClique"] = 2
+    members = {name: {"ready": True, "clique": "rack-a"} for name in ("n1", "n2", "n3")}
+    full = fold(obj, members)
+    assert [(n["name"], n["index"]) for n in full["status"]["nodes"]] == [("n1", 0), ("n2", 1)]
+    assert full["status"]["cliques"] == [{"id": "rack-a", "nodes": 2, "readyNodes": 2, "waiting": ["n3"]}]
+    del members["n1"]
+    freed = fold(full, members)
+    assert [(n["name"], n["index"]) for n in freed["status"]["nodes"]] == [("n3", 0), ("n2", 1)]
+    assert "waiting" not in freed["status"]["cliques"][0]
+
+
+def test_peers_file_lists_only_the_nodes_own_clique_and_changes_only_with_it():
+    nodes = [dict(node("a0", 0), clique="rack-a"), dict(node("b0", 0), clique="rack-b"), dict(node("a1", 1), clique="rack-a")]
+    text = render_peers("default", "d1", domain(nodes), "rack-a")
+    assert text.splitlines() == ["# GPUDomain default/d1, clique rack-a: 2 node(s), sorted by index",
+                                 "0 a0 - Ready", "1 a1 - Ready"]
+    other_clique_changed = [nodes[0], dict(nodes[1], status="NotReady"), nodes[2], dict(node("b1", 1), clique="rack-b")]
+    assert render_peers("default", "d1", domain(other_clique_changed), "rack-a") == text
+
+
+def test_with_entry_indexes_within_the_nodes_clique():
+    obj = domain([dict(node("a0", 0), clique="rack-a"), dict(node("b0", 0), clique="rack-b")])
+    new = with_entry(obj, Entry("b1", "", (), True, "rack-b"))
+    assert [(n["name"], n["index"]) for n in new["status"]["nodes"] if n.get("clique") == "rack-b"] == [("b0", 0), ("b1", 1)]
+    assert with_entry(obj, Entry("a1", "", (), True, "rack-a"))["status"]["nodes"][1] == \
+        {"name": "a1", "ip": "", "index": 1, "status": "Ready", "gpuUUIDs": [], "clique": "rack-a"}
+
+
+def test_the_largest_status_we_plan_for_stays_under_a_quarter_of_etcds_request_limit():
+    """144 nodes with 4 GPU UUIDs each, in 8 cliques of 18 (8 racks of NVL72-class nodes)."""
+    import json
+
+    from gpu_agent.mechanisms.domain.aggregate import fold
+
+    members = {f"node-{c}-{i:02d}": {"ready": True, "ip": f"10.{c}.0.{i}", "clique": f"6f9619ff-8b86-d011-b42d-00c04fc964ff.{c}",
+                                     "gpuUUIDs": [f"GPU-{c:02d}{i:06d}-0000-0000-0000-00000000000{g}" for g in range(4)]}
+               for c in range(8) for i in range(18)}
+    obj = fold(domain(expected=144), members)
+    assert len(obj["status"]["nodes"]) == 144 and len(obj["status"]["cliques"]) == 8
+    assert len(json.dumps(obj)) < 1.5 * 2**20 / 4

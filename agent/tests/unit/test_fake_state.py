@@ -73,3 +73,25 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
     for n in range(5):
         fake_state.write_atomic(path, fake_state.render(Inventory(), str(n)))
     assert [p.name for p in tmp_path.iterdir()] == ["gpus.json"]
+
+
+def test_fake_gpu_set_clique_reaches_the_agent_source_and_is_kept_until_changed(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "2", "--clique", "rack-a"]) == 0
+    reading = FakeFileSource(path).read()
+    assert (reading.inventory.count, reading.inventory.clique) == (2, "rack-a")
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "3"]) == 0  # no --clique: the clique stays
+    assert fake_state.read(path).clique == "rack-a"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "3", "--clique", ""]) == 0
+    assert fake_state.read(path).clique == ""
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "3", "--clique", "bad clique!"]) == 2
+    assert "--clique must be empty" in capsys.readouterr().err
+    assert fake_state.read(path).count == 3, "a refused change loses nothing"
+
+
+def test_a_state_file_with_a_bad_clique_names_the_field(tmp_path):
+    doc = json.loads(fake_state.render(Inventory()))
+    doc["clique"] = "x" * 65
+    with pytest.raises(fake_state.FakeStateError) as e:
+        fake_state.parse(json.dumps(doc))
+    assert "field 'clique'" in str(e.value)

@@ -168,3 +168,9 @@ release's name, within 63 characters like every other name of the chart. */}}
 {{- define "gpu-agent.memberPolicyName" -}}
 {{- printf "%s-%s-own-member" (include "gpu-agent.fullname" . | trunc 44 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
+
+{{/* Whether node agents publish into GPUDomains at all: the chart's own (domain.name) or those
+     users create (domain.joinMatching). "true" or "". */}}
+{{- define "gpu-agent.domainsOn" -}}
+{{- if or .Values.domain.name .Values.domain.joinMatching }}true{{ end }}
+{{- end }}

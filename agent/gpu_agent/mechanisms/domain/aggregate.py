@@ -35,10 +35,10 @@ from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, overall
+from gpu_agent.mechanisms.domain.entries import Entry, in_clique, lowest_free_index, overall, status_entry
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.mechanisms.domain.entries import has_entry
-from gpu_agent.mechanisms.domain.writer import GROUP, VERSION, DomainView, DomainWriter, WriteStats
+from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
@@ -99,6 +99,8 @@ class MemberWriter(DomainView):
             "metadata": {"name": member_name(self.domain, entry.name), "labels": {"gpu-agent.io/domain": self.domain}},
             "spec": {"domain": self.domain, "node": entry.name, "ip": entry.ip, "ready": entry.ready,
                      "gpuUUIDs": list(entry.gpu_uuids)}}
+        if entry.clique:  # left out when none: server-side apply then removes a clique the node no longer has
+            body["spec"]["clique"] = entry.clique
         if self.owner:
             body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
                                                     "uid": self.owner["uid"]}]
@@ -122,28 +124,66 @@ class MemberWriter(DomainView):
         return True
 
 
+def _clique_of(spec: dict[str, Any]) -> str:
+    return str(spec.get("clique") or "")
+
+
 def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]], silent: frozenset[str] = frozenset()) -> dict[str, Any] | None:
     """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
-    Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say."""
+
+    Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say. Indices
+    are per clique: a member keeps its index while it stays in its clique, a new one (or one that
+    moved to another clique) gets the lowest free index of its clique, and a clique that already holds
+    `spec.maxNodesPerClique` nodes admits no more: the rest wait, named in `status.cliques`, until a
+    place frees."""
     members = {n: ({**m, "ready": False} if n in silent else m) for n, m in members.items()}
+    spec_of = obj.get("spec") or {}
+    limit = spec_of.get("maxNodesPerClique")
+    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
     old_nodes = list(((obj.get("status") or {}).get("nodes")) or [])
-    kept = [n for n in old_nodes if n.get("name") in members]
+    kept = [n for n in old_nodes if n.get("name") in members and (n.get("clique") or "") == _clique_of(members[n["name"]])]
     nodes: list[dict[str, Any]] = []
     for n in kept:
         spec = members[n["name"]]
-        nodes.append({"name": n["name"], "ip": spec.get("ip", ""), "index": n["index"],
-                      "status": "Ready" if spec.get("ready") else "NotReady", "gpuUUIDs": list(spec.get("gpuUUIDs") or [])})
+        nodes.append(status_entry(n["name"], spec.get("ip", ""), n["index"], bool(spec.get("ready")),
+                                  spec.get("gpuUUIDs") or [], _clique_of(spec)))
+    waiting: dict[str, list[str]] = {}
     for name in sorted(set(members) - {n["name"] for n in kept}):
         spec = members[name]
-        nodes.append({"name": name, "ip": spec.get("ip", ""), "index": lowest_free_index(nodes, name),
-                      "status": "Ready" if spec.get("ready") else "NotReady", "gpuUUIDs": list(spec.get("gpuUUIDs") or [])})
-    nodes.sort(key=lambda n: n["index"])
-    expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
+        peers = in_clique(nodes, _clique_of(spec))
+        if limit is not None and len(peers) >= limit:
+            waiting.setdefault(_clique_of(spec), []).append(name)
+            continue
+        nodes.append(status_entry(name, spec.get("ip", ""), lowest_free_index(peers, name), bool(spec.get("ready")),
+                                  spec.get("gpuUUIDs") or [], _clique_of(spec)))
+    nodes.sort(key=lambda n: (n.get("clique") or "", n["index"]))
+    expected = int(spec_of.get("expectedNodes") or 0)
     status, ready = overall(nodes, expected)
     new_status = {**(obj.get("status") or {}), "nodes": nodes, "status": status, "readyNodes": ready}
+    cliques = cliques_of(nodes, waiting)
+    if cliques:
+        new_status["cliques"] = cliques
+    else:
+        new_status.pop("cliques", None)
     if new_status == (obj.get("status") or {}):
         return None
     return {**obj, "status": new_status}
+
+
+def cliques_of(nodes: list[dict[str, Any]], waiting: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """Each clique's size and readiness (and who waits for a place); empty when no node has a clique."""
+    ids = sorted({n.get("clique") or "" for n in nodes} | set(waiting))
+    if ids in ([], [""]) and not waiting:
+        return []
+    out = []
+    for clique in ids:
+        members = in_clique(nodes, clique)
+        row: dict[str, Any] = {"id": clique, "nodes": len(members),
+                               "readyNodes": sum(1 for n in members if n.get("status") == "Ready")}
+        if waiting.get(clique):
+            row["waiting"] = waiting[clique]
+        out.append(row)
+    return out
 
 
 class HeartbeatTracker:
@@ -241,3 +281,49 @@ class Aggregator:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class EveryDomainAggregator:
+    """One Aggregator per GPUDomain of a namespace, started and stopped as domains come and go
+    (users create them at run time; node agents with joinMatchingDomains write their members).
+    Only for the aggregate strategy: a domain whose entries are written into its status directly
+    (dra, fulljitter) has no members, and folding it would empty its status."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
+        self.aggregators: dict[str, Aggregator] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def _sync(self, names: set[str]) -> None:
+        with self._lock:
+            for name in sorted(names - set(self.aggregators)):
+                agg = Aggregator(self.api, self.namespace, name, heartbeat_ttl_intervals=self.heartbeat_ttl_intervals)
+                threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
+                self.aggregators[name] = agg
+                log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)
+            for name in sorted(set(self.aggregators) - names):
+                self.aggregators.pop(name).stop()
+                log.info("stopped folding GPUDomain %s/%s (deleted)", self.namespace, name)
+
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        with self._lock:
+            names = set(self.aggregators)
+        self._sync(names - {name} if kind == "DELETED" else names | {name})
+
+    def run(self) -> None:
+        custom = client.CustomObjectsApi(self.api)
+        list_then_watch(custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                        on_list=lambda listed: self._sync({d["metadata"]["name"] for d in items_of(listed)}),
+                        on_event=self._event, stop=self._stop, retry_seconds=2.0,
+                        on_error=lambda e: log.warning("watching GPUDomains of %s failed: %s", self.namespace, e))
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            for agg in self.aggregators.values():
+                agg.stop()
+            self.aggregators.clear()

@@ -1,5 +1,9 @@
 """Pure functions over a GPUDomain's status: the only place entries are changed.
 
+Indices are per NVLink clique: on multi-node NVLink systems a node can only be a peer of nodes
+in its own clique, so each clique numbers its nodes from 0 (nodes without a clique, plain
+servers, form one group of their own, as every node did before cliques).
+
 Every write starts from the object as last read (with its resourceVersion) and changes one
 entry, this node's; other nodes' entries are carried over untouched, so a write from a stale
 view is refused by the API server (409) instead of silently dropping a peer.
@@ -21,10 +25,20 @@ class Entry:
     ip: str
     gpu_uuids: tuple[str, ...]
     ready: bool
+    clique: str = ""  # the node's NVLink clique; "" for none
 
     def as_status(self, index: int) -> dict[str, Any]:
-        return {"name": self.name, "ip": self.ip, "index": index, "status": "Ready" if self.ready else "NotReady",
-                "gpuUUIDs": list(self.gpu_uuids)}
+        return status_entry(self.name, self.ip, index, self.ready, self.gpu_uuids, self.clique)
+
+
+def status_entry(name: str, ip: str, index: int, ready: bool, gpu_uuids: Any, clique: str = "") -> dict[str, Any]:
+    """One node of a GPUDomain's status; `clique` appears only when the node has one (the 0.1 shape otherwise)."""
+    out = {"name": name, "ip": ip, "index": index, "status": "Ready" if ready else "NotReady", "gpuUUIDs": list(gpu_uuids)}
+    return {**out, "clique": clique} if clique else out
+
+
+def in_clique(nodes: list[dict[str, Any]], clique: str) -> list[dict[str, Any]]:
+    return [n for n in nodes if (n.get("clique") or "") == clique]
 
 
 def nodes_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -51,12 +65,12 @@ def overall(nodes: list[dict[str, Any]], expected: int) -> tuple[str, int]:
 def with_entry(obj: dict[str, Any], entry: Entry) -> dict[str, Any] | None:
     """The object with this node's entry set, or None when it is already exactly so."""
     nodes = nodes_of(obj)
-    index = lowest_free_index(nodes, entry.name)
+    index = lowest_free_index(in_clique(nodes, entry.clique), entry.name)
     wanted = entry.as_status(index)
     current = next((n for n in nodes if n.get("name") == entry.name), None)
     expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
     others = [n for n in nodes if n.get("name") != entry.name]
-    new_nodes = sorted(others + [wanted], key=lambda n: n["index"])
+    new_nodes = sorted(others + [wanted], key=lambda n: (n.get("clique") or "", n["index"]))
     status, ready = overall(new_nodes, expected)
     old_status = (obj.get("status") or {})
     if current == wanted and old_status.get("status") == status and old_status.get("readyNodes") == ready:

@@ -4,7 +4,8 @@ Every event (GPUs changed, the domain object changed, a periodic resync) bumps a
 and wakes the loop; a retry loop in flight sees the newer generation and stops (a newer event
 supersedes the retry loop of an older one), and the loop starts over with the newest state.
 A watch on the domain object feeds the writer's cache and notices when this node's entry is
-missing or stale. The peers file is rendered from the sorted entries after every change.
+missing or stale. The peers file lists this node's NVLink clique only (the nodes it can be a peer
+of), sorted by index, and is written only when that list changes.
 """
 
 from __future__ import annotations
@@ -22,27 +23,30 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, has_entry, nodes_of
+from gpu_agent.mechanisms.domain.entries import Entry, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
 
 log = get_logger(__name__)
 
 PEERS_TEMPLATE = jinja2.Environment(autoescape=False, keep_trailing_newline=True).from_string(
-    "# GPUDomain {{ namespace }}/{{ name }}: {{ nodes | length }} node(s), sorted by index\n"
+    "# GPUDomain {{ namespace }}/{{ name }}{% if clique %}, clique {{ clique }}{% endif %}: "
+    "{{ nodes | length }} node(s), sorted by index\n"
     "{% for n in nodes %}{{ n.index }} {{ n.name }} {{ n.ip or '-' }} {{ n.status }}\n{% endfor %}")
 
 
-def render_peers(namespace: str, name: str, obj: dict[str, Any]) -> str:
-    nodes = sorted(nodes_of(obj), key=lambda n: (n.get("index", 0), n.get("name", "")))
-    return PEERS_TEMPLATE.render(namespace=namespace, name=name, nodes=nodes)
+def render_peers(namespace: str, name: str, obj: dict[str, Any], clique: str = "") -> str:
+    """The peers of one clique (a node's own): the only nodes the fabric lets it reach."""
+    nodes = sorted(in_clique(nodes_of(obj), clique), key=lambda n: (n.get("index", 0), n.get("name", "")))
+    return PEERS_TEMPLATE.render(namespace=namespace, name=name, nodes=nodes, clique=clique)
 
 
 class DomainReconciler:
     def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
-                 resync_seconds: float = 60.0) -> None:
+                 resync_seconds: float = 60.0, health_component: str | None = "domain") -> None:
         self.writer = writer
-        self.health = health
+        self._registry = health
+        self.health_component = health_component  # None: a domain joined by its selector, reported in the log only
         self.node = node
         self.ip = ip
         self.peers_file = peers_file
@@ -54,7 +58,11 @@ class DomainReconciler:
         self._stop = threading.Event()
         self._peers_text = ""
         self._peer_count = -1
-        self.health.set("domain", False, f"joining {writer.where}")
+        self._health(False, f"joining {writer.where}")
+
+    def _health(self, ready: bool, reason: str, **details: object) -> None:
+        if self.health_component is not None:
+            self._registry.set(self.health_component, ready, reason, **details)
 
     # ---- events ---------------------------------------------------------------------------------
     def trigger(self, why: str) -> None:
@@ -62,8 +70,8 @@ class DomainReconciler:
         log.v(4, "domain reconcile requested: %s (generation %d)", why, self.generation)
         self._wake.set()
 
-    def set_gpus(self, uuids: list[str], ready: bool) -> None:
-        entry = Entry(self.node, self.ip, tuple(sorted(uuids)), ready)
+    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "") -> None:
+        entry = Entry(self.node, self.ip, tuple(sorted(uuids)), ready, clique)
         if entry != self.entry:
             self.entry = entry
             self.trigger("GPUs changed")
@@ -74,23 +82,24 @@ class DomainReconciler:
         self._write_peers(obj)
         present = has_entry(obj, self.entry)
         if present:
-            self.health.set("domain", True, f"entry {self.entry.name} {'Ready' if self.entry.ready else 'NotReady'} "
+            self._health(True, f"entry {self.entry.name} {'Ready' if self.entry.ready else 'NotReady'} "
                                             f"in {self.writer.where}", **self.writer.stats.__dict__)
         if self.writer.needs_reapply(obj, self.entry) and self._loop is not None:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
 
     # ---- peers file ----------------------------------------------------------------------------
     def _write_peers(self, obj: dict[str, Any]) -> None:
-        nodes = nodes_of(obj)
+        nodes = in_clique(nodes_of(obj), self.entry.clique)
         if len(nodes) != self._peer_count:
             self._peer_count = len(nodes)
-            log.info("domain %s has %d peer(s)", self.writer.where, len(nodes))
+            log.info("domain %s has %d peer(s)%s", self.writer.where, len(nodes),
+                     f" in clique {self.entry.clique}" if self.entry.clique else "")
         if log.enabled(3):
             log.v(3, "domain peers: %s", ", ".join(f"{n.get('index')}={n.get('name')}"
                                                    for n in sorted(nodes, key=lambda n: n.get("index", 0))))
         if self.peers_file is None:
             return
-        text = render_peers(self.writer.namespace, self.writer.name, obj)
+        text = render_peers(self.writer.namespace, self.writer.name, obj, self.entry.clique)
         if text != self._peers_text:
             write_atomic(self.peers_file, text)
             self._peers_text = text
@@ -101,14 +110,14 @@ class DomainReconciler:
         if items:
             self._observed(items[0])
         else:  # the watch reports it when it is created
-            self.health.set("domain", False, f"{self.writer.where} does not exist")
+            self._health(False, f"{self.writer.where} does not exist")
 
     def _watch(self) -> None:
         list_then_watch(
             client.CustomObjectsApi(self.writer.api).list_namespaced_custom_object, GROUP, VERSION, self.writer.namespace,
             PLURAL, field_selector=f"metadata.name={self.writer.name}", on_list=self._listed_domain,
             on_event=lambda kind, obj: self._observed(obj) if kind in ("ADDED", "MODIFIED") else None,
-            on_error=lambda e: self.health.set("domain", False, f"cannot watch {self.writer.where}: {str(e)[:160]}"),
+            on_error=lambda e: self._health(False, f"cannot watch {self.writer.where}: {str(e)[:160]}"),
             stop=self._stop, retry_seconds=2.0)
 
     async def run(self) -> None:
@@ -127,7 +136,7 @@ class DomainReconciler:
                 ok = await asyncio.to_thread(self.writer.ensure, entry, lambda: self.generation != generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
-                    self.health.set("domain", True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
+                    self._health(True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
                                                     f"in {self.writer.where}", **self.writer.stats.__dict__)
                     if self.writer.cached is not None:
                         self._write_peers(self.writer.cached)

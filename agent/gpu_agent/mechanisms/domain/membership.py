@@ -1,0 +1,150 @@
+"""Which GPUDomains this node belongs to, and one reconciler per domain it joined.
+
+    GPUDomains of the namespace (watch) --+
+                                          +--> domains wanted --> {domain: DomainReconciler}
+    this node's labels (watch) -----------+                         ^ GPUs fan out to each
+
+A node belongs to the domain it is told to join (`domainName`, the chart's) and, with
+`joinMatchingDomains`, to every GPUDomain of its namespace whose `spec.nodeSelector` matches the
+node's labels (an empty selector matches every node, as a Pod's does). Users create such domains at
+run time; a domain that stops matching (its selector or the node's labels changed, or it was
+deleted) is left: its reconciler stops and this node's entry is taken out.
+
+Each reconciler is what one domain always had (reconciler.py): its own writer, its own peers file
+(the named domain's at `peersFile`, another's at `peersFile.<domain>`), its own retry loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
+from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
+from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION
+
+log = get_logger(__name__)
+
+
+def selector_matches(selector: Any, labels: dict[str, str]) -> bool:
+    """A GPUDomain's nodeSelector (label -> value, all must match); empty or absent matches every node."""
+    if not isinstance(selector, dict):
+        return not selector
+    return all(labels.get(str(k)) == str(v) for k, v in selector.items())
+
+
+def wanted_domains(named: str, join_matching: bool, domains: dict[str, Any], labels: dict[str, str] | None) -> set[str]:
+    """The domains this node belongs to: the named one, and those whose selector matches (once its labels are known)."""
+    out = {named} if named else set()
+    if join_matching and labels is not None:
+        out |= {name for name, selector in domains.items() if selector_matches(selector, labels)}
+    return out
+
+
+class DomainMembership:
+    def __init__(self, api: client.ApiClient | None, namespace: str, node: str, named: str, join_matching: bool,
+                 make_reconciler: Callable[[str], DomainReconciler], leave_timeout: float = 10.0) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.node = node
+        self.named = named
+        self.join_matching = join_matching
+        self.make_reconciler = make_reconciler
+        self.leave_timeout = leave_timeout
+        self.domains: dict[str, Any] = {}  # name -> spec.nodeSelector, as watched
+        self.labels: dict[str, str] | None = None  # this node's, once seen
+        self.joined: dict[str, tuple[DomainReconciler, asyncio.Task[None]]] = {}
+        self.gpus: tuple[list[str], bool, str] = ([], False, "")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---- what the watches see (their threads) ----------------------------------------------------
+    def _poke(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._changed.set)
+
+    def _domains_listed(self, listed: Any) -> None:
+        with self._lock:
+            self.domains = {d["metadata"]["name"]: (d.get("spec") or {}).get("nodeSelector") for d in items_of(listed)}
+        self._poke()
+
+    def _domain_event(self, kind: str, obj: dict[str, Any]) -> None:
+        with self._lock:
+            if kind == "DELETED":
+                self.domains.pop(obj["metadata"]["name"], None)
+            else:
+                self.domains[obj["metadata"]["name"]] = (obj.get("spec") or {}).get("nodeSelector")
+        self._poke()
+
+    def _node_seen(self, node: dict[str, Any]) -> None:
+        with self._lock:
+            self.labels = dict((node.get("metadata") or {}).get("labels") or {})
+        self._poke()
+
+    def _nodes_listed(self, listed: Any) -> None:
+        for node in items_of(listed):
+            self._node_seen(node)
+
+    def _watch_domains(self) -> None:
+        list_then_watch(client.CustomObjectsApi(self.api).list_namespaced_custom_object, GROUP, VERSION, self.namespace,
+                        PLURAL, on_list=self._domains_listed, on_event=self._domain_event, stop=self._stop,
+                        on_error=lambda e: log.warning("watching GPUDomains of %s failed: %s", self.namespace, e),
+                        retry_seconds=2.0)
+
+    def _watch_node(self) -> None:
+        list_then_watch(core_v1_list(self.api, "nodes"), field_selector=f"metadata.name={self.node}",
+                        on_list=self._nodes_listed,
+                        on_event=lambda kind, n: self._node_seen(n) if kind != "DELETED" else None, stop=self._stop,
+                        on_error=lambda e: log.warning("watching node %s failed: %s", self.node, e), retry_seconds=2.0)
+
+    # ---- the loop (asyncio) ------------------------------------------------------------------------
+    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "") -> None:
+        self.gpus = (uuids, ready, clique)
+        for reconciler, _ in self.joined.values():
+            reconciler.set_gpus(uuids, ready, clique)
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self.join_matching:
+            threading.Thread(target=self._watch_domains, name="domains-watch", daemon=True).start()
+            threading.Thread(target=self._watch_node, name="node-watch", daemon=True).start()
+        self._changed.set()
+        try:
+            while True:
+                await self._changed.wait()
+                self._changed.clear()
+                with self._lock:
+                    wanted = wanted_domains(self.named, self.join_matching, self.domains, self.labels)
+                for name in sorted(wanted - set(self.joined)):
+                    reconciler = self.make_reconciler(name)
+                    reconciler.set_gpus(*self.gpus)
+                    self.joined[name] = (reconciler, asyncio.create_task(reconciler.run(), name=f"domain-{name}"))
+                    log.info("joined GPUDomain %s/%s%s", self.namespace, name,
+                             "" if name == self.named else " (its nodeSelector matches this node)")
+                for name in sorted(set(self.joined) - wanted):
+                    await self._leave(name, "it no longer matches this node")
+        finally:
+            self._stop.set()
+            tasks = [task for _, task in self.joined.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _leave(self, name: str, why: str) -> None:
+        reconciler, task = self.joined.pop(name)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        removed = await asyncio.to_thread(reconciler.remove_entry, self.leave_timeout)
+        log.info("left GPUDomain %s/%s (%s)%s", self.namespace, name, why, "" if removed else ": entry NOT removed")
+
+    def remove_entries(self, timeout: float) -> None:
+        """On shutdown (after the loop stopped): take this node's entry out of every domain joined."""
+        for name, (reconciler, _) in sorted(self.joined.items()):
+            reconciler.remove_entry(timeout)

@@ -1,0 +1,73 @@
+"""Which GPUDomains a node joins and leaves (membership.py), with recording reconcilers."""
+
+import asyncio
+
+from gpu_agent.mechanisms.domain.membership import DomainMembership, selector_matches, wanted_domains
+
+
+def test_a_selector_matches_when_every_label_it_names_has_its_value_and_an_empty_one_matches_every_node():
+    labels = {"rack": "a", "zone": "z1"}
+    assert selector_matches({"rack": "a"}, labels)
+    assert selector_matches({"rack": "a", "zone": "z1"}, labels)
+    assert not selector_matches({"rack": "b"}, labels)
+    assert not selector_matches({"pool": "gpu"}, labels)
+    assert selector_matches(None, labels) and selector_matches({}, labels)
+
+
+def test_the_named_domain_is_always_wanted_and_matching_ones_only_once_the_labels_are_known():
+    domains = {"d-a": {"rack": "a"}, "d-b": {"rack": "b"}, "all": None}
+    assert wanted_domains("chart", True, domains, None) == {"chart"}
+    assert wanted_domains("chart", True, domains, {"rack": "a"}) == {"chart", "d-a", "all"}
+    assert wanted_domains("chart", False, domains, {"rack": "a"}) == {"chart"}
+    assert wanted_domains("", True, domains, {"rack": "c"}) == {"all"}
+
+
+class RecordingReconciler:
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def set_gpus(self, uuids, ready, clique=""):
+        self.events.append(("gpus", self.name, tuple(uuids), ready, clique))
+
+    async def run(self):
+        self.events.append(("run", self.name))
+        await asyncio.Event().wait()
+
+    def remove_entry(self, timeout):
+        self.events.append(("removed", self.name))
+        return True
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_they_stop_matching():
+    events = []
+    membership = DomainMembership(None, "ns", "n1", "", True, lambda name: RecordingReconciler(name, events))
+    membership.join_matching = False  # no watch threads: the test feeds what they would see
+    membership.set_gpus(["GPU-1"], True, "rack-a")
+    task = asyncio.ensure_future(membership.run())
+    await settle()
+    membership.join_matching = True
+    membership._domains_listed({"items": [{"metadata": {"name": "d-a"}, "spec": {"nodeSelector": {"rack": "a"}}},
+                                          {"metadata": {"name": "d-b"}, "spec": {"nodeSelector": {"rack": "b"}}}]})
+    await settle()
+    assert events == [], "nothing joined before the node's labels are known"
+    membership._node_seen({"metadata": {"name": "n1", "labels": {"rack": "a"}}})
+    await settle()
+    assert events == [("gpus", "d-a", ("GPU-1",), True, "rack-a"), ("run", "d-a")]
+    membership.set_gpus(["GPU-1", "GPU-2"], True, "rack-a")
+    assert events[-1] == ("gpus", "d-a", ("GPU-1", "GPU-2"), True, "rack-a")
+    membership._node_seen({"metadata": {"name": "n1", "labels": {"rack": "b"}}})
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert ("removed", "d-a") in events and ("run", "d-b") in events
+    assert set(membership.joined) == {"d-b"}
+    membership._domain_event("DELETED", {"metadata": {"name": "d-b"}})
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert ("removed", "d-b") in events and membership.joined == {}
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
