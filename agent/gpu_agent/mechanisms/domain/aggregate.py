@@ -25,6 +25,7 @@ the TTL, and a returning one Ready at its next heartbeat.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import random
 import threading
 import time
@@ -287,20 +288,37 @@ class EveryDomainAggregator:
     """One Aggregator per GPUDomain of a namespace, started and stopped as domains come and go
     (users create them at run time; node agents with joinMatchingDomains write their members).
     Only for the aggregate strategy: a domain whose entries are written into its status directly
-    (dra, fulljitter) has no members, and folding it would empty its status."""
+    (dra, fulljitter) has no members, and folding it would empty its status.
 
-    def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0) -> None:
+    Batching follows the number of domains: every status write of every domain lands on the same
+    API server, so each aggregator gathers changes for `interval` x sqrt(domains) (at most
+    MAX_INTERVAL) before it writes. Measured with make bench-domain, 64 domains x 18 members formed at
+    once: a 0.1 s window made about 600 status writes and took about twice the floor of the member
+    writes alone; 0.5 to 1 s windows, 200 to 400 writes and 1.2 times the floor."""
+
+    MAX_INTERVAL = 1.0
+
+    def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0,
+                 interval: float = 0.1) -> None:
         self.api = api
         self.namespace = namespace
         self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
+        self.interval = interval
+        self.writes = 0  # status writes of aggregators since stopped (those running count their own)
         self.aggregators: dict[str, Aggregator] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
+    def window(self, domains: int) -> float:
+        return min(self.MAX_INTERVAL, self.interval * max(1.0, math.sqrt(domains)))
+
     def _sync(self, names: set[str]) -> None:
         with self._lock:
+            interval = self.window(len(names))
+            for agg in self.aggregators.values():
+                agg.interval = interval
             for name in sorted(names - set(self.aggregators)):
-                agg = Aggregator(self.api, self.namespace, name, heartbeat_ttl_intervals=self.heartbeat_ttl_intervals)
+                agg = Aggregator(self.api, self.namespace, name, interval, self.heartbeat_ttl_intervals)
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)
