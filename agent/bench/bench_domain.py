@@ -24,6 +24,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kubernetes import client, config
@@ -68,6 +69,25 @@ def measure_rate(seconds: float = 5.0) -> float:
     return done / seconds
 
 
+def run_together(target: Callable[[int], None], count: int, timeout: float) -> float:
+    """`count` threads running target(i), released at once by a barrier; returns when they were
+    released, after all have finished (or `timeout` passed)."""
+    barrier = threading.Barrier(count + 1)
+
+    def released(i: int) -> None:
+        barrier.wait()
+        target(i)
+
+    threads = [threading.Thread(target=released, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.monotonic()
+    for t in threads:
+        t.join(timeout)
+    return started
+
+
 def run(n: int, strategy: str, rate: float) -> str:
     name = f"bench-{strategy}-{n}"
     custom = client.CustomObjectsApi(new_client())
@@ -79,23 +99,15 @@ def run(n: int, strategy: str, rate: float) -> str:
         threading.Thread(target=aggregator.run, daemon=True).start()
     else:
         writers = [DomainWriter(new_client(), NAMESPACE, name, strategy, rate, random.Random(i)) for i in range(n)]
-    barrier = threading.Barrier(n + 1)
     finished = [0.0] * n
     ok = [False] * n
 
     def writer_thread(i: int) -> None:
-        barrier.wait()
         ok[i] = writers[i].ensure(Entry(f"node-{i:04d}", f"10.1.{i // 250}.{i % 250}", (), True),
                                   deadline=time.monotonic() + float(os.environ.get("BENCH_DEADLINE", "180")))
         finished[i] = time.monotonic()
 
-    threads = [threading.Thread(target=writer_thread, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    started = time.monotonic()
-    for t in threads:
-        t.join(660)
+    started = run_together(writer_thread, n, 660)
     if aggregator is not None:
         # the domain is formed when the aggregator's write holds every member
         def complete() -> bool:
@@ -173,20 +185,12 @@ def many_domains(m: int, n: int) -> list[str]:
         writers = [(MemberWriter(domain_clients[d], NAMESPACE, names[d]), Entry(f"node-{d:03d}-{i:02d}", "", (), True,
                                                                               f"rack-{d:03d}"))
                    for d in range(m) for i in range(n)]
-        barrier = threading.Barrier(len(writers) + 1)
         ok = [False] * len(writers)
 
         def write(k: int) -> None:
-            barrier.wait()
             ok[k] = writers[k][0].ensure(writers[k][1], deadline=time.monotonic() + 300)
 
-        threads = [threading.Thread(target=write, args=(k,), daemon=True) for k in range(len(writers))]
-        for t in threads:
-            t.start()
-        barrier.wait()
-        started = time.monotonic()
-        for t in threads:
-            t.join(600)
+        started = run_together(write, len(writers), 600)
         finished = time.monotonic()
         if folding is not None:
             _, finished, status_writes[0] = results.get(timeout=600)
