@@ -304,7 +304,6 @@ class EveryDomainAggregator:
         self.namespace = namespace
         self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
         self.interval = interval
-        self.writes = 0  # status writes of aggregators since stopped (those running count their own)
         self.aggregators: dict[str, Aggregator] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -83,7 +83,7 @@ class DomainReconciler:
         present = has_entry(obj, self.entry)
         if present:
             self._health(True, f"entry {self.entry.name} {'Ready' if self.entry.ready else 'NotReady'} "
-                                            f"in {self.writer.where}", **self.writer.stats.__dict__)
+                               f"in {self.writer.where}", **self.writer.stats.__dict__)
         if self.writer.needs_reapply(obj, self.entry) and self._loop is not None:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
 
@@ -137,7 +137,7 @@ class DomainReconciler:
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self._health(True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
-                                                    f"in {self.writer.where}", **self.writer.stats.__dict__)
+                                       f"in {self.writer.where}", **self.writer.stats.__dict__)
                     if self.writer.cached is not None:
                         self._write_peers(self.writer.cached)
         finally:
