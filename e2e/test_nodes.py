@@ -23,13 +23,20 @@ from e2e.release import Release
 pytestmark = pytest.mark.multinode
 
 PROBE = """
-import json, socket, urllib.request
+import json, socket, time, urllib.request
 out = {}
 for url in URLS:
-    try:
-        out[url] = urllib.request.urlopen(url, timeout=5).read().decode()
-    except Exception as e:
-        out[url] = "error: %s" % e
+    # a new Service reaches a node's kube-proxy a moment after its pods are Ready: retry to a deadline
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            out[url] = urllib.request.urlopen(url, timeout=5).read().decode()
+            break
+        except Exception as e:
+            out[url] = "error: %s" % e
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
 try:
     out["dns"] = socket.gethostbyname("kubernetes.default.svc.cluster.local")
 except Exception as e:
