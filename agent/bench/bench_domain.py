@@ -163,7 +163,7 @@ def many_domains(m: int, n: int) -> list[str]:
 
     def client_for_domain() -> client.ApiClient:
         api = new_client()
-        api.configuration.connection_pool_maxsize = n  # one connection per thread of this domain
+        # one connection per thread of this domain (the client's pool manager exists already: set it there)
         api.rest_client.pool_manager.connection_pool_kw["maxsize"] = n
         clients.append(api)
         return api
