@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyhelm3
 import pytest
+import yaml
 from kubernetes import client, config
 
 from e2e import cluster
@@ -222,3 +223,18 @@ class FakeGPUs:
         return time.monotonic() - started
 
 
+@pytest.fixture(scope="session")
+def last_stable():
+    """(version, chart folder) of the last stable release, its image imported into the cluster."""
+    if cluster.provider() != "ci":
+        pytest.skip("the last-stable image is built and imported into the CI cluster's containerd only")
+    from e2e.release import APP_VERSION
+
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run(["bash", str(repo / "ci" / "scripts" / "build-images.sh"), "last-stable"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    folder = Path(r.stdout.strip().splitlines()[-1])
+    version = yaml.safe_load((folder / "charts" / "gpu-agent" / "Chart.yaml").read_text())["appVersion"]
+    assert version != APP_VERSION
+    return version, folder / "charts" / "gpu-agent"

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,7 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
 CA = "app.kubernetes.io/component=cluster-agent"
+WAIT = ["--wait", "--timeout", "3m"]
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -205,3 +207,41 @@ def remove_volume(core, namespace: str, path: str) -> None:
     except client.ApiException:
         pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+class Active:
+    """Which cluster agents are active, probed all at once (so that one sample is one moment)."""
+
+    def __init__(self, release: Release) -> None:
+        self.release = release
+        self.pool = ThreadPoolExecutor(4)
+
+    def _one(self, pod: str) -> bool:
+        code, body = pod_http_get(self.release.core, self.release.namespace, pod, 8080, "healthz")
+        if not isinstance(body, dict) or "components" not in body:
+            return False  # not serving (yet, or any more)
+        return bool(body["active"]) if "active" in body else code == 200  # 0.1.x: Ready meant leasing
+
+    def __call__(self) -> list[str]:
+        pods = [p.metadata.name for p in self.release.pods(CA)
+                if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
+        pods += [p.metadata.name for p in self.release.pods(CA)  # a terminating leader may still be active
+                 if p.status.phase == "Running" and p.metadata.deletion_timestamp is not None]
+        return [pod for pod, active in zip(pods, self.pool.map(self._one, pods)) if active]
+
+
+def leaderless(samples, start: float, end: float) -> float:
+    """The longest run of samples in [start, end] with no active agent."""
+    window = [(t, v) for t, v in samples if start <= t <= end and isinstance(v, list)]
+    return max(drops(window, lambda v: len(v) >= 1, until=end), default=0.0)
+
+
+def operation(release: Release, active: Active, keys: list[str], command: list[str]) -> dict:
+    """Enqueue `keys` (running while the operation goes on), run it, wait for one active agent."""
+    enqueue(release, keys, seconds=2)
+    started = time.monotonic()
+    r = helm(*command, check=False)
+    done = time.monotonic()
+    assert r.returncode == 0, f"helm {command[0]} failed after {done - started:.1f}s: {r.stderr[-1500:]}"
+    wait_until(lambda: len(active()) == 1, 90, "one active cluster agent after the operation")
+    return {"took": done - started, "window": (started, time.monotonic())}

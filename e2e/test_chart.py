@@ -44,6 +44,8 @@ BAD_VALUES = [
     (["--set", "clusterAgent.executor=shell"], "executor"),
     (["--set", "clusterAgent.registrationRetryMax=0"], "registrationRetryMax"),
     (["--set", "clusterAgent.strategy.type=BlueGreen"], "strategy"),
+    (["--set", "clusterAgent.leaderElection.enabled=false", "--set", "clusterAgent.strategy.type=RollingUpdate"],
+     "clusterAgent.strategy"),
     (["--set", "clusterAgent.clusterId=Not_A_Name"], "clusterId"),
     (["--set", "nodeAgent.gpuSource=cuda"], "gpuSource"),
     (["--set", "nodeAgent.fakeGpuStateDir=relative/dir"], "fakeGpuStateDir"),
@@ -63,13 +65,20 @@ def test_bad_values_are_refused_naming_the_value(sets, named):
     assert named in r.stderr, r.stderr
 
 
-def test_rendered_strategy_default_graceful_and_explicit():
-    default = cluster_agent_deployment(render())
-    assert "strategy" not in default["spec"]  # exactly as before the option existed
+def test_rendered_strategy_follows_the_readiness_model():
+    hand_over = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert cluster_agent_deployment(render())["spec"]["strategy"] == hand_over  # leader election is on by default
+    assert cluster_agent_deployment(render("--set", "clusterAgent.replicas=2"))["spec"]["strategy"] == hand_over
     graceful = cluster_agent_deployment(render("--set", "gracefulNoGPU=true"))
     assert graceful["spec"]["strategy"] == {"type": "Recreate"}
+    alone = cluster_agent_deployment(render("--set", "clusterAgent.leaderElection.enabled=false"))
+    assert alone["spec"]["strategy"] == {"type": "Recreate"}
     explicit = cluster_agent_deployment(render("--set", "gracefulNoGPU=true", "--set", "clusterAgent.strategy.type=RollingUpdate"))
     assert explicit["spec"]["strategy"] == {"type": "RollingUpdate"}
+    no_surge = cluster_agent_deployment(render("--set", "clusterAgent.leaderElection.enabled=false",
+                                               "--set", "clusterAgent.strategy.type=RollingUpdate",
+                                               "--set", "clusterAgent.strategy.rollingUpdate.maxSurge=0"))
+    assert no_surge["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0}
 
 
 @pytest.fixture

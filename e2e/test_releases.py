@@ -9,39 +9,20 @@ CLUSTER=existing)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes import client
 
-from e2e.cluster import provider
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (APP_VERSION, CHART, Release, WorkPods, enqueue, helm, items, longest_not_ready,
-                         persistent_control_plane, remove_volume)
+from e2e.release import (APP_VERSION, CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless,
+                         longest_not_ready, operation, persistent_control_plane, remove_volume)
+from gpu_agent_hooks.cli import apply_crds
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
 
-REPO = Path(__file__).resolve().parent.parent
 CRDS = ("gpudomains.gpu-agent.io", "gpudomainmembers.gpu-agent.io")
 GROUP = "gpu-agent.io"
-
-
-@pytest.fixture(scope="module")
-def last_stable():
-    """(version, chart folder) of the last stable release, its image imported into the cluster."""
-    if provider() != "ci":
-        pytest.skip("the last-stable image is built and imported into the CI cluster's containerd only")
-    r = subprocess.run(["bash", str(REPO / "ci" / "scripts" / "build-images.sh"), "last-stable"],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    folder = Path(r.stdout.strip().splitlines()[-1])
-    version = yaml.safe_load((folder / "charts" / "gpu-agent" / "Chart.yaml").read_text())["appVersion"]
-    assert version != APP_VERSION
-    return version, folder / "charts" / "gpu-agent"
 
 
 def delete_crds(api) -> None:
@@ -59,6 +40,11 @@ def delete_crds(api) -> None:
 def stored_versions(api) -> dict[str, list[str]]:
     ext = client.ApiextensionsV1Api(api)
     return {name: list(ext.read_custom_resource_definition(name).status.stored_versions) for name in CRDS}
+
+
+def served_versions(api) -> dict[str, set[str]]:
+    ext = client.ApiextensionsV1Api(api)
+    return {name: {v.name for v in ext.read_custom_resource_definition(name).spec.versions if v.served} for name in CRDS}
 
 
 @pytest.mark.disruptive
@@ -127,11 +113,13 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         assert pods.complete(), pods.gaps
         assert not lost and not doubled, (lost, doubled)
         assert domain_ready < 120
-        # The stored state moved: the same objects, read under v1beta1, and nothing stored at v1alpha1.
+        # The same objects, read under v1beta1 too; still stored at v1alpha1 (one release behind), so
+        # that a rollback to the last stable release can read every one of them.
         assert domain("v1beta1")["metadata"]["uid"] == before_uid
         users = custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "users")
         assert users["apiVersion"] == f"{GROUP}/v1beta1" and users["spec"] == {"expectedNodes": 3, "nodeSelector": {"rack": "r1"}}
-        assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+        assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
+        assert served_versions(api) == {name: {"v1alpha1", "v1beta1"} for name in CRDS}
         # No pod of the old version is left, and a fresh 0 -> 4 -> 0 cycle works.
         old_pods = [p.metadata.name for p in release.pods(f"app.kubernetes.io/instance={release.name}")
                     if (p.metadata.labels or {}).get("app.kubernetes.io/version") == version]
@@ -145,47 +133,75 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         remove_volume(core, namespace, volume)
 
 
-def test_downgrade_to_last_stable_is_refused_before_anything_changes_and_work_goes_on(
+def test_downgrade_and_rollback_to_last_stable_keep_the_work_and_the_users_domains_and_upgrading_again_restores(
         last_stable, api, core, apps, kubeconfig, namespace, fake_gpus):
+    """The bats suite's "downgrade: current-dev -> last-stable", and `helm rollback` to a last-stable
+    revision, with work running and a GPUDomain a user made: this release still stores v1alpha1,
+    which the last stable release serves, so both succeed and every object stays."""
     version, old_chart = last_stable
     fake_gpus.set(2)
     release = Release(api, core, apps, kubeconfig, namespace, name="down")
-    release.install("--set", "gracefulNoGPU=true", "--set", "domain.name=fabric")
-    wait_until(lambda: release.healthz()[0] == 200, 90, "the cluster agent Ready")
-    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
-    agent_pod = release.agent_pod()
-    pods = WorkPods(core, namespace)
-    keys = [f"down-{i}" for i in range(6)]
-    enqueue(release, keys)
-    wait_until(lambda: pods.executions(), 60, "the first work pods")
-    in_flight = sum(1 for state in items(release).values() if state == "leased")
-    args = release.args("--set", f"image.tag={version}", "--set", "gracefulNoGPU=true", "--set", "domain.name=fabric",
-                        "--set", "hooks.backoffLimit=0")
-    args[args.index(str(CHART))] = str(old_chart)
-    with Sampler(lambda: release.healthz()[0], 0.5) as health:
-        r = helm("upgrade", *args, "--timeout", "120s", check=False)
-    samples = health.samples
-    assert r.returncode != 0 and "pre-upgrade" in r.stderr, r.stderr
-    job = core.list_namespaced_pod(namespace, label_selector=f"job-name={release.fullname}-skew-check").items[0]
-    log = core.read_namespaced_pod_log(job.metadata.name, namespace)
-    assert "stored at version(s) v1beta1" in log, log
-    print(f"\ndowngrade {APP_VERSION} -> {version} refused ({in_flight} item(s) in flight, longest NotReady "
-          f"{longest_not_ready(samples):.1f} s over {len(samples)} samples): {log.strip().splitlines()[-1]}")
-    assert len(samples) >= 4 and longest_not_ready(samples) == 0
-    history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name, "-o", "json").stdout)
-    assert history[0]["status"] == "deployed" and history[0]["app_version"] == APP_VERSION
-    assert release.agent_pod() == agent_pod  # nothing was replaced
-    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
-    wait_until(lambda: set(items(release).values()) == {"done"}, 120, "every item done")
-    pods.stop()
-    executions = pods.executions()
-    if pods.gaps:
-        print(f"work-pod watch gaps (relisted): {[(round(t, 2), why) for t, why in pods.gaps]}")
-    assert pods.complete(), pods.gaps
-    assert all(executions.get(_pod_name(k)) == 1 for k in keys), executions
-    print(f"downgrade: {len(keys)} items, 0 lost, 0 doubled")
-    release.uninstall()
-    fake_gpus.set(0)
+    volume = persistent_control_plane(core, namespace, release)
+    custom = client.CustomObjectsApi(api)
+    common = ["--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true",
+              "--set", "domain.name=fabric", "--set", "hooks.backoffLimit=0"]
+    read = lambda v, name: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", name)  # noqa: E731
+    try:
+        helm("install", *release.args(*common), *WAIT)
+        wait_until(lambda: (read("v1beta1", "fabric").get("status") or {}).get("status") == "Ready", 60, "the domain Ready")
+        users_spec = {"expectedNodes": 3, "nodeSelector": {"rack": "r1"}, "maxNodesPerClique": 2}
+        custom.create_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", {
+            "apiVersion": f"{GROUP}/v1beta1", "kind": "GPUDomain", "metadata": {"name": "users"}, "spec": users_spec})
+        uids = {name: read("v1beta1", name)["metadata"]["uid"] for name in ("fabric", "users")}
+        assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
+        old_args = release.args("--set", f"image.tag={version}", *common)
+        old_args[old_args.index(str(CHART))] = str(old_chart)
+        history = ["--kubeconfig", release.kubeconfig, "-n", namespace, release.name]
+        pods, active, keys, seen = WorkPods(core, namespace), Active(release), [], {}
+        with Sampler(active, 0.25) as sampler:
+            for step, command, runs in (("downgrade to last stable", ["upgrade", *old_args, *WAIT], version),     # rev 2
+                                        ("upgrade again", ["upgrade", *release.args(*common), *WAIT], APP_VERSION),  # 3
+                                        ("rollback to last stable", ["rollback", *history, "2", *WAIT], version),  # 4
+                                        ("rollback to this release", ["rollback", *history, "3", *WAIT], APP_VERSION)):
+                batch = [f"down{len(seen)}-{i}" for i in range(3)]
+                keys += batch
+                o = operation(release, active, batch, command)
+                agent = next(p for p in release.pods(CA) if p.metadata.deletion_timestamp is None)
+                assert agent.metadata.labels["app.kubernetes.io/version"] == runs, (step, agent.metadata.labels)
+                served = "v1alpha1" if runs == version else "v1beta1"
+                now = {name: read(served, name) for name in ("fabric", "users")}
+                assert {name: d["metadata"]["uid"] for name, d in now.items()} == uids, step  # the same objects
+                seen[step] = (o, now["users"]["spec"], served_versions(api))
+                wait_until(lambda v=served: (read(v, "fabric").get("status") or {}).get("status") == "Ready", 90,
+                           f"the domain Ready after: {step}")
+        samples = sampler.samples
+        wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(release)), 240,
+                   "every item done")
+        wait_until(lambda: set(pods.executions()) >= {_pod_name(k) for k in keys}, 30, "a work pod seen for every item")
+        pods.stop()
+        executions = pods.executions()
+        lost = [k for k in keys if _pod_name(k) not in executions]
+        doubled = {n: c for n, c in executions.items() if c > 1}
+        measured = [v for _, v in samples if isinstance(v, list)]
+        for step, (o, spec, served) in seen.items():
+            print(f"{step}: helm {o['took']:.1f} s, longest without an active agent "
+                  f"{leaderless(samples, *o['window']):.1f} s; the user's spec {spec}; served "
+                  f"{ {n.split('.')[0]: sorted(v) for n, v in served.items()} }")
+        print(f"{len(measured)} samples, most active at once {max(map(len, measured), default=0)}; {len(keys)} items, "
+              f"{len(lost)} lost, {len(doubled)} doubled ({pods.events} pod events watched)")
+        assert len(measured) >= 40 and max(map(len, measured)) <= 1
+        assert pods.complete(), pods.gaps
+        assert not lost and not doubled, (lost, doubled)
+        # What the last stable release does not know is not shown while it runs, and is back after the upgrade:
+        # the API server prunes unknown fields when it reads an object, and nothing rewrote the user's.
+        assert seen["downgrade to last stable"][1] == {k: v for k, v in users_spec.items() if k != "maxNodesPerClique"}
+        assert seen["upgrade again"][1] == users_spec and seen["rollback to this release"][1] == users_spec
+        assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
+    finally:
+        release.uninstall_if_installed()
+        remove_volume(core, namespace, volume)
+        apply_crds(api, CHART / "crds")  # this release's CRDs for the tests after this one, whatever happened
+        fake_gpus.set(0)
 
 
 def test_a_failed_upgrade_rolled_back_restores_service_and_keeps_the_stored_objects(
@@ -213,7 +229,7 @@ def test_a_failed_upgrade_rolled_back_restores_service_and_keeps_the_stored_obje
     for name in CRDS:
         crd = ext.read_custom_resource_definition(name)
         assert {v.name for v in crd.spec.versions if v.served} == {"v1alpha1", "v1beta1"}
-        assert crd.status.stored_versions == ["v1beta1"]
+        assert crd.status.stored_versions == ["v1alpha1"]
     release.uninstall()
     fake_gpus.set(0)
 
@@ -228,6 +244,6 @@ def test_first_install_with_a_domain_on_a_cluster_that_never_had_the_crds(api, c
     custom = client.CustomObjectsApi(api)
     wait_until(lambda: (custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "fabric")
                         .get("status") or {}).get("status") == "Ready", 90, "the chart's GPUDomain Ready")
-    assert stored_versions(api) == {name: ["v1beta1"] for name in CRDS}
+    assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
     release.uninstall()
     fake_gpus.set(0)

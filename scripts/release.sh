@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # `make release`: cut this checkout's version (pyproject.toml, the charts' appVersion).
 #   1. the tree must be clean (a release is a commit, not a working copy);
-#   2. both charts are packaged into dist/ with an index.yaml, so that
+#   2. the CRDs may store only a version the previous release already served (scripts/crd-storage-rule.py);
+#   3. both charts are packaged into dist/ with an index.yaml, so that
 #      `helm install gpu-agent gpu-agent --repo <URL of dist/>` works from any file server;
-#   3. the image is built and saved as dist/gpu-agent-VERSION.oci.tar, named localhost/gpu-agent:VERSION
+#   4. the image is built and saved as dist/gpu-agent-VERSION.oci.tar, named localhost/gpu-agent:VERSION
 #      (RELEASE_IMAGE=0 skips it; it needs root, as `make images` does);
-#   4. releases.yaml gains "VERSION: the commit it was cut from"; commit that change.
+#   5. releases.yaml gains "VERSION: the commit it was cut from"; commit that change.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -31,6 +32,8 @@ if [[ -n $recorded && $recorded != "$commit" ]]; then
   echo "release: $version was already cut from $recorded; bump the version for a new release" >&2
   exit 1
 fi
+# The CRDs keep the one-release-behind rule (a storage version the previous release already served).
+"$repo/.venv/bin/python" scripts/crd-storage-rule.py || { echo "release: the CRDs break the storage-version rule (above)" >&2; exit 1; }
 helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
 [[ -n $helm ]] || { echo "release: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
 rm -rf dist && mkdir -p dist

@@ -52,3 +52,38 @@ def check_stored_versions(existing_crd: dict[str, Any] | None, chart_crd: dict[s
                         f"{name} does not serve (it serves {', '.join(sorted(served))}): migrate the stored objects to a "
                         "served version first, or use a chart version that still serves them")
     return f"{name}: stored versions {', '.join(sorted(stored)) or 'none'} all served"
+
+
+def _served(crd: dict[str, Any]) -> set[str]:
+    return {v["name"] for v in crd["spec"]["versions"] if v.get("served")}
+
+
+def _storage(crd: dict[str, Any]) -> str:
+    return next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+
+
+def check_storage_follows_previous_release(previous: list[dict[str, Any]], chart: list[dict[str, Any]],
+                                           previous_version: str) -> list[str]:
+    """The one-release-behind rule Kubernetes keeps for its own APIs, checked when a release is cut:
+    a CRD may store a version only if the previous release already served it (so a rollback to that
+    release can read every object), and must still serve the previous release's storage version (so
+    the upgrade can read them). Returns one line per CRD; raises SkewError naming the CRD and the fix."""
+    before = {c["metadata"]["name"]: c for c in previous}
+    out = []
+    for crd in chart:
+        name = crd["metadata"]["name"]
+        old = before.get(name)
+        if old is None:
+            out.append(f"{name}: new in this release (stores {_storage(crd)})")
+            continue
+        storage, old_storage = _storage(crd), _storage(old)
+        if storage not in _served(old):
+            raise SkewError(f"CRD {name} stores {storage}, which {previous_version} does not serve (it serves "
+                            f"{', '.join(sorted(_served(old)))}): a rollback to {previous_version} could not read the "
+                            f"objects. Keep storing {old_storage} and serve {storage} in this release; store it in the next")
+        if old_storage not in _served(crd):
+            raise SkewError(f"CRD {name} no longer serves {old_storage}, which {previous_version} stores: the upgrade "
+                            f"could not read the objects. Serve {old_storage} for at least this release")
+        out.append(f"{name}: stores {storage} ({previous_version} stored {old_storage} and served "
+                   f"{', '.join(sorted(_served(old)))})")
+    return out

@@ -3,6 +3,11 @@
 `/healthz` returns all entries and is 200 only when every entry is ready; `/livez` asks
 only whether the event loop is still turning (its heartbeat is fresh). The HTTP server
 reads from another thread, hence the lock.
+
+Readiness answers Kubernetes' question, "does this replica do its job", so that a rolling update,
+`helm --wait`, Argo CD and Flux can wait on it. A role may add top-level facts that are not
+readiness (the cluster agent's `active`: its queues are open, it leads and leases work; a Ready hot
+standby is not active) with `state()`; they appear next to `status` in the snapshot.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ class HealthRegistry:
         }
         self._heartbeat = clock.monotonic()
         self._liveness_timeout = liveness_timeout
+        self._facts: dict[str, Any] = {}
+
+    def state(self, name: str, value: Any) -> None:
+        """A top-level fact of the snapshot that is not part of readiness (e.g. `active`)."""
+        with self._lock:
+            self._facts[name] = value
 
     def set(self, component: str, ready: bool, reason: str, **details: Any) -> bool:
         """Record a component's state; True when it differs from the previous one."""
@@ -65,8 +76,10 @@ class HealthRegistry:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             entries = dict(self._entries)
+            facts = dict(self._facts)
         return {
             "status": "ready" if all(e.ready for e in entries.values()) else "notready",
+            **facts,
             "components": {
                 name: {"ready": e.ready, "reason": e.reason, **({"details": e.details} if e.details else {})}
                 for name, e in sorted(entries.items())

@@ -45,7 +45,10 @@ class AgentMetrics(NodeMetrics):
         self.renewal_failures = Counter("gpu_agent_credential_renewal_failures", "Failed credential renewals", ["reason"], registry=r)
         self.backoff = Gauge("gpu_agent_registration_backoff_seconds", "Current registration retry delay (0 when not retrying)", registry=r)
         self.queue_paused = Gauge("gpu_agent_queue_paused", "1 while the work queue is paused", registry=r)
-        self.ready = Gauge("gpu_agent_ready", "1 while every component is ready", registry=r)
+        self.ready = Gauge("gpu_agent_ready", "1 while every component is ready (a registered hot standby is ready)",
+                           registry=r)
+        self.active = Gauge("gpu_agent_active", "1 while this agent leads and its queues are open (it leases work)",
+                            registry=r)
         self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)
         self.gate_wait = Histogram("gpu_agent_gate_wait_seconds", "Time spent waiting for the registration gate", ["purpose"],
                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)

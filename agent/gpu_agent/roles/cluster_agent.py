@@ -4,12 +4,19 @@
                                                                              +--> QueueConsumer -> Executor
     LeaderElector (a Lease, when leaderElection is on) -> (leading) ---------+--> Aggregator (domain status)
 
-It is live from the first moment (`/livez` 200) and ready (`/healthz` 200) only when the
-cluster has GPUs, registration for the current GPU generation has succeeded, a valid
-credential is installed and it leads; only then are the work queues open. Losing the last
-GPU, or the lease, closes them and drops readiness again. A standby registers too (a hot
-standby: it takes over with its credential in hand) but leases no work and folds no domain;
-it reports "standby: the leader is <identity>".
+It is live from the first moment (`/livez` 200). Ready (`/healthz` 200) means "this replica does
+its job": the cluster has GPUs, registration for the current GPU generation has succeeded and a
+valid credential is installed (NVCA's definition), and it either leads or is a hot standby. Only
+the leader is *active*: its queues are open and it leases work (`active` in /healthz, the metric
+`gpu_agent_active`). A standby registers too (it takes over with its credential in hand) but
+leases no work and folds no domain; it reports "standby: the leader is <identity>".
+
+Why a standby is Ready: Kubernetes, Helm (`--wait`), Argo CD and Flux read Pod readiness as "this
+replica does its job". A NotReady standby could never let a rolling update replace the leader,
+and `replicas: 2` could never be installed with `--wait`. With it Ready, a rolling update is a
+hand-over: the new pod registers and becomes a Ready standby, the old leader is told to stop,
+pauses its queues and releases the Lease, and the standby, watching the Lease, leads at once.
+With no GPUs nothing is Ready, as NVCA validated (the chart then replaces the pod: Recreate).
 """
 
 from __future__ import annotations
@@ -110,6 +117,7 @@ class ClusterAgent:
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, COMPONENTS)
         self.metrics = AgentMetrics()
+        self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
         self.executor = make_executor(cfg)
@@ -129,7 +137,7 @@ class ClusterAgent:
         self.registered = (False, "waiting for GPUs, registration and credentials")
         self.leading = (not cfg.leaderElection, "leader election off: this is the only agent"
                         if not cfg.leaderElection else "standby: electing a leader")
-        self.health.set("leadership", *self.leading)
+        self.health.set("leadership", True, self.leading[1])  # a standby does its job: see the module docstring
         self.rng = rng or random.Random()
         self.aggregator: Any = None
         self.logged: tuple[bool, str] | None = None
@@ -157,7 +165,7 @@ class ClusterAgent:
     async def _leadership_changed(self, leading: bool, reason: str) -> None:
         was_leading = self.leading[0]
         self.leading = (leading, reason)
-        self.health.set("leadership", leading, reason)
+        self.health.set("leadership", True, reason)
         if leading and not was_leading:
             self.queue.new_term()
             self._start_folding()
@@ -166,16 +174,19 @@ class ClusterAgent:
         await self._open_queues_when_ready()
 
     async def _open_queues_when_ready(self) -> None:
-        ready = self.registered[0] and self.leading[0]
-        reason = self.registered[1] if not self.registered[0] else self.leading[1]
-        await self.queue.set_open(ready, reason)
-        self.metrics.ready.set(1 if ready else 0)
-        if (ready, reason) == self.logged:
+        registered, leading = self.registered[0], self.leading[0]
+        active = registered and leading
+        reason = self.registered[1] if not registered else self.leading[1]
+        await self.queue.set_open(active, reason, standby=registered and not leading)
+        if (active, reason) == self.logged:
             return
-        self.logged = (ready, reason)
-        if ready:
+        self.logged = (active, reason)
+        if active:
             log.info("cluster agent Ready: GPUs registered, credentials installed, %s, queues open",
                      "leading" if self.cfg.leaderElection else "the only agent")
+        elif registered:
+            log.info("cluster agent Ready as a hot standby (%s): GPUs registered, credentials installed, queues "
+                     "paused until it leads", reason)
         else:
             log.info("cluster agent NotReady: %s", reason)
 
@@ -230,7 +241,10 @@ class ClusterAgent:
                 if self.cfg.leaderElection:
                     tasks.append(tg.create_task(self._elector().run(), name="leader-election"))
                 await stop.wait()
-                log.info("shutting down")
+                # Stop leasing before the Lease is released (the elector's task, cancelled below), so
+                # that the successor never finds this agent still leasing: a hand-over, not an overlap.
+                log.info("shutting down: pausing the queues, then releasing the lease")
+                await self.queue.set_open(False, "shutting down")
                 for t in tasks:
                     t.cancel()
         finally:

@@ -11,13 +11,17 @@ SETTINGS = ElectionSettings(15.0, 10.0, 2.0)
 
 
 class MemoryLease:
-    """One Lease record with resourceVersion semantics; a caller listed in `cut_off` gets errors."""
+    """One Lease record with resourceVersion semantics; a caller listed in `cut_off` gets errors.
+    `watchable`: views offer wait_released (a future resolved when the record is deleted or released)."""
 
-    def __init__(self):
+    def __init__(self, watchable=False):
         self.record = None
         self.version = 0
         self.cut_off = set()
         self.caller = None
+        self.watchable = watchable
+        self.watchers = []
+        self.wakes = 0  # watchers resolved: recorded, asserted by the test
 
     def _check(self, who):
         if who in self.cut_off:
@@ -48,16 +52,39 @@ class MemoryLease:
                 if lease.record is None or record.version != lease.record.version:
                     raise LeaseConflict()
                 lease.record = None
-        return View()
+                lease._released()
+
+        view = View()
+        if self.watchable:
+            def wait_released(version, timeout):
+                lease._check(who)
+                fut = asyncio.get_running_loop().create_future()
+                if lease.record is None or not lease.record.holder:
+                    fut.set_result(True)
+                else:
+                    lease.watchers.append(fut)
+                return fut
+            view.wait_released = wait_released
+        return view
+
+    def _released(self):
+        for fut in self.watchers:
+            if not fut.done():
+                self.wakes += 1
+                fut.set_result(True)
+        self.watchers = []
 
     def _store(self, record):
         self.version += 1
         self.record = replace(record, version=str(self.version))
+        if not record.holder:
+            self._released()
         return self.record
 
 
 async def inline(fn, *args):
-    return fn(*args)
+    result = fn(*args)
+    return await result if asyncio.isfuture(result) else result
 
 
 class Agent:
@@ -90,9 +117,9 @@ def test_settings_that_break_the_timing_rules_are_named():
     assert "leaderElectionRetryPeriod" in ElectionSettings(15, 10, 10).problems()[0]
 
 
-async def leader_and_standby(settle: float):
+async def leader_and_standby(settle: float, watchable=False):
     """agent-a leads (it started first), agent-b stands by; `settle` seconds later."""
-    clock, lease = ManualClock(), MemoryLease()
+    clock, lease = ManualClock(), MemoryLease(watchable)
     a = Agent("agent-a", lease, clock)
     await run_for(clock, 1)
     b = Agent("agent-b", lease, clock)
@@ -213,5 +240,33 @@ async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_att
     stopped, lost, reason = next(c for c in a.changes if not c[1])
     assert reason == "standby: lost the lease (the lease is held by agent-b)" and a.changes[-1][2] == "standby: the leader is agent-b"
     assert stopped - taken <= SETTINGS.retry_period + 0.2 < SETTINGS.renew_deadline
+    a.task.cancel()
+    b.task.cancel()
+
+
+async def test_a_standby_watching_the_lease_takes_over_the_moment_the_leader_releases_it():
+    """A rolling update's hand-over: the old leader shuts down and releases; the standby must not
+    wait out its retry period (that was up to 2.4 s with the defaults)."""
+    clock, lease, a, b = await leader_and_standby(5, watchable=True)
+    assert lease.wakes == 0  # the leader's renewals (two a retry period) woke nobody
+    a.task.cancel()
+    await clock.settle()
+    released = clock.monotonic()
+    await clock.advance(0.01)
+    (started,) = b.leading_since()
+    assert started - released <= 0.01 and lease.wakes == 1
+    assert lease.record.holder == "agent-b"
+    b.task.cancel()
+
+
+async def test_a_standby_still_takes_over_a_silent_leader_only_after_the_lease_duration_when_watching():
+    clock, lease, a, b = await leader_and_standby(5, watchable=True)
+    cut = clock.monotonic()
+    lease.cut_off.add("agent-a")
+    await run_for(clock, 40)
+    (stopped,) = a.stopped_at()
+    (started,) = b.leading_since()
+    assert started - stopped >= SETTINGS.lease_duration - SETTINGS.renew_deadline
+    assert started > cut + SETTINGS.lease_duration - SETTINGS.retry_period
     a.task.cancel()
     b.task.cancel()

@@ -11,6 +11,12 @@ Settings (client-go's names and defaults):
   retryPeriod     2 s  the wait between attempts (a candidate's waits get x U[1, 1.2) jitter)
 Rules checked at start: retryPeriod < renewDeadline < leaseDuration.
 
+Hand-over: a leader that shuts down (a rolling update replacing its pod) releases the record. A
+candidate waiting between attempts watches the record (when the backend can) and makes its next
+attempt as soon as it is released or deleted, instead of at the end of its retry period; so a
+rolling update with a Ready hot standby moves leadership in the time of one watch event and one
+write. A silent leader (crashed, partitioned) is still taken over only after leaseDuration.
+
 Why this is safe: a leader stops leading (and the agent pauses its queues) renewDeadline after its
 last successful renewal. No candidate takes over before leaseDuration has passed since it last
 saw the record change, which is no earlier than that renewal; so the old leader has stopped at
@@ -33,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.threads import in_daemon_thread
 
@@ -69,6 +75,9 @@ class LeaseBackend(Protocol):
     def delete(self, record: LeaseRecord) -> None:
         """Delete the record if it is still at `record.version` (LeaseConflict otherwise)."""
         ...
+
+    # Optional: `wait_released(version: str, timeout: float) -> bool` blocks until the record, last
+    # seen at `version`, is released (no holder) or deleted (True), or `timeout` passes (False).
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,26 @@ class LeaderElector:
             if self.leader != reported:
                 reported = self.leader
                 await self.on_change(False, f"standby: the leader is {reported or '(nobody yet)'}")
-            await self.clock.sleep(self.settings.retry_period * (1 + JITTER * self.rng.random()))
+            await self._wait_between_attempts(self.settings.retry_period * (1 + JITTER * self.rng.random()))
+
+    async def _wait_between_attempts(self, delay: float) -> None:
+        """Sleep `delay`, cut short when the holder releases the record (a hand-over)."""
+        wait_released = getattr(self.backend, "wait_released", None)
+        held = self.observed is not None and self.observed.holder not in ("", self.identity) and self.observed.version
+        if wait_released is None or not held:
+            await self.clock.sleep(delay)
+            return
+        assert self.observed is not None
+        await sleep_or(self.clock, delay, self._released(wait_released, self.observed.version, delay))
+
+    async def _released(self, wait_released: Callable[[str, float], bool], version: str, timeout: float) -> None:
+        try:
+            if await self.run_blocking(wait_released, version, timeout):
+                log.v(2, "lease: released by its holder; trying now")
+                return
+        except Exception as e:  # noqa: BLE001 - the retry period still bounds the wait
+            log.v(2, "lease: watching for its release failed: %s", e)
+        await asyncio.Event().wait()  # not released: the sleep decides
 
     async def _keep(self) -> str:
         """Renew every retryPeriod; return (why) when renewDeadline has passed since the last renewal, or

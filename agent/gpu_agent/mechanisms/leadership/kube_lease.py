@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, watch
 
 from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
 
@@ -91,3 +91,20 @@ class KubeLease:
     def delete(self, record: LeaseRecord) -> None:
         self._call("deleting", self.coordination.delete_namespaced_lease, self.name, self.namespace,
                    body=client.V1DeleteOptions(preconditions=client.V1Preconditions(resource_version=record.version)))
+
+    def wait_released(self, version: str, timeout: float) -> bool:
+        """Watch the Lease from `version` until it is deleted or has no holder (True), or `timeout`
+        passes (False). The watch names the Lease (a field selector), which RBAC's resourceNames admits."""
+        w = watch.Watch()
+        try:
+            for event in w.stream(self.coordination.list_namespaced_lease, self.namespace,
+                                  field_selector=f"metadata.name={self.name}", resource_version=version,
+                                  timeout_seconds=max(1, int(timeout)), _request_timeout=timeout + self.timeout):
+                lease = event["object"]
+                if event["type"] == "DELETED" or not (getattr(lease, "spec", None) and lease.spec.holder_identity):
+                    return True
+        except client.ApiException as e:  # 410 Gone (version compacted) and the like: the next attempt reads it
+            raise RuntimeError(f"watching Lease {self.namespace}/{self.name}: {e.status} {e.reason}") from None
+        finally:
+            w.stop()
+        return False

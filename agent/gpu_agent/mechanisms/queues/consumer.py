@@ -14,6 +14,11 @@ term of its own next leadership. Starting a term hands back the leases older ter
 items a dead or partitioned agent held are delivered again at once, to the new leader, whose
 executor adopts what already ran (the Pod executor finds the item's Pod by name).
 
+Readiness: the `queues` entry of /healthz is ready while the queues are open, and also while they
+are paused only because this agent is a hot standby (it does its job: waiting to lead). Whether
+this agent leases work is the separate fact `active` (top level of /healthz, the metric
+`gpu_agent_active`).
+
 Pausing stops new leases; an item already leased runs to its end and is acked. An item
 leased in the instant the queue was paused (a long-polled lease call can be waiting at the
 server when it happens) is released back at once rather than run on GPUs the agent may no
@@ -57,14 +62,23 @@ class QueueConsumer:
         self.long_poll = long_poll  # the server holds an empty lease call this long (idle CPU)
         self.on_refused = on_refused
         self.open = Toggle(False)
+        self.standby = False  # paused only because another agent leads
         self.processed = 0
         self.pause_reason = "waiting for GPUs, registration and credentials"
         self._report()
 
+    @property
+    def active(self) -> bool:
+        """Open and not fenced: this agent leases work."""
+        return self.open.is_on and not self.fenced_by
+
     def _report(self) -> None:
-        on = self.open.is_on and not self.fenced_by
-        reason = "leasing work" if on else f"paused: {self.fenced_by or self.pause_reason}"
-        self.health.set("queues", on, reason, processed=self.processed, term=self.fence.term if self.fence else 0)
+        on = self.active
+        standby = self.standby and not on
+        reason = "leasing work" if on else f"paused: {self.pause_reason if standby else self.fenced_by or self.pause_reason}"
+        self.health.set("queues", on or standby, reason, processed=self.processed, term=self.fence.term if self.fence else 0)
+        self.health.state("active", on)
+        self.metrics.active.set(1 if on else 0)
 
     def new_term(self) -> None:
         """This agent began to lead (again): its next lease starts a new term."""
@@ -93,9 +107,11 @@ class QueueConsumer:
             self._report()
         return self.fence
 
-    async def set_open(self, on: bool, reason: str) -> None:
+    async def set_open(self, on: bool, reason: str, standby: bool = False) -> None:
+        """Open or pause the queues; `standby`: paused only because another agent leads."""
         if on != self.open.is_on:
             log.info("work queues %s%s", "resumed" if on else "paused", "" if on else f": {reason}")
+        self.standby = standby and not on
         if not on:
             self.pause_reason = reason
         await self.open.set(on)
