@@ -90,11 +90,12 @@ class Cluster:
                 if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
 
     def leasing(self) -> list[str]:
-        """Cluster agent pods whose /healthz is 200 (queues open: leader, registered, GPUs)."""
+        """Cluster agent pods whose /healthz says `active` (queues open: leader, registered, GPUs; a Ready
+        hot standby is not active)."""
         out = []
         for pod in self.running(CA):
             code, body = pod_http_get(self.core, self.namespace, pod.metadata.name, 8080, "healthz")
-            if code == 200 and isinstance(body, dict):
+            if code == 200 and isinstance(body, dict) and body.get("active"):
                 out.append(pod.metadata.name)
         return out
 
@@ -232,13 +233,14 @@ def test_a_hot_standby_names_the_leader_and_takes_over_when_the_leader_is_delete
         (standby,) = [p.metadata.name for p in cluster.running(CA) if p.metadata.name != leader]
         # Registration takes a moment after the pod starts (seconds when the control plane is busy), and the
         # first election attempt may end after it: wait for both, then read whom the standby names.
-        code, body = wait_until(lambda: (lambda r: r if r[0] == 503 and isinstance(r[1], dict)
+        code, body = wait_until(lambda: (lambda r: r if isinstance(r[1], dict) and "components" in r[1]
                                          and r[1]["components"]["registration"]["ready"]
                                          and r[1]["components"]["leadership"]["reason"] != "standby: electing a leader"
                                          else None)(
             pod_http_get(core, namespace, standby, 8080, "healthz")), 30, "the standby answering, registered, past its first attempt")
         assert body["components"]["leadership"]["reason"] == f"standby: the leader is {leader}", body
         assert body["components"]["registration"]["ready"], "a hot standby is registered"
+        assert code == 200 and body["active"] is False, "a hot standby is Ready (it does its job) and not active"
         assert cluster.leader() == leader
         keys = [f"fo2-{i}" for i in range(10)]
         enqueue(cluster.release, keys, seconds=2)
