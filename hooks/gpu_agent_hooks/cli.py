@@ -67,7 +67,9 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
         say(migrate(ext, custom, crd))
 
 
-def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
+def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path,
+               timeout: float = 90) -> None:
+    dep: client.V1Deployment | None = None
     try:
         dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
         deployed = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
@@ -79,6 +81,37 @@ def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_versio
     ext = client.ApiextensionsV1Api(api)
     for crd in load_crds(folder):
         say(check_stored_versions(installed_crd(api, ext, crd["metadata"]["name"]), crd))
+    if dep is not None and not elects(dep):
+        replace_non_electing(api, dep, deployed, timeout)
+
+
+def elects(dep: client.V1Deployment) -> bool:
+    """Whether the deployed cluster agent takes part in leader election (0.2.0 on)."""
+    return any("--leader-election=true" in (c.args or []) for c in dep.spec.template.spec.containers)
+
+
+def replace_non_electing(api: client.ApiClient, dep: client.V1Deployment, version: str, timeout: float) -> None:
+    """An agent that does not elect (0.1.x) cannot hand over to its successor, and its Deployment's
+    strategy (RollingUpdate, defaulted by the API server) cannot be switched to Recreate by Helm's
+    server-side apply (the defaulted rollingUpdate stays; the API server refuses the pair). So it is
+    deleted here, its pods waited out, and the upgrade creates the Deployment afresh: a Recreate that
+    never runs two agents side by side."""
+    name, namespace = dep.metadata.name, dep.metadata.namespace
+    say(f"the deployed cluster agent ({version or 'unknown version'}) does not take part in leader election: "
+        f"deleting Deployment {name} so that it never runs beside its successor; the upgrade creates it again")
+    try:
+        client.AppsV1Api(api).delete_namespaced_deployment(name, namespace, propagation_policy="Foreground")
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+    selector = ",".join(f"{k}={v}" for k, v in (dep.spec.selector.match_labels or {}).items())
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + timeout
+    while core.list_namespaced_pod(namespace, label_selector=selector).items:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"gpu-agent-hook: the pods of Deployment {name} were still there after {timeout:.0f}s")
+        time.sleep(0.5)
+    say(f"Deployment {name} and its pods are gone")
 
 
 def _bounded(name: str, seconds: float, fn: Any) -> None:
