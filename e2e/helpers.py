@@ -37,12 +37,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
         time.sleep(interval)
 
 
-def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, path: str) -> tuple[int, Any]:
-    """GET through the API server's pod proxy; (status, parsed JSON or text). A 503 is an answer too."""
+def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, path: str,
+                 timeout: float | None = None) -> tuple[int, Any]:
+    """GET through the API server's pod proxy; (status, parsed JSON or text). A 503 is an answer too.
+    `timeout`: seconds for the whole call (a timeout raises)."""
     import json
 
     try:
-        resp = core.connect_get_namespaced_pod_proxy_with_path(f"{pod}:{port}", namespace, path, _preload_content=False)
+        resp = core.connect_get_namespaced_pod_proxy_with_path(f"{pod}:{port}", namespace, path, _preload_content=False,
+                                                               _request_timeout=timeout)
         status, body = resp.status, resp.data
     except client.ApiException as e:
         status, body = e.status, (e.body or b"")

@@ -210,30 +210,43 @@ def remove_volume(core, namespace: str, path: str) -> None:
 
 
 class Active:
-    """Which cluster agents are active, probed all at once (so that one sample is one moment)."""
+    """Which cluster agents are active (`active` in their own /healthz; a 0.1.x agent has none, and
+    its 200 meant leasing), all probed at once so that one sample is one moment. Each probe is
+    bounded (2 s); `history` keeps (started, ended, active pods) of every sample, for `leaderless`."""
+
+    PROBE_TIMEOUT = 2.0
 
     def __init__(self, release: Release) -> None:
         self.release = release
         self.pool = ThreadPoolExecutor(4)
+        self.history: list[tuple[float, float, list[str]]] = []
 
     def _one(self, pod: str) -> bool:
-        code, body = pod_http_get(self.release.core, self.release.namespace, pod, 8080, "healthz")
+        try:
+            code, body = pod_http_get(self.release.core, self.release.namespace, pod, 8080, "healthz",
+                                      timeout=self.PROBE_TIMEOUT)
+        except Exception:  # noqa: BLE001 - no answer in time: not seen active
+            return False
         if not isinstance(body, dict) or "components" not in body:
             return False  # not serving (yet, or any more)
-        return bool(body["active"]) if "active" in body else code == 200  # 0.1.x: Ready meant leasing
+        return bool(body["active"]) if "active" in body else code == 200
 
     def __call__(self) -> list[str]:
-        pods = [p.metadata.name for p in self.release.pods(CA)
-                if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
-        pods += [p.metadata.name for p in self.release.pods(CA)  # a terminating leader may still be active
-                 if p.status.phase == "Running" and p.metadata.deletion_timestamp is not None]
-        return [pod for pod, active in zip(pods, self.pool.map(self._one, pods)) if active]
+        started = time.monotonic()
+        pods = [p.metadata.name for p in self.release.pods(CA)  # a terminating leader may still be active
+                if p.status.phase == "Running"]
+        active = [pod for pod, on in zip(pods, self.pool.map(self._one, pods)) if on]
+        self.history.append((started, time.monotonic(), active))
+        return active
 
 
-def leaderless(samples, start: float, end: float) -> float:
-    """The longest run of samples in [start, end] with no active agent."""
-    window = [(t, v) for t, v in samples if start <= t <= end and isinstance(v, list)]
-    return max(drops(window, lambda v: len(v) >= 1, until=end), default=0.0)
+def leaderless(active: Active, start: float, end: float) -> float:
+    """An upper bound of the longest time without an active agent in [start, end]: for each two
+    consecutive samples that saw one, from the first's start to the second's end (each saw an active
+    agent at some moment within its own probe)."""
+    seen = [(s, e) for s, e, pods in active.history if pods]
+    gaps = [e2 - s1 for (s1, _), (_, e2) in zip(seen, seen[1:]) if e2 >= start and s1 <= end]
+    return max(gaps, default=end - start)
 
 
 def operation(release: Release, active: Active, keys: list[str], command: list[str]) -> dict:

@@ -185,7 +185,7 @@ def test_downgrade_and_rollback_to_last_stable_keep_the_work_and_the_users_domai
         measured = [v for _, v in samples if isinstance(v, list)]
         for step, (o, spec, served) in seen.items():
             print(f"{step}: helm {o['took']:.1f} s, longest without an active agent "
-                  f"{leaderless(samples, *o['window']):.1f} s; the user's spec {spec}; served "
+                  f"{leaderless(active, *o['window']):.1f} s; the user's spec {spec}; served "
                   f"{ {n.split('.')[0]: sorted(v) for n, v in served.items()} }")
         print(f"{len(measured)} samples, most active at once {max(map(len, measured), default=0)}; {len(keys)} items, "
               f"{len(lost)} lost, {len(doubled)} doubled ({pods.events} pod events watched)")

@@ -101,7 +101,7 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
         measured = [v for _, v in samples if isinstance(v, list)]
         most = max((len(v) for v in measured), default=0)
         for op, o in ops.items():
-            gap = leaderless(samples, *o["window"])
+            gap = leaderless(active, *o["window"])
             o["leaderless"] = gap
             print(f"[{value_set}] {op}: helm {o['took']:.1f} s, longest without an active agent {gap:.2f} s")
         print(f"[{value_set}] {len(measured)} samples ({len(samples) - len(measured)} failed), most active at once "

@@ -15,6 +15,7 @@ from kubernetes import client
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.kube import api_client
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
 from gpu_agent_hooks.migrate import MigrationError, migrate
 from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
 
@@ -67,9 +68,7 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
         say(migrate(ext, custom, crd))
 
 
-def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path,
-               timeout: float = 90) -> None:
-    dep: client.V1Deployment | None = None
+def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
     try:
         dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
         deployed = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
@@ -81,8 +80,43 @@ def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_versio
     ext = client.ApiextensionsV1Api(api)
     for crd in load_crds(folder):
         say(check_stored_versions(installed_crd(api, ext, crd["metadata"]["name"]), crd))
-    if dep is not None and not elects(dep):
-        replace_non_electing(api, dep, deployed, timeout)
+
+
+def hand_over_from_non_electing(api: client.ApiClient, namespace: str, deployment: str, target_strategy: str,
+                                timeout: float = 90) -> None:
+    """Run last before an upgrade or rollback (after the CRDs): a deployed cluster agent that does not
+    elect is replaced by deleting its Deployment, unless the rollout itself recreates it (both the
+    deployed and the target strategy Recreate)."""
+    try:
+        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        return
+    if elects(dep):
+        return
+    delete_stale_lease(api, namespace, deployment)
+    version = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
+    deployed_strategy = dep.spec.strategy.type if dep.spec.strategy else "RollingUpdate"
+    if deployed_strategy == target_strategy == "Recreate":
+        say(f"the deployed cluster agent ({version}) does not elect; the Recreate rollout replaces it")
+        return
+    replace_non_electing(api, dep, version, timeout)
+
+
+def delete_stale_lease(api: client.ApiClient, namespace: str, name: str) -> None:
+    """The leader-election Lease (named as the Deployment) while an agent that does not elect runs is
+    stale: left by a leader whose RBAC a downgrade removed before it could release it. Its successor
+    would otherwise wait a whole lease duration for a holder that is gone."""
+    try:
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(name, namespace)
+        client.CoordinationV1Api(api).delete_namespaced_lease(name, namespace)
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+        return
+    say(f"deleted Lease {name}, left by {lease.spec.holder_identity or 'nobody'} before the downgrade to an agent "
+        "that does not elect; the new agents elect afresh")
 
 
 def elects(dep: client.V1Deployment) -> bool:
@@ -148,11 +182,11 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
             raise RuntimeError(str(e)) from None
 
     def clear_domains() -> None:
-        domains = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains",
+        domains = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomains",
                                                        label_selector=selector)
         for d in domains.get("items", []):
             custom.patch_namespaced_custom_object_status(
-                "gpu-agent.io", "v1beta1", namespace, "gpudomains", d["metadata"]["name"],
+                GROUP, VERSION, namespace, "gpudomains", d["metadata"]["name"],
                 {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}})
 
     def delete_work_pods() -> None:
@@ -163,10 +197,10 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
         # members whose agents were killed before they could remove them (aggregate strategy)
         if not domain:
             return
-        members = custom.list_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
+        members = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
                                                        label_selector=f"gpu-agent.io/domain={domain}")
         for m in members.get("items", []):
-            custom.delete_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers",
+            custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
                                                    m["metadata"]["name"])
 
     for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
@@ -178,8 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu-agent-hook", description="Helm hooks of the gpu-agent chart")
     p.add_argument("--kubeconfig", default="", help="kubeconfig; empty: in-cluster")
     sub = p.add_subparsers(dest="hook", required=True)
-    c = sub.add_parser("crds", help="server-side apply the chart's CRDs")
+    c = sub.add_parser("crds", help="server-side apply the chart's CRDs; then replace a cluster agent that does not elect")
     c.add_argument("--dir", type=Path, required=True)
+    c.add_argument("--namespace", default="", help="the release's namespace (with --cluster-agent)")
+    c.add_argument("--cluster-agent", default="", help="the cluster agent's Deployment: deleted first if its agent "
+                   "does not take part in leader election (0.1.x), so that it never runs beside its successor")
+    c.add_argument("--target-strategy", default="RollingUpdate", choices=("Recreate", "RollingUpdate"),
+                   help="the strategy the chart gives that Deployment")
     s = sub.add_parser("skew-check", help="refuse upgrades and downgrades the stored state cannot survive")
     s.add_argument("--namespace", required=True)
     s.add_argument("--deployment", required=True)
@@ -198,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.hook == "crds":
             apply_crds(api, a.dir)
+            if a.cluster_agent:
+                hand_over_from_non_electing(api, a.namespace, a.cluster_agent, a.target_strategy)
         elif a.hook == "skew-check":
             skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
         else:

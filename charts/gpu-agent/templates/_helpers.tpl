@@ -174,3 +174,15 @@ release's name, within 63 characters like every other name of the chart. */}}
 {{- define "gpu-agent.domainsOn" -}}
 {{- if or .Values.domain.name .Values.domain.joinMatching }}true{{ end }}
 {{- end }}
+
+{{- /* The cluster agent Deployment's strategy type (deployment-cluster-agent.yaml renders the strategy;
+the crds hook needs the type to know whether the rollout itself replaces a 0.1.x agent). */ -}}
+{{- define "gpu-agent.clusterAgentStrategyType" -}}
+{{- if .Values.clusterAgent.strategy -}}
+{{- .Values.clusterAgent.strategy.type | default "RollingUpdate" -}}
+{{- else if or .Values.gracefulNoGPU (not .Values.clusterAgent.leaderElection.enabled) -}}
+Recreate
+{{- else -}}
+RollingUpdate
+{{- end -}}
+{{- end -}}

@@ -28,7 +28,11 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
 
 log = get_logger(__name__)
-GROUP, VERSION, PLURAL = "gpu-agent.io", "v1beta1", "gpudomains"
+# The version every agent (and hook) reads and writes: the one the previous release serves, one release
+# behind as the CRDs' storage is. An object written through a version records it in its managedFields,
+# and once a downgrade removes that version from the CRD, server-side apply of the object fails ("request
+# to convert CR to an invalid group/version"). Move to v1beta1 in the release that stores it.
+GROUP, VERSION, PLURAL = "gpu-agent.io", "v1alpha1", "gpudomains"
 STRATEGIES = OCC_STRATEGIES
 
 

@@ -1,0 +1,37 @@
+"""Which deployed cluster agents the crds hook replaces before an upgrade (the API calls are proven
+on the CI cluster by e2e/test_upgrade_matrix.py and e2e/test_releases.py; here, the decision)."""
+
+from kubernetes import client
+
+from gpu_agent_hooks import cli
+
+
+def deployment(args, strategy="RollingUpdate"):
+    return client.V1Deployment(
+        metadata=client.V1ObjectMeta(name="ga-gpu-agent-cluster-agent", namespace="ns",
+                                     labels={"app.kubernetes.io/version": "0.1.0"}),
+        spec=client.V1DeploymentSpec(
+            selector=client.V1LabelSelector(match_labels={"app": "ca"}), strategy=client.V1DeploymentStrategy(type=strategy),
+            template=client.V1PodTemplateSpec(spec=client.V1PodSpec(containers=[client.V1Container(name="c", args=args)]))))
+
+
+def decide(monkeypatch, dep, target):
+    replaced = []
+    monkeypatch.setattr(cli.client, "AppsV1Api", lambda api: type("A", (), {
+        "read_namespaced_deployment": lambda self, name, ns: dep})())
+    monkeypatch.setattr(cli, "replace_non_electing", lambda api, d, version, timeout: replaced.append((d.metadata.name, version)))
+    monkeypatch.setattr(cli, "delete_stale_lease", lambda api, ns, name: replaced.append(("lease", name)))
+    cli.hand_over_from_non_electing(None, "ns", "ga-gpu-agent-cluster-agent", target)
+    return replaced
+
+
+def test_an_agent_that_does_not_elect_is_replaced_before_a_rolling_hand_over(monkeypatch):
+    lease = ("lease", "ga-gpu-agent-cluster-agent")  # a Lease left by a 0.2 leader a downgrade cut off goes too
+    assert decide(monkeypatch, deployment(["cluster-agent"]), "RollingUpdate") == [lease, ("ga-gpu-agent-cluster-agent", "0.1.0")]
+    # ...and before a Recreate, when its own Deployment rolls (Helm's server-side apply cannot switch it).
+    assert decide(monkeypatch, deployment(["cluster-agent"]), "Recreate") == [lease, ("ga-gpu-agent-cluster-agent", "0.1.0")]
+
+
+def test_an_electing_agent_and_a_recreate_to_recreate_rollout_are_left_to_the_rollout(monkeypatch):
+    assert decide(monkeypatch, deployment(["cluster-agent", "--leader-election=true"]), "RollingUpdate") == []
+    assert decide(monkeypatch, deployment(["cluster-agent"], strategy="Recreate"), "Recreate") == [("lease", "ga-gpu-agent-cluster-agent")]
