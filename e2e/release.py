@@ -249,6 +249,19 @@ def leaderless(active: Active, start: float, end: float) -> float:
     return max(gaps, default=end - start)
 
 
+def lost_and_doubled(release: Release, pods: WorkPods, keys: list[str], timeout: float = 240) -> tuple[list[str], dict]:
+    """Waits for every item to be done and a work Pod seen for each, stops the watch, and returns the
+    items no Pod ran (lost) and the Pods with more than one UID (an item run twice)."""
+    from gpu_agent.mechanisms.queues.pod_executor import pod_name
+
+    wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(release)), timeout,
+               "every item done")
+    wait_until(lambda: set(pods.executions()) >= {pod_name(k) for k in keys}, 30, "a work pod seen for every item")
+    pods.stop()
+    executions = pods.executions()
+    return [k for k in keys if pod_name(k) not in executions], {n: c for n, c in executions.items() if c > 1}
+
+
 def operation(release: Release, active: Active, keys: list[str], command: list[str]) -> dict:
     """Enqueue `keys` (running while the operation goes on), run it, wait for one active agent."""
     enqueue(release, keys, seconds=2)

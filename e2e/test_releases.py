@@ -17,7 +17,7 @@ from kubernetes import client
 
 from e2e.helpers import Sampler, wait_until
 from e2e.release import (APP_VERSION, CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless,
-                         longest_not_ready, operation, persistent_control_plane, remove_volume)
+                         longest_not_ready, lost_and_doubled, operation, persistent_control_plane, remove_volume)
 from gpu_agent_hooks.cli import apply_crds
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
 
@@ -175,13 +175,7 @@ def test_downgrade_and_rollback_to_last_stable_keep_the_work_and_the_users_domai
                 wait_until(lambda v=served: (read(v, "fabric").get("status") or {}).get("status") == "Ready", 90,
                            f"the domain Ready after: {step}")
         samples = sampler.samples
-        wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(release)), 240,
-                   "every item done")
-        wait_until(lambda: set(pods.executions()) >= {_pod_name(k) for k in keys}, 30, "a work pod seen for every item")
-        pods.stop()
-        executions = pods.executions()
-        lost = [k for k in keys if _pod_name(k) not in executions]
-        doubled = {n: c for n, c in executions.items() if c > 1}
+        lost, doubled = lost_and_doubled(release, pods, keys)
         measured = [v for _, v in samples if isinstance(v, list)]
         for step, (o, spec, served) in seen.items():
             print(f"{step}: helm {o['took']:.1f} s, longest without an active agent "

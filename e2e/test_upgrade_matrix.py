@@ -33,9 +33,8 @@ from kubernetes import client
 
 from e2e.cluster import tool
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless, operation,
-                         persistent_control_plane, remove_volume)
-from gpu_agent.mechanisms.queues.pod_executor import pod_name
+from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless, lost_and_doubled,
+                         operation, persistent_control_plane, remove_volume)
 
 TOKENS_SECRET = "users-tokens"
 # value set -> (this chart's values, the last stable release's nearest equivalent)
@@ -91,13 +90,7 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
                 keys += batch
                 ops[op] = operation(release, active, batch, command)
         samples = sampler.samples
-        wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(release)), 240,
-                   "every item done")
-        wait_until(lambda: set(pods.executions()) >= {pod_name(k) for k in keys}, 30, "a work pod seen for every item")
-        pods.stop()
-        executions = pods.executions()
-        lost = [k for k in keys if pod_name(k) not in executions]
-        doubled = {n: c for n, c in executions.items() if c > 1}
+        lost, doubled = lost_and_doubled(release, pods, keys)
         measured = [v for _, v in samples if isinstance(v, list)]
         most = max((len(v) for v in measured), default=0)
         for op, o in ops.items():
