@@ -9,6 +9,7 @@ import functools
 import http.server
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -22,7 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def release(clone: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "scripts/release.sh"], cwd=clone, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "RELEASE_IMAGE": "0", "HELM": tool("helm")})
+                          env={**os.environ, "RELEASE_IMAGE": "0", "HELM": tool("helm"),
+                                                          "PYTHON": sys.executable})
 
 
 def test_release_packages_the_charts_into_a_helm_repository_and_records_the_commit(tmp_path):

@@ -33,7 +33,9 @@ if [[ -n $recorded && $recorded != "$commit" ]]; then
   exit 1
 fi
 # The CRDs keep the one-release-behind rule (a storage version the previous release already served).
-"$repo/.venv/bin/python" scripts/crd-storage-rule.py || { echo "release: the CRDs break the storage-version rule (above)" >&2; exit 1; }
+# PYTHON: an interpreter with PyYAML (`make release` runs `make setup` first, so .venv has one).
+python=${PYTHON:-$( [[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/python" || command -v python3 )}
+"$python" scripts/crd-storage-rule.py || { echo "release: the CRDs break the storage-version rule (above)" >&2; exit 1; }
 helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
 [[ -n $helm ]] || { echo "release: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
 rm -rf dist && mkdir -p dist
