@@ -192,10 +192,22 @@ def fake_gpus(kubeconfig, core, apps):
     asyncio.run(install())
     wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
         apps.read_namespaced_daemon_set("fg-fake-gpu", ns)), 60, "fake-gpu DaemonSet ready")
+    # Each node labelled as GPU feature discovery would: the gpu-agent chart's node agents find them by it.
+    every = len(core.list_node().items)
+    wait_until(lambda: len(fake_gpu_nodes(core, "fg")) == every, 30, f"all {every} node(s) labelled by fake-gpu")
     node = core.list_node().items[0].metadata.name
     yield FakeGPUs(kubeconfig, core, ns, node)
     asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
     core.delete_namespace(ns)
+    left = {n.metadata.name: {k: v for k, v in (n.metadata.labels or {}).items() if k.startswith("nvidia.com/gpu.")}
+            for n in fake_gpu_nodes(core, "fg")}
+    assert not left, f"helm uninstall of fake-gpu left its node labels (the post-delete hook did not run?): {left}"
+
+
+def fake_gpu_nodes(core, release: str) -> list:
+    """Nodes carrying a fake-gpu release's labels, present=true among them."""
+    return [n for n in core.list_node(label_selector=f"gpu-agent.io/fake-gpu-release={release}").items
+            if (n.metadata.labels or {}).get("nvidia.com/gpu.present") == "true"]
 
 
 class FakeGPUs:

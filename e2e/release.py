@@ -43,7 +43,7 @@ class Release:
 
     def args(self, *extra):
         return ["--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, str(CHART), *BASE,
-                "--set", "image.pullPolicy=Never", "--set", "nodeAgent.gpuSource=fake", "--set", "nodeAgent.nodeSelector=null",
+                "--set", "image.pullPolicy=Never", "--set", "nodeAgent.gpuSource=fake",
                 "--set", f"nodeAgent.fakeGpuStateDir={host_paths()['stateDir']}", "--set", "logVerbosity=2", *extra]
 
     def install(self, *extra):
@@ -212,16 +212,22 @@ def remove_volume(core, namespace: str, path: str) -> None:
 class Active:
     """Which cluster agents are active (`active` in their own /healthz; a 0.1.x agent has none, and
     its 200 meant leasing), all probed at once so that one sample is one moment. Each probe is
-    bounded (2 s); `history` keeps (started, ended, active pods) of every sample, for `leaderless`."""
+    bounded (2 s); `history` keeps, for every sample, the start and end of each probe that found its
+    pod active (pod -> (started, ended)), for `leaderless`: a probe of some other pod that hangs (one
+    shutting down) must not widen the bound."""
 
     PROBE_TIMEOUT = 2.0
 
     def __init__(self, release: Release) -> None:
         self.release = release
         self.pool = ThreadPoolExecutor(4)
-        self.history: list[tuple[float, float, list[str]]] = []
+        self.history: list[dict[str, tuple[float, float]]] = []
 
-    def _one(self, pod: str) -> bool:
+    def _one(self, pod: str) -> tuple[bool, float, float]:
+        started = time.monotonic()
+        return self._probe(pod), started, time.monotonic()
+
+    def _probe(self, pod: str) -> bool:
         try:
             code, body = pod_http_get(self.release.core, self.release.namespace, pod, 8080, "healthz",
                                       timeout=self.PROBE_TIMEOUT)
@@ -232,19 +238,18 @@ class Active:
         return bool(body["active"]) if "active" in body else code == 200
 
     def __call__(self) -> list[str]:
-        started = time.monotonic()
         pods = [p.metadata.name for p in self.release.pods(CA)  # a terminating leader may still be active
                 if p.status.phase == "Running"]
-        active = [pod for pod, on in zip(pods, self.pool.map(self._one, pods)) if on]
-        self.history.append((started, time.monotonic(), active))
-        return active
+        spans = {pod: (s, e) for pod, (on, s, e) in zip(pods, self.pool.map(self._one, pods)) if on}
+        self.history.append(spans)
+        return list(spans)
 
 
 def leaderless(active: Active, start: float, end: float) -> float:
     """An upper bound of the longest time without an active agent in [start, end]: for each two
-    consecutive samples that saw one, from the first's start to the second's end (each saw an active
-    agent at some moment within its own probe)."""
-    seen = [(s, e) for s, e, pods in active.history if pods]
+    consecutive samples that saw one, from the start of the first's probe that found it active to the
+    end of the second's (each probe saw an active agent at some moment within its own span)."""
+    seen = [(max(s for s, _ in spans.values()), min(e for _, e in spans.values())) for spans in active.history if spans]
     gaps = [e2 - s1 for (s1, _), (_, e2) in zip(seen, seen[1:]) if e2 >= start and s1 <= end]
     return max(gaps, default=end - start)
 

@@ -40,7 +40,7 @@ def installed(api, core, apps, kubeconfig, fake_gpus):
     helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
     values = {"image": {"tag": "dev", "pullPolicy": "Never"}, "logVerbosity": 6, "gracefulNoGPU": True,
               "controlPlane": {"enabled": True},
-              "nodeAgent": {"gpuSource": "fake", "nodeSelector": None, "fakeGpuStateDir": host_paths()["stateDir"]}}
+              "nodeAgent": {"gpuSource": "fake", "fakeGpuStateDir": host_paths()["stateDir"]}}
 
     async def install():
         chart = await helm.get_chart(str(CHART))

@@ -81,6 +81,43 @@ def test_rendered_strategy_follows_the_readiness_model():
     assert no_surge["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0}
 
 
+
+def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_selector_wins():
+    def node_agent(*sets):
+        return [d for d in render(*sets) if d["kind"] == "DaemonSet"][0]["spec"]["template"]["spec"]
+
+    spec = node_agent()
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = [t["matchExpressions"][0]["key"] for t in terms]
+    assert keys[0] == "nvidia.com/gpu.present" and "feature.node.kubernetes.io/pci-10de.present" in keys
+    assert "nodeSelector" not in spec and spec["priorityClassName"] == "system-node-critical"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists"} in spec["tolerations"]  # any value, any effect
+    chosen = node_agent("--set", "nodeAgent.nodeSelector.pool=gpu")
+    assert chosen["nodeSelector"] == {"pool": "gpu"} and "affinity" not in chosen
+    mine = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}
+    users = node_agent("--set-json", f"nodeAgent.affinity={json.dumps({'nodeAffinity': mine})}")
+    assert users["affinity"] == {"nodeAffinity": mine}
+    spread = node_agent("--set-json", 'nodeAgent.affinity={"podAntiAffinity": {}}')
+    assert spread["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == terms
+    assert "affinity" not in node_agent("--set", "nodeAgent.gpuNodeSelectorTerms=null")  # every node
+
+
+def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
+    def budget(*sets):
+        return [d for d in render(*sets) if d["kind"] == "PodDisruptionBudget"]
+
+    assert budget() == [] and "affinity" not in cluster_agent_deployment(render())["spec"]["template"]["spec"]
+    two = render("--set", "clusterAgent.replicas=2")
+    [pdb] = [d for d in two if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["spec"]["selector"]["matchLabels"] == cluster_agent_deployment(two)["spec"]["selector"]["matchLabels"]
+    preferred = cluster_agent_deployment(two)["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert budget("--set", "clusterAgent.replicas=2", "--set", "clusterAgent.podDisruptionBudget.enabled=false") == []
+
+
 @pytest.fixture
 def release(api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(0)

@@ -40,6 +40,8 @@ MATRIX = {
         "--set", "clusterAgent.extraVolumes[0].name=ca", "--set", "clusterAgent.extraVolumes[0].configMap.name=ca",
         "--set", "clusterAgent.extraVolumeMounts[0].name=ca", "--set", "clusterAgent.extraVolumeMounts[0].mountPath=/etc/ssl/custom",
         "--set", "fullnameOverride=gpu-agent"]),
+    "gpu-agent high availability (disruption budget, critical-priority quota)": (CHART, EXTERNAL_CP + [
+        "--set", "clusterAgent.replicas=2", "--set", "nodeAgent.priorityQuota.enabled=true"]),
     "gpu-agent without node agents or skew check": (CHART, EXTERNAL_CP + [
         "--set", "nodeAgent.enabled=false", "--set", "hooks.skewCheck=false"]),
     "fake-gpu defaults": (FAKE_GPU_CHART, []),

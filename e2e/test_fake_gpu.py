@@ -137,3 +137,97 @@ def test_each_release_has_its_own_layout_and_the_command_asks_which_when_there_a
     finally:
         core.delete_namespaced_config_map("fg2-fake-gpu-layout", fake_gpus.namespace)
     fake_gpus.set(0)
+
+
+GFD_COUNT, GFD_PRESENT = "nvidia.com/gpu.count", "nvidia.com/gpu.present"
+
+
+def test_fake_gpu_labels_its_nodes_as_gpu_feature_discovery_would_and_the_count_follows(fake_gpus, core):
+    """Every node the DaemonSet runs on carries present/count/product/memory and the release marker;
+    the count label follows `fake-gpu set`; present stays "true" at 0 GPUs (the node agent must stay
+    to see them come back)."""
+    def labels():
+        return core.read_node(fake_gpus.node).metadata.labels or {}
+
+    for node in core.list_node().items:
+        mine = {k: v for k, v in (node.metadata.labels or {}).items() if k.startswith("nvidia.com/gpu.")}
+        assert mine.get(GFD_PRESENT) == "true" and mine.get("nvidia.com/gpu.product") == "NVIDIA-H100-80GB-HBM3" \
+            and mine.get("nvidia.com/gpu.memory") == "81559" and GFD_COUNT in mine, (node.metadata.name, mine)
+        assert (node.metadata.labels or {}).get("gpu-agent.io/fake-gpu-release") == "fg"
+    took, allocatable = [], []
+    for count in (3, 0, 5, 0):
+        allocatable.append(fake_gpus.set(count))
+        started = time.monotonic()
+        wait_until(lambda: labels().get(GFD_COUNT) == str(count), 10, f"label {GFD_COUNT}={count}", interval=0.05)
+        took.append(time.monotonic() - started)
+        assert labels()[GFD_PRESENT] == "true"
+    print(f"\ncount label followed 3, 0, 5, 0: current at most {max(took):.2f} s after allocatable was "
+          f"(allocatable: at most {max(allocatable):.2f} s after `fake-gpu set`)")
+
+
+def test_quick_start_fake_gpu_then_gpu_agent_with_its_placement_defaults_forms_the_domain(
+        fake_gpus, api, core, apps, kubeconfig, namespace):
+    """The README's quick start on a plain cluster: charts/fake-gpu (the session's), then charts/gpu-agent
+    with a domain and no placement value and no label set by hand: one node agent per node, at
+    system-node-critical, and the domain Ready with every node; NOTES count the nodes it runs on."""
+    from e2e.release import Release
+
+    nodes = sorted(n.metadata.name for n in core.list_node().items)
+    for node in nodes:
+        fake_gpus.set(2, node=node)
+    release = Release(api, core, apps, kubeconfig, namespace, name="quick")
+    try:
+        started = time.monotonic()
+        out = release.install("--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(nodes)}", "--wait").stdout
+        assert f"now on {len(nodes)} of {len(nodes)} node(s)" in out, out
+        ds = apps.read_namespaced_daemon_set(f"{release.fullname}-node-agent", namespace)
+        assert ds.status.desired_number_scheduled == len(nodes)
+        agents = release.pods("app.kubernetes.io/component=node-agent")
+        assert sorted(p.spec.node_name for p in agents) == nodes
+        assert {(p.spec.priority_class_name, p.spec.priority) for p in agents} == {("system-node-critical", 2000001000)}
+        custom = client.CustomObjectsApi(api)
+
+        def domain():
+            try:
+                return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus")
+            except client.ApiException:
+                return {}
+
+        wait_until(lambda: (domain().get("status") or {}).get("status") == "Ready", 60, "the GPUDomain Ready")
+        assert sorted(n["name"] for n in domain()["status"]["nodes"]) == nodes
+        print(f"\nquick start: node agents on {len(nodes)} of {len(nodes)} node(s) at system-node-critical, "
+              f"domain Ready {time.monotonic() - started:.1f} s after helm install began")
+    finally:
+        release.uninstall_if_installed()
+        for node in nodes:
+            fake_gpus.set(0, node=node)
+
+
+def test_notes_warn_when_no_node_matches_the_node_agents_placement_and_say_how_to_fix_it(
+        fake_gpus, api, core, apps, kubeconfig, namespace):
+    """`helm install --dry-run=server` renders NOTES with the cluster's nodes: a nodeSelector no node
+    carries, and an untolerated taint on the only GPU node, each warn with the fixes; the defaults do not."""
+    from e2e.release import Release, helm
+
+    release = Release(api, core, apps, kubeconfig, namespace, name="notes")
+    every = len(core.list_node().items)
+
+    def notes(*extra):
+        return helm("install", *release.args(*extra), "--dry-run=server").stdout
+
+    assert "WARNING: none of the cluster's" not in notes() and f"now on {every} of {every} node(s)" in notes()
+    nowhere = notes("--set-string", "nodeAgent.nodeSelector.gpu-agent\\.io/e2e-nowhere=true")
+    assert f"WARNING: none of the cluster's {every} node(s) matches" in nowhere
+    assert "kubectl label node NODE nvidia.com/gpu.present=true" in nowhere and "nodeAgent.nodeSelector" in nowhere
+    if every != 1:
+        return  # tainting one of several nodes leaves the others matching
+    node = fake_gpus.node
+    # NoSchedule only, for the few seconds of two dry runs: running pods stay; nothing is scheduled meanwhile.
+    taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in core.read_node(node).spec.taints or []]
+    core.patch_node(node, {"spec": {"taints": taints + [
+        {"key": "gpu-agent.io/e2e-untolerated", "value": "x", "effect": "NoSchedule"}]}})
+    try:
+        assert "WARNING: none of the cluster's 1 node(s) matches" in notes()
+        assert "now on 1 of 1 node(s)" in notes("--set", "nodeAgent.tolerations[0].operator=Exists")
+    finally:
+        core.patch_node(node, {"spec": {"taints": taints or None}})

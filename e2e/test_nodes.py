@@ -16,9 +16,9 @@ import uuid
 import pytest
 from kubernetes import client
 
-from e2e.cluster import node_fault, provider
-from e2e.helpers import apply, exec_python, wait_until
-from e2e.release import Release
+from e2e.cluster import node_fault, provider, tool
+from e2e.helpers import Sampler, apply, exec_python, wait_until
+from e2e.release import CA, WAIT, Active, Release, WorkPods, enqueue, leaderless, lost_and_doubled
 
 pytestmark = pytest.mark.multinode
 
@@ -209,3 +209,106 @@ def test_a_gpudomain_a_user_creates_with_a_node_selector_is_joined_by_exactly_th
         release.uninstall_if_installed()
         for node in nodes:
             fake_gpus.set(0, node=node)
+
+
+def hand_overs(active: Active) -> list[str]:
+    """The active agents in the order they led (repeats and samples that saw none collapsed)."""
+    order: list[str] = []
+    for spans in active.history:
+        for pod in spans:
+            if not order or order[-1] != pod:
+                order.append(pod)
+    return order
+
+
+@pytest.mark.disruptive
+def test_kubectl_drain_of_the_leaders_node_hands_over_once_and_the_budget_evicts_one_agent_at_a_time(
+        api, core, apps, kubeconfig, namespace, fake_gpus, nodes):
+    """clusterAgent.replicas=2 with the chart's defaults otherwise: the soft anti-affinity puts the
+    agents on two workers and the PodDisruptionBudget allows one eviction. Draining the leader's node
+    hands over once with work running, nothing lost or doubled. The drained node's agent comes back
+    beside the other, so draining that node next evicts two agents: the budget makes the second wait
+    until the first's replacement is Ready, so some agent is Ready throughout."""
+    first, workers = nodes[0], nodes[1:]
+    fake_gpus.set(4, node=first)  # work Pods ask for a GPU: they run on the node nobody drains
+    pool = ("gpu-agent.io/e2e-pool", uuid.uuid4().hex[:8])
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"drain{uuid.uuid4().hex[:5]}")
+    kubectl = [tool("kubectl"), "--kubeconfig", str(kubeconfig)]
+    drained: list[str] = []
+
+    def drain(node: str) -> float:
+        drained.append(node)
+        started = time.monotonic()
+        r = subprocess.run([*kubectl, "drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=180s"],
+                           capture_output=True, text=True, timeout=200)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return time.monotonic() - started
+
+    def ready_agents() -> int:
+        return sum(1 for p in release.pods(CA) if p.metadata.deletion_timestamp is None
+                   and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []))
+
+    def where() -> dict[str, str]:
+        return {p.metadata.name: p.spec.node_name for p in release.pods(CA) if p.metadata.deletion_timestamp is None}
+
+    try:
+        for node in workers:
+            core.patch_node(node, {"metadata": {"labels": {pool[0]: pool[1]}}})
+        pin = f"kubernetes\\.io/hostname={first}"
+        release.install("--set", "clusterAgent.replicas=2", "--set", f"clusterAgent.nodeSelector.{pool[0].replace('.', chr(92) + '.')}={pool[1]}",
+                        "--set", f"controlPlane.nodeSelector.{pin}", *WAIT)
+        placed = where()
+        assert sorted(placed.values()) == workers, f"the soft anti-affinity should spread the agents: {placed}"
+        shown = subprocess.run([*kubectl, "-n", namespace, "get", "deploy,ds,pdb", "-o", "wide"], capture_output=True,
+                               text=True, timeout=30).stdout
+        print("\n" + shown)
+        pdb = client.PolicyV1Api(api).read_namespaced_pod_disruption_budget(f"{release.fullname}-cluster-agent", namespace)
+        assert pdb.spec.max_unavailable == 1 and pdb.spec.unhealthy_pod_eviction_policy == "AlwaysAllow"
+        wait_until(lambda: pdb_allowed(api, namespace, release) == 1, 30, "the budget allows one disruption")
+
+        active = Active(release)
+        wait_until(lambda: len(active()) == 1, 60, "one active cluster agent")
+        leader_node = placed[active()[0]]
+        pods = WorkPods(core, namespace)
+        keys = [f"drain-{i}" for i in range(8)]
+        with Sampler(active, 0.25), Sampler(ready_agents, 0.25) as readiness:
+            enqueue(release, keys[:4], seconds=2)
+            started = time.monotonic()
+            took = drain(leader_node)
+            wait_until(lambda: len(active()) == 1 and ready_agents() == 2, 90, "a leader and a Ready standby again")
+            first_gap = leaderless(active, started, time.monotonic())
+            order = hand_overs(active)
+            other = next(n for n in workers if n != leader_node)
+            assert sorted(where().values()) == [other, other], where()  # the replacement could only go there
+            subprocess.run([*kubectl, "uncordon", leader_node], check=True, capture_output=True, timeout=30)
+            enqueue(release, keys[4:], seconds=2)
+            started_both = time.monotonic()
+            took_both = drain(other)
+            wait_until(lambda: len(active()) == 1 and ready_agents() == 2, 90, "a leader and a Ready standby again")
+            second_gap = leaderless(active, started_both, time.monotonic())
+        lost, doubled = lost_and_doubled(release, pods, keys)
+        ready_counts = [v for _, v in readiness.samples if isinstance(v, int)]
+        during_both = [v for t, v in readiness.samples if isinstance(v, int) and t >= started_both]
+        print(f"drain of the leader's node {leader_node}: {took:.1f} s, led in turn by {len(order)} agents, "
+              f"longest without an active agent {first_gap:.2f} s")
+        print(f"drain of {other} holding both agents: {took_both:.1f} s, fewest Ready agents meanwhile "
+              f"{min(during_both, default=-1)}, longest without an active agent {second_gap:.2f} s")
+        print(f"{len(ready_counts)} readiness samples, {len(active.history)} activity samples; {len(keys)} items, "
+              f"{len(lost)} lost, {len(doubled)} doubled")
+        assert len(ready_counts) >= 40 and len(during_both) >= 10, len(ready_counts)
+        assert len(order) == 2, f"one hand-over expected while draining the leader's node: {order}"
+        assert min(during_both) >= 1, "the budget let both agents go at once"
+        assert pods.complete(), pods.gaps
+        assert not lost and not doubled, (lost, doubled)
+    finally:
+        for node in drained:
+            subprocess.run([*kubectl, "uncordon", node], capture_output=True, timeout=30)
+        for node in workers:
+            core.patch_node(node, {"metadata": {"labels": {pool[0]: None}}})
+        release.uninstall_if_installed()
+        fake_gpus.set(0, node=first)
+
+
+def pdb_allowed(api, namespace: str, release: Release) -> int:
+    pdb = client.PolicyV1Api(api).read_namespaced_pod_disruption_budget(f"{release.fullname}-cluster-agent", namespace)
+    return (pdb.status.disruptions_allowed if pdb.status else None) or 0

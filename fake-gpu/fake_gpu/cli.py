@@ -12,7 +12,9 @@ On a cluster with charts/fake-gpu installed, name the node (KUBECONFIG as usual)
     fake-gpu set --node NODE --count N [--clique rack-a]     fake-gpu status --node any
     fake-gpu cycle --node NODE --from 0 --to 4 --times 3
 
-Inside the cluster: `fake-gpu daemon` (the DaemonSet) and `fake-gpu smi -L` (in a workload).
+Inside the cluster: `fake-gpu --release R daemon` (the DaemonSet; it labels its node as GPU feature
+discovery would), `fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
+`fake-gpu smi -L` (in a workload).
 Bad input is refused with a message and changes nothing (exit code 2).
 """
 
@@ -91,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p_daemon.add_argument("--default-count", type=int, default=0,
                           help="fake GPUs on a node whose layout is not set yet (default 0)")
     p_daemon.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity 0..7 (default 0)")
+    sub.add_parser("unlabel-nodes", help="(the chart's post-delete hook) remove the GPU labels release --release put on nodes")
     p_smi = sub.add_parser("smi", help="(in a workload) list the fake GPUs this container was given, like nvidia-smi -L")
     p_smi.add_argument("-L", action="store_true", dest="list_gpus", required=True)
     return parser
@@ -110,7 +113,15 @@ def main(argv: list[str] | None = None) -> int:
 
             klog.setup(args.verbosity)
             return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
-                       args.default_count)
+                       args.default_count, args.release or "")
+        if args.command == "unlabel-nodes":
+            from fake_gpu.cluster import unlabel_nodes
+
+            if not args.release:
+                raise LayoutError("unlabel-nodes needs --release NAME (the fake-gpu release whose labels to remove)")
+            names = unlabel_nodes(args.kubeconfig, args.release)
+            print(f"removed release {args.release}'s GPU labels from {len(names)} node(s)" + (f": {', '.join(names)}" if names else ""))
+            return 0
         cluster = None
         if args.node:
             from fake_gpu.cluster import ClusterLayout

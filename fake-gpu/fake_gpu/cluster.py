@@ -13,6 +13,7 @@ from typing import Any
 
 from kubernetes import client, config
 
+from fake_gpu import node_labels
 from fake_gpu.layout import LayoutError
 from fake_gpu.layout_source import LAYOUT_SELECTOR, LEGACY_CONFIGMAP, NodeLayout, max_count, validate
 
@@ -79,3 +80,11 @@ class ClusterLayout:
             nodes[name] = {"desired": json.loads(desired) if desired else "default",
                            "allocatable": (n.status.allocatable or {}).get("nvidia.com/gpu", "0")}
         return {"namespace": self.namespace, "maxCount": max_count(cm.data or {}), "nodes": nodes}
+
+
+def unlabel_nodes(kubeconfig: str | None, release: str) -> list[str]:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+    return node_labels.unlabel_nodes(client.CoreV1Api(), release)

@@ -1,6 +1,7 @@
 """`fake-gpu daemon`: the fake-gpu DaemonSet's process on each node.
 
     layout ConfigMap (watched) -> this node's layout -> state file (atomic) -> device plugin
+                                                     +-> node labels (fake_gpu.node_labels)
 
 The state file is the one the node agent's fake source reads, on a host path both pods
 mount, so the device plugin's view and the agent's view are one and the same.
@@ -19,6 +20,7 @@ from kubernetes import client, config
 
 from fake_gpu.layout import LayoutError, build
 from fake_gpu.layout_source import layout_for
+from fake_gpu.node_labels import NodeLabeler, desired
 from fake_gpu.plugin import Devices, PluginRunner
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import Inventory
@@ -29,8 +31,11 @@ log = get_logger("fake_gpu.daemon")
 
 
 class LayoutApplier:
-    def __init__(self, node: str, state_file: Path, devices: Devices, default_count: int) -> None:
+    def __init__(self, node: str, state_file: Path, devices: Devices, default_count: int,
+                 labeler: NodeLabeler | None = None, release: str = "") -> None:
         self.node = node
+        self.labeler = labeler
+        self.release = release
         self.state_file = state_file
         self.devices = devices
         self.default_count = default_count
@@ -50,6 +55,8 @@ class LayoutApplier:
             log.error("refusing layout for node %s: %s; keeping %d GPUs", self.node, e, self.current.count)
             return
         self.last_error = None
+        if self.labeler is not None:
+            self.labeler.set(desired(layout.count, layout.product, layout.memory_mib, self.release))
         inventory = build(self.current, layout.count, layout.product, layout.memory_mib, self.rng, max(layout.count, 1),
                           layout.clique)
         if inventory == self.current and self.state_file.exists():
@@ -75,23 +82,32 @@ def watch_layout(api: client.ApiClient, namespace: str, configmap: str, applier:
 
 
 def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_file: str, plugin_dir: Path,
-        default_count: int) -> int:
+        default_count: int, release: str = "") -> int:
+    """`release` (the chart's release name): label the node as GPU feature discovery would; empty: leave it."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    devices = Devices()
-    applier = LayoutApplier(node, state_file, devices, default_count)
-    runner = PluginRunner(plugin_dir, devices, host_state_file)
+    api = client.ApiClient()
     stopping = threading.Event()
+    labeler = None
+    if release:
+        core = client.CoreV1Api(api)
+        labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=10))
+        threading.Thread(target=labeler.run, args=(stopping,), name="node-labels", daemon=True).start()
+    devices = Devices()
+    applier = LayoutApplier(node, state_file, devices, default_count, labeler, release)
+    runner = PluginRunner(plugin_dir, devices, host_state_file)
 
     def stop(*_: object) -> None:
         stopping.set()
+        if labeler is not None:
+            labeler.changed.set()
         runner.stop()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    threading.Thread(target=watch_layout, args=(client.ApiClient(), namespace, configmap, applier, stopping), daemon=True).start()
+    threading.Thread(target=watch_layout, args=(api, namespace, configmap, applier, stopping), daemon=True).start()
     log.info("fake-gpu daemon for node %s: layout ConfigMap %s/%s, state file %s, plugin dir %s", node, namespace, configmap,
              state_file, plugin_dir)
     runner.run()

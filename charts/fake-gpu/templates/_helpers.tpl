@@ -23,7 +23,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
   "CKV_K8S_11" "no CPU limit: a limit throttles the plugin; its request reserves what it needs"
   "CKV_K8S_15" "the pull policy is a value (image.pullPolicy); IfNotPresent suits locally imported images"
   "CKV_K8S_23" "root without capabilities or privilege: kubelet's device-plugin folder and socket are root's"
-  "CKV_K8S_38" "the daemon watches its layout ConfigMap through the API server"
+  "CKV_K8S_38" "the daemon watches its layout ConfigMap and labels its node through the API server"
   "CKV_K8S_40" "root without capabilities or privilege: kubelet's device-plugin folder and socket are root's"
   "CKV_K8S_43" "fake GPUs are a development tool; its image is built locally and has no digest" -}}
 {{- $lines := list -}}
@@ -31,4 +31,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- $lines = append $lines (printf "checkov.io/skip%d: %s" (add1 $i) (printf "%s=%s" $id (index $reasons $id) | quote)) -}}
 {{- end -}}
 {{- join "\n" $lines -}}
+{{- end -}}
+
+{{/* fake-gpu.nodesRoleName: cluster-scoped names carry the namespace, so two namespaces' releases of one name differ. */}}
+{{- define "fake-gpu.nodesRoleName" -}}
+{{- printf "%s-%s-nodes" .Release.Namespace (include "fake-gpu.fullname" .) -}}
+{{- end -}}
+
+{{/* fake-gpu.unlabelHookAnnotations: the post-delete hook's objects, in the order Helm makes them. */}}
+{{- define "fake-gpu.unlabelHookAnnotations" -}}
+helm.sh/hook: post-delete
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end -}}

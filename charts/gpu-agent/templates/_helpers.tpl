@@ -186,3 +186,69 @@ Recreate
 RollingUpdate
 {{- end -}}
 {{- end -}}
+
+{{/* gpu-agent.nodeAgentAffinity: the node agent's affinity as YAML. nodeAgent.affinity as given, plus
+     nodeAgent.gpuNodeSelectorTerms as a required nodeAffinity while neither nodeAgent.nodeSelector nor a
+     nodeAffinity of the user's says where GPU nodes are. */}}
+{{- define "gpu-agent.nodeAgentAffinity" -}}
+{{- $affinity := deepCopy (.Values.nodeAgent.affinity | default dict) -}}
+{{- if and (not .Values.nodeAgent.nodeSelector) (not $affinity.nodeAffinity) .Values.nodeAgent.gpuNodeSelectorTerms -}}
+{{- $_ := set $affinity "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" .Values.nodeAgent.gpuNodeSelectorTerms)) -}}
+{{- end -}}
+{{- if $affinity }}{{ toYaml $affinity }}{{ end -}}
+{{- end -}}
+
+{{/* gpu-agent.clusterAgentAffinity: clusterAgent.affinity as given; empty with more than one replica, a soft
+     podAntiAffinity by hostname so that leader and standby do not share a node. */}}
+{{- define "gpu-agent.clusterAgentAffinity" -}}
+{{- $affinity := .Values.clusterAgent.affinity | default dict -}}
+{{- if and (not $affinity) (gt (int .Values.clusterAgent.replicas) 1) -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "gpu-agent.componentSelector" (dict "ctx" . "component" "cluster-agent") | fromYaml)) -}}
+{{- $affinity = dict "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
+{{- end -}}
+{{- if $affinity }}{{ toYaml $affinity }}{{ end -}}
+{{- end -}}
+
+{{/* gpu-agent.nodeAgentRunsOn: "yes" when the node agent DaemonSet would place a pod on the node given as
+     (dict "ctx" . "node" NODE): its labels match nodeAgent.nodeSelector, or one of the node affinity's terms, and
+     the tolerations cover its NoSchedule and NoExecute taints. A term's matchFields and an operator other than
+     In, NotIn, Exists and DoesNotExist count as matching (NOTES warn only when sure). */}}
+{{- define "gpu-agent.nodeAgentRunsOn" -}}
+{{- $v := .ctx.Values.nodeAgent -}}
+{{- $labels := .node.metadata.labels | default dict -}}
+{{- $placed := true -}}
+{{- range $k, $want := $v.nodeSelector }}{{ if ne (toString (get $labels $k)) (toString $want) }}{{ $placed = false }}{{ end }}{{ end -}}
+{{- $affinity := include "gpu-agent.nodeAgentAffinity" .ctx | fromYaml -}}
+{{- $terms := dig "nodeAffinity" "requiredDuringSchedulingIgnoredDuringExecution" "nodeSelectorTerms" list $affinity -}}
+{{- if $terms -}}
+{{- $anyTerm := false -}}
+{{- range $terms -}}
+{{- $term := true -}}
+{{- range .matchExpressions -}}
+{{- $has := hasKey $labels .key -}}
+{{- $value := toString (get $labels .key) -}}
+{{- if eq .operator "In" }}{{ if not (and $has (has $value .values)) }}{{ $term = false }}{{ end -}}
+{{- else if eq .operator "NotIn" }}{{ if and $has (has $value .values) }}{{ $term = false }}{{ end -}}
+{{- else if eq .operator "Exists" }}{{ if not $has }}{{ $term = false }}{{ end -}}
+{{- else if eq .operator "DoesNotExist" }}{{ if $has }}{{ $term = false }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- if $term }}{{ $anyTerm = true }}{{ end -}}
+{{- end -}}
+{{- if not $anyTerm }}{{ $placed = false }}{{ end -}}
+{{- end -}}
+{{- range .node.spec.taints | default list -}}
+{{- $taint := . -}}
+{{- if has $taint.effect (list "NoSchedule" "NoExecute") -}}
+{{- $tolerated := false -}}
+{{- range $v.tolerations | default list -}}
+{{- $keyOk := or (and (not .key) (eq (.operator | default "Equal") "Exists")) (eq (toString .key) $taint.key) -}}
+{{- $valueOk := or (eq (.operator | default "Equal") "Exists") (eq (toString .value) (toString $taint.value)) -}}
+{{- $effectOk := or (not .effect) (eq .effect $taint.effect) -}}
+{{- if and $keyOk $valueOk $effectOk }}{{ $tolerated = true }}{{ end -}}
+{{- end -}}
+{{- if not $tolerated }}{{ $placed = false }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- if $placed }}yes{{ end -}}
+{{- end -}}
