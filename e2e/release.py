@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import yaml
@@ -211,21 +212,28 @@ def remove_volume(core, namespace: str, path: str) -> None:
 
 class Active:
     """Which cluster agents are active (`active` in their own /healthz; a 0.1.x agent has none, and
-    its 200 meant leasing), all probed at once so that one sample is one moment. Each probe is
-    bounded (2 s); `history` keeps, for every sample, the start and end of each probe that found its
-    pod active (pod -> (started, ended)), for `leaderless`: a probe of some other pod that hangs (one
-    shutting down) must not widen the bound."""
+    its 200 meant leasing), all probed at once so that one sample is one moment.
+
+    Each probe is bounded (2 s), but a sample waits for its probes only SAMPLE_WAIT: a pod that hangs
+    (one shutting down) must not hold up the next samples, or the moment a new leader turns active
+    goes unseen for as long. Every probe that found its pod active, late or not, lands in `seen`
+    as (started, ended, pod); `history` keeps (sample started, pods found active in time)."""
 
     PROBE_TIMEOUT = 2.0
+    SAMPLE_WAIT = 0.4
 
     def __init__(self, release: Release) -> None:
         self.release = release
-        self.pool = ThreadPoolExecutor(4)
-        self.history: list[dict[str, tuple[float, float]]] = []
+        self.pool = ThreadPoolExecutor(32)
+        self.seen: list[tuple[float, float, str]] = []
+        self.history: list[tuple[float, list[str]]] = []
 
-    def _one(self, pod: str) -> tuple[bool, float, float]:
+    def _one(self, pod: str) -> bool:
         started = time.monotonic()
-        return self._probe(pod), started, time.monotonic()
+        on = self._probe(pod)
+        if on:
+            self.seen.append((started, time.monotonic(), pod))
+        return on
 
     def _probe(self, pod: str) -> bool:
         try:
@@ -238,20 +246,43 @@ class Active:
         return bool(body["active"]) if "active" in body else code == 200
 
     def __call__(self) -> list[str]:
+        started = time.monotonic()
         pods = [p.metadata.name for p in self.release.pods(CA)  # a terminating leader may still be active
                 if p.status.phase == "Running"]
-        spans = {pod: (s, e) for pod, (on, s, e) in zip(pods, self.pool.map(self._one, pods)) if on}
-        self.history.append(spans)
-        return list(spans)
+        probes = {pod: self.pool.submit(self._one, pod) for pod in pods}
+        deadline = time.monotonic() + self.SAMPLE_WAIT
+        active = []
+        for pod, probe in probes.items():
+            try:
+                if probe.result(timeout=max(0.0, deadline - time.monotonic())):
+                    active.append(pod)
+            except FutureTimeout:
+                pass  # answers later: in `seen`, not in this sample
+        self.history.append((started, active))
+        return active
 
 
 def leaderless(active: Active, start: float, end: float) -> float:
-    """An upper bound of the longest time without an active agent in [start, end]: for each two
-    consecutive samples that saw one, from the start of the first's probe that found it active to the
-    end of the second's (each probe saw an active agent at some moment within its own span)."""
-    seen = [(max(s for s, _ in spans.values()), min(e for _, e in spans.values())) for spans in active.history if spans]
-    gaps = [e2 - s1 for (s1, _), (_, e2) in zip(seen, seen[1:]) if e2 >= start and s1 <= end]
-    return max(gaps, default=end - start)
+    """An upper bound of the longest time without an active agent in [start, end]."""
+    return longest_leaderless(active, start, end)[0]
+
+
+def longest_leaderless(active: Active, start: float, end: float) -> tuple[float, list[str]]:
+    """(the bound, the probes around it as text for a failure message). Each probe that found an agent
+    active saw it so at some moment within its own span. Taken in the order they ended, the bound
+    for the gap before probe b is b's end minus the latest start among the probes that ended before
+    it: every one of those saw its active moment before the gap began, so none started later."""
+    probes = sorted(active.seen, key=lambda p: p[1])
+    latest_start, gaps = None, []
+    for s, e, _ in probes:
+        if latest_start is not None and e >= start and latest_start <= end:
+            gaps.append((e - latest_start, latest_start, e))
+        latest_start = s if latest_start is None else max(latest_start, s)
+    if not gaps:
+        return end - start, []
+    gap, s1, e2 = max(gaps)
+    around = [f"{pod} active within [{s - s1:+.2f}, {e - s1:+.2f}] s" for s, e, pod in probes if s1 - 1 <= s <= e2 + 1]
+    return gap, around[:40]
 
 
 def lost_and_doubled(release: Release, pods: WorkPods, keys: list[str], timeout: float = 240) -> tuple[list[str], dict]:

@@ -212,12 +212,11 @@ def test_a_gpudomain_a_user_creates_with_a_node_selector_is_joined_by_exactly_th
 
 
 def hand_overs(active: Active) -> list[str]:
-    """The active agents in the order they led (repeats and samples that saw none collapsed)."""
+    """The active agents in the order they led, from every probe that found one active (repeats collapsed)."""
     order: list[str] = []
-    for spans in active.history:
-        for pod in spans:
-            if not order or order[-1] != pod:
-                order.append(pod)
+    for _, _, pod in sorted(active.seen, key=lambda p: p[1]):
+        if not order or order[-1] != pod:
+            order.append(pod)
     return order
 
 

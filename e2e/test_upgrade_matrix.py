@@ -33,7 +33,7 @@ from kubernetes import client
 
 from e2e.cluster import tool
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless, lost_and_doubled,
+from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, longest_leaderless, lost_and_doubled,
                          operation, persistent_control_plane, remove_volume)
 
 TOKENS_SECRET = "users-tokens"
@@ -92,9 +92,10 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
         samples = sampler.samples
         lost, doubled = lost_and_doubled(release, pods, keys)
         measured = [v for _, v in samples if isinstance(v, list)]
+        failed = [(round(t - samples[0][0], 2), v) for t, v in samples if not isinstance(v, list)]
         most = max((len(v) for v in measured), default=0)
         for op, o in ops.items():
-            gap = leaderless(active, *o["window"])
+            gap, o["around"] = longest_leaderless(active, *o["window"])
             o["leaderless"] = gap
             print(f"[{value_set}] {op}: helm {o['took']:.1f} s, longest without an active agent {gap:.2f} s")
         print(f"[{value_set}] {len(measured)} samples ({len(samples) - len(measured)} failed), most active at once "
@@ -105,7 +106,8 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
         assert not lost and not doubled, (lost, doubled)
         if value_set in HAND_OVER:
             for op in ("upgrade, a changed value", "rollback"):
-                assert ops[op]["leaderless"] <= MAX_LEADERLESS_HAND_OVER, (op, ops[op]["leaderless"])
+                assert ops[op]["leaderless"] <= MAX_LEADERLESS_HAND_OVER, (op, ops[op]["leaderless"], ops[op]["around"],
+                                                                           failed)
     finally:
         release.uninstall_if_installed()
         remove_volume(core, namespace, volume)
