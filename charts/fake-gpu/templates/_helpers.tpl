@@ -33,9 +33,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- join "\n" $lines -}}
 {{- end -}}
 
-{{/* fake-gpu.nodesRoleName: cluster-scoped names carry the namespace, so two namespaces' releases of one name differ. */}}
+{{/* fake-gpu.nodesRoleName: cluster-scoped, so a hash of the namespace tells two namespaces' releases of one
+     name apart; at most 47 characters, so that "<it>-unlabel" stays within 63 like every other name. */}}
 {{- define "fake-gpu.nodesRoleName" -}}
-{{- printf "%s-%s-nodes" .Release.Namespace (include "fake-gpu.fullname" .) -}}
+{{- printf "%s-%s-nodes" (include "fake-gpu.fullname" . | trunc 33 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
 
 {{/* fake-gpu.unlabelHookAnnotations: the post-delete hook's objects, in the order Helm makes them. */}}
