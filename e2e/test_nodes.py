@@ -294,7 +294,7 @@ def test_kubectl_drain_of_the_leaders_node_hands_over_once_and_the_budget_evicts
               f"{min(during_both, default=-1)}, longest without an active agent {second_gap:.2f} s")
         print(f"{len(ready_counts)} readiness samples, {len(active.history)} activity samples; {len(keys)} items, "
               f"{len(lost)} lost, {len(doubled)} doubled")
-        assert len(ready_counts) >= 40 and len(during_both) >= 10, len(ready_counts)
+        assert len(ready_counts) >= 30 and len(during_both) >= 10, (len(ready_counts), len(during_both))
         assert len(order) == 2, f"one hand-over expected while draining the leader's node: {order}"
         assert min(during_both) >= 1, "the budget let both agents go at once"
         assert pods.complete(), pods.gaps
