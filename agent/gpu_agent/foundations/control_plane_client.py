@@ -190,8 +190,11 @@ class ControlPlaneClient:
         self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
                    self._lease_ref(item, leaseSeconds=lease_seconds))
 
-    def release(self, credential: Secret, item: WorkItem) -> None:
-        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item))
+    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> None:
+        """Give the item back; with `error` (why its execution failed) the control plane counts a failed
+        attempt and holds the item back for a backoff, or fails it after its last attempt."""
+        extra = {"error": error[:4000]} if error else {}
+        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
 
     def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
         return self._objects("/v1/queue/deliveries", "deliveries", admin_token)

@@ -54,7 +54,7 @@ def test_register_lease_ack(cp):
     assert client.lease(cred, 10) is None
     client.ack(cred, first)
     client.ack(cred, second)
-    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 0, "done": 2}
+    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 0, "done": 2, "failed": 0}
 
 
 def test_expired_lease_is_delivered_again_and_a_stale_ack_is_refused(cp, clock):
@@ -213,7 +213,7 @@ def test_queue_and_credentials_survive_a_restart(tmp_path, clock):
     server = start(tmp_path / "cp.sqlite", clock)
     client = ControlPlaneClient(server.url)
     try:
-        assert client.status(ADMIN)["items"] == {"queued": 2, "leased": 0, "done": 1}
+        assert client.status(ADMIN)["items"] == {"queued": 2, "leased": 0, "done": 1, "failed": 0}
         assert client.lease(cred, 30).idempotency_key == "k1"  # the old credential is still valid
     finally:
         server.stop()
@@ -265,7 +265,7 @@ def test_a_new_term_hands_back_older_leases_and_fences_every_call_of_the_older_t
             call()
         assert refused.value.kind == "fenced" and f"term {new.term}" in str(refused.value)
     client.ack(cred, adopted)
-    assert client.status(ADMIN)["items"] == {"queued": 1, "leased": 0, "done": 1}
+    assert client.status(ADMIN)["items"] == {"queued": 1, "leased": 0, "done": 1, "failed": 0}
     assert client.status(ADMIN)["term"] == {"term": new.term, "holder": "agent-new"}
     log = client.deliveries(ADMIN)
     assert [(d["itemId"], d["holder"], d["term"]) for d in log] == [(1, "agent-old", old.term), (1, "agent-new", new.term)]
@@ -298,3 +298,96 @@ def test_term_fields_are_validated_naming_the_field(cp):
         r = requests.post(server.url + path, data=body, timeout=5,
                           headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
         assert r.status_code == 422 and field in r.json()["error"], (path, body, r.text)
+
+
+# ---- poison items --------------------------------------------------------------------------------
+def start_poisonable(db, clock, seed=7):
+    import random
+
+    store = Store(db, clock, rng=random.Random(seed), max_attempts=3, retry_base_seconds=2.0, retry_max_seconds=5.0)
+    server = ControlPlaneServer(ControlPlane(store, ServerSettings(REG, ADMIN, 86400.0, 30.0, 60.0)), "127.0.0.1", 0)
+    server.start()
+    return server, store
+
+
+def test_a_failing_item_is_held_back_so_the_items_behind_it_run_and_is_failed_after_its_last_attempt(tmp_path, clock):
+    server, store = start_poisonable(tmp_path / "cp.sqlite", clock)
+    client = ControlPlaneClient(server.url, timeout=5)
+    try:
+        cred = client.register(REG, "c1", 1, INV).credential.token
+        client.enqueue(ADMIN, "poison", {"gpus": 1, "command": ["false"]})
+        client.enqueue(ADMIN, "good", {"gpus": 1})
+        leased = []
+        for attempt in range(1, 4):
+            poison = client.lease(cred, 30)
+            assert poison.idempotency_key == "poison" and poison.deliveries == attempt
+            client.release(cred, poison, f"pod failed to start (attempt {attempt})")
+            items = {i["idempotencyKey"]: i for i in client.list_items(ADMIN)}
+            assert items["poison"]["failedAttempts"] == attempt
+            assert items["poison"]["lastError"] == f"pod failed to start (attempt {attempt})"
+            if attempt == 1:  # held back: the item behind it is leased, not the poison again
+                good = client.lease(cred, 30)
+                assert good.idempotency_key == "good"
+                client.ack(cred, good)
+                leased.append("good")
+            if attempt < 3:
+                assert client.lease(cred, 30) is None  # still backing off
+                clock.now += 5.0  # the cap: every backoff is over
+        assert items["poison"]["state"] == "failed" and leased == ["good"]
+        clock.now += 3600
+        assert client.lease(cred, 30) is None  # a failed item is never delivered again
+        assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 0, "done": 1, "failed": 1}
+    finally:
+        server.stop()
+
+
+def test_backoff_doubles_from_its_base_to_its_cap_jittered_down_by_at_most_half(tmp_path, clock):
+    import random
+
+    store = Store(tmp_path / "cp.sqlite", clock, rng=random.Random(3), retry_base_seconds=1.0, retry_max_seconds=10.0)
+    delays = [store.retry_delay(n) for n in range(1, 8)]
+    ceilings = [1, 2, 4, 8, 10, 10, 10]
+    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings)), delays
+    again = Store(tmp_path / "b.sqlite", clock, rng=random.Random(3), retry_base_seconds=1.0, retry_max_seconds=10.0)
+    assert delays == [again.retry_delay(n) for n in range(1, 8)]  # the seed decides
+    store.close()
+    again.close()
+
+
+def test_a_release_without_an_error_and_an_expired_lease_count_no_attempt(tmp_path, clock):
+    server, store = start_poisonable(tmp_path / "cp.sqlite", clock)
+    client = ControlPlaneClient(server.url, timeout=5)
+    try:
+        cred = client.register(REG, "c1", 1, INV).credential.token
+        client.enqueue(ADMIN, "a", {})
+        for _ in range(5):
+            client.release(cred, client.lease(cred, 30))  # a paused queue giving it back
+        client.lease(cred, 30)
+        clock.now += 31  # its consumer died: the lease expires
+        item = client.lease(cred, 30)
+        assert item.idempotency_key == "a" and item.deliveries == 7
+        assert client.list_items(ADMIN)[0]["failedAttempts"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("payload,field", [
+    ('{"gpus": "x"}', "payload.gpus"), ('{"gpus": -1}', "payload.gpus"), ('{"gpus": 1.5}', "payload.gpus"),
+    ('{"gpus": 100000}', "payload.gpus"), ('{"gpus": true}', "payload.gpus"), ('{"command": "ls"}', "payload.command"),
+    ('{"command": []}', "payload.command"), ('{"command": [1]}', "payload.command"), ('[]', "payload")])
+def test_a_payload_no_executor_could_run_is_refused_at_enqueue_naming_the_field(cp, payload, field):
+    server, client = cp
+    r = requests.post(server.url + "/v1/queue/items", data=f'{{"idempotencyKey": "k", "payload": {payload}}}', timeout=5,
+                      headers={"Authorization": "Bearer " + ADMIN.reveal(), "Content-Type": "application/json"})
+    assert r.status_code == 422 and f"'{field}" in r.json()["error"].replace("', '", "."), r.text
+    assert client.list_items(ADMIN) == []  # nothing queued
+
+
+def test_a_valid_payload_is_kept_exactly_as_given(cp):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    payload = {"gpus": 2, "command": ["sh", "-c", "true"], "note": {"team": "a", "n": [1, 2.5, None]}}
+    client.enqueue(ADMIN, "k", payload)
+    client.enqueue(ADMIN, "defaults", {})
+    assert client.lease(cred, 30).payload == payload
+    assert client.lease(cred, 30).payload == {}

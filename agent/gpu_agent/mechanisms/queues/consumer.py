@@ -156,9 +156,12 @@ class QueueConsumer:
         try:
             outcome = await asyncio.to_thread(self.executor.execute, item)
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
-            log.error("item %d (key %s) failed: %s; releasing it for redelivery", item.item_id, item.idempotency_key, e)
+            # Released with the reason: the control plane counts the attempt and holds the item back
+            # for a backoff (the items behind it go first), then fails it after its last attempt.
+            log.error("item %d (key %s) failed: %s; releasing it with the reason (retried after a backoff)",
+                      item.item_id, item.idempotency_key, e)
             self.metrics.items.labels("failed").inc()
-            await self._quietly(self.client.release, credential, item)
+            await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
             return
         finally:
             renewer.cancel()

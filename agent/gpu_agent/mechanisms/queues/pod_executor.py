@@ -4,6 +4,12 @@ A redelivered item finds its Pod already there (AlreadyExists) and only waits fo
 item never makes a second Pod. The Pod is deleted only after the item is acknowledged
 (`after_ack`): a crash between the Pod finishing and the ack leaves the Pod to be found by
 the redelivery.
+
+A Pod that can never be scheduled (it asks for more GPUs than any node has) fails the attempt at
+once instead of holding the queue for the whole timeout: the scheduler's Unschedulable condition
+is checked against the nodes' allocatable GPUs (at most every NODE_CHECK_SECONDS), and the Pod,
+which never ran, is deleted so that the redelivery (after the control plane's backoff) tries
+afresh, and a failed item leaves nothing Pending behind.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from gpu_agent.foundations.klog import get_logger
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
+GPU = "nvidia.com/gpu"
+NODE_CHECK_SECONDS = 15.0
 
 
 def pod_name(key: str) -> str:
@@ -73,8 +81,17 @@ class PodExecutor:
                 raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {e.status} {e.reason}") from None
             outcome = "duplicate"  # a redelivery: the pod from the first delivery is the execution
         deadline = time.monotonic() + self.timeout_seconds
+        nodes_checked = float("-inf")
         while True:
-            phase = self.core.read_namespaced_pod(name, self.namespace).status.phase
+            pod = self.core.read_namespaced_pod(name, self.namespace)
+            phase = pod.status.phase
+            if phase == "Pending" and unschedulable(pod) and time.monotonic() - nodes_checked >= NODE_CHECK_SECONDS:
+                nodes_checked = time.monotonic()
+                wanted, most = gpus_asked(pod), self._most_gpus_on_a_node()
+                if wanted > most:
+                    self._delete(name)
+                    raise RuntimeError(f"the item asks for {wanted} {GPU} and no node has that many (the most on one node: "
+                                       f"{most}); its pod {self.namespace}/{name} can never be scheduled and was deleted")
             if phase in ("Succeeded", "Failed"):
                 # A failed run is still a run: acknowledged, never started again.
                 if phase == "Failed":
@@ -84,9 +101,25 @@ class PodExecutor:
                 raise RuntimeError(f"pod {self.namespace}/{name} did not finish within {self.timeout_seconds:.0f}s")
             time.sleep(self.poll_seconds)
 
-    def after_ack(self, item: WorkItem) -> None:
+    def _most_gpus_on_a_node(self) -> int:
+        nodes = self.core.list_node(_request_timeout=30).items
+        return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
+
+    def _delete(self, name: str) -> None:
         try:
-            self.core.delete_namespaced_pod(pod_name(item.idempotency_key), self.namespace, grace_period_seconds=0)
+            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
         except client.ApiException as e:
             if e.status != 404:
-                log.warning("deleting pod of item %d failed: %s", item.item_id, e.reason)
+                log.warning("deleting pod %s/%s failed: %s", self.namespace, name, e.reason)
+
+    def after_ack(self, item: WorkItem) -> None:
+        self._delete(pod_name(item.idempotency_key))
+
+
+def unschedulable(pod: Any) -> bool:
+    return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+               for c in (pod.status.conditions or []))
+
+
+def gpus_asked(pod: Any) -> int:
+    return sum(int(((c.resources.limits if c.resources else None) or {}).get(GPU, "0")) for c in pod.spec.containers)

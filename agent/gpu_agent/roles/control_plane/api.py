@@ -61,10 +61,24 @@ class DeregisterRequest(Model):
     clusterId: str = ClusterId
 
 
+MAX_ITEM_GPUS = 1024
+
+
+class WorkPayload(Model):
+    """The fields the cluster agent's executors read are checked at enqueue, so that an item its
+    executor could never turn into a Pod is refused then, naming the field, instead of failing on
+    every delivery. Any other field is kept as given."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+    gpus: Int = Field(default=1, ge=0, le=MAX_ITEM_GPUS, description="nvidia.com/gpu the item's Pod asks for (default 1)")
+    command: list[Annotated[str, annotated_types.MaxLen(4096)]] | None = Field(
+        default=None, min_length=1, max_length=256, description="the Pod's command; default: list the GPUs it was given")
+
+
 class EnqueueRequest(Model):
     idempotencyKey: str = Field(min_length=1, max_length=253, pattern=r"^[^\x00-\x1f\x7f]+$",
                                 description="items with the same key are one item")
-    payload: dict[str, Any] = Field(description=f"any JSON object, nested at most {MAX_PAYLOAD_DEPTH} deep")
+    payload: WorkPayload = Field(description=f"a JSON object, nested at most {MAX_PAYLOAD_DEPTH} deep")
 
 
 Holder = Field(min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
@@ -92,6 +106,12 @@ class LeaseRequest(Model):
 class LeaseRef(Model):
     leaseId: str = Field(min_length=1, max_length=64)
     term: Term | None = TermNumber
+
+
+class ReleaseRequest(LeaseRef):
+    error: str | None = Field(default=None, min_length=1, max_length=4000,
+                              description="why the execution failed: counts a failed attempt; the item comes back after "
+                                          "a backoff, and is failed for good after the control plane's most attempts")
 
 
 class LeaseRenewal(Model):
@@ -152,7 +172,7 @@ class LeasedItem(Model):
 
 
 class ItemResult(Model):
-    result: Literal["acked", "already-acked", "released"]
+    result: Literal["acked", "already-acked", "released", "retrying", "failed"]
 
 
 class RenewedLease(Model):
@@ -185,10 +205,12 @@ class DeliveryLog(Model):
 class ItemSummary(Model):
     id: int
     idempotencyKey: str
-    state: Literal["queued", "leased", "done"]
+    state: Literal["queued", "leased", "done", "failed"]
     deliveries: int
     createdAt: float
     ackedAt: float | None = None
+    failedAttempts: int = 0
+    lastError: str | None = None
 
 
 class ItemList(Model):
@@ -199,6 +221,7 @@ class ItemCounts(Model):
     queued: int
     leased: int
     done: int
+    failed: int = 0
 
 
 class RegistrationSummary(Model):
@@ -279,7 +302,7 @@ ROUTES = [
           "Extend the lease of an item that is still running (refused once the lease expired or was replaced)",
           frozenset({"credential"}), LeaseRenewal, {200: ("renewed", RenewedLease), **ITEM_ERRORS}),
     Route("POST", "/v1/queue/items/{itemId}/release", "release", "Give a leased item back for redelivery now",
-          frozenset({"credential"}), LeaseRef, {200: ("released", ItemResult), **ITEM_ERRORS}),
+          frozenset({"credential"}), ReleaseRequest, {200: ("released", ItemResult), **ITEM_ERRORS}),
     Route("GET", "/v1/status", "status", "Queue counts and registrations", frozenset({"admin", "credential"}),
           responses={200: ("status", StatusResponse)}),
     Route("POST", "/admin/faults", "arm_fault", "Inject a fault into the next matching calls (never /healthz or /admin)",

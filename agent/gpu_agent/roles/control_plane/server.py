@@ -199,7 +199,7 @@ class ControlPlane:
         return 200, api.ItemList(items=[api.ItemSummary(**i) for i in self.store.list_items(LIST_LIMIT)])
 
     def enqueue(self, body: api.EnqueueRequest, **_: Any) -> tuple[int, api.Model]:
-        item_id, created = self.store.enqueue(body.idempotencyKey, body.payload)
+        item_id, created = self.store.enqueue(body.idempotencyKey, body.payload.model_dump(exclude_unset=True))
         return (201 if created else 200), api.EnqueueResponse(id=item_id, created=created)
 
     def start_term(self, body: api.TermRequest, **_: Any) -> tuple[int, api.Model]:
@@ -225,8 +225,16 @@ class ControlPlane:
 
     def _item(self, params: dict[str, str], body: api.LeaseRef, action: str) -> tuple[int, api.Model]:
         item_id = int(params["itemId"])
-        result = "unknown" if item_id > api.INT64_MAX else self._fenced(
-            self.store.ack if action == "ack" else self.store.release, item_id, body.leaseId, body.term)
+        if item_id > api.INT64_MAX:
+            result = "unknown"
+        elif action == "ack":
+            result = self._fenced(self.store.ack, item_id, body.leaseId, body.term)
+        else:
+            error = body.error if isinstance(body, api.ReleaseRequest) else None
+            result = self._fenced(self.store.release, item_id, body.leaseId, body.term, error)
+            if result in ("retrying", "failed"):
+                log.warning("item %d: an attempt failed (%s)%s", item_id, quote(error or ""),
+                            "; no attempt left: the item is failed" if result == "failed" else "; retried after a backoff")
         if result == "unknown":
             raise Refused(404, f"no item {item_id}")
         if result == "stale-lease":
@@ -236,7 +244,7 @@ class ControlPlane:
     def ack(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
         return self._item(params, body, "ack")
 
-    def release(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
+    def release(self, params: dict[str, str], body: api.ReleaseRequest, **_: Any) -> tuple[int, api.Model]:
         return self._item(params, body, "release")
 
     def renew_lease(self, params: dict[str, str], body: api.LeaseRenewal, **_: Any) -> tuple[int, api.Model]:

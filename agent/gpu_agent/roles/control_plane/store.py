@@ -11,12 +11,20 @@ renewal or release that names an older term, or names none, is refused (`Fenced`
 that lost its leadership while partitioned can therefore neither take nor finish work once its
 successor has begun. Each delivery is logged with its holder and term (`deliveries`), the
 record the failover tests read instead of the agents' own journals.
+
+Poison items: a consumer whose executor failed releases the item with the error. That counts an
+attempt and holds the item back (`not_before`) for a capped, jittered backoff, during which
+leases pass over it to the items behind it: one item that cannot run never stops the queue.
+After `max_attempts` failed attempts the item is `failed`, with the last error as its reason, and
+is never delivered again. A lease that merely expires (its consumer died) or a release without an
+error (a paused queue giving it back) counts no attempt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 import secrets
 import threading
 import time
@@ -41,7 +49,9 @@ CREATE TABLE IF NOT EXISTS deliveries (
     id INTEGER PRIMARY KEY AUTOINCREMENT, item_id INTEGER NOT NULL, holder TEXT, term INTEGER, at REAL NOT NULL);
 """
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
-ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER")]}
+ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
+                           ("not_before", "REAL"), ("last_error", "TEXT")]}
+MAX_ERROR_CHARS = 1000
 DELIVERY_LOG_LIMIT = 10000
 
 
@@ -60,7 +70,12 @@ def token_hash(token: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path, clock: Any = time.time) -> None:
+    def __init__(self, path: Path, clock: Any = time.time, rng: random.Random | None = None, max_attempts: int = 5,
+                 retry_base_seconds: float = 1.0, retry_max_seconds: float = 60.0) -> None:
+        self.rng = rng or random.Random()
+        self.max_attempts = max_attempts
+        self.retry_base_seconds = retry_base_seconds
+        self.retry_max_seconds = retry_max_seconds
         self._db = open_database(path, "control-plane database", "--database", SCHEMA)
         for table, columns in ADDED_COLUMNS.items():
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
@@ -198,8 +213,8 @@ class Store:
             try:
                 self._check_term(term)
                 row = self._db.execute("""SELECT id, idempotency_key, payload, deliveries FROM items
-                    WHERE state = 'queued' OR (state = 'leased' AND lease_expires_at <= ?)
-                    ORDER BY id LIMIT 1""", (now,)).fetchone()
+                    WHERE (state = 'queued' AND COALESCE(not_before, 0) <= ?) OR (state = 'leased' AND lease_expires_at <= ?)
+                    ORDER BY id LIMIT 1""", (now, now)).fetchone()
                 if row is None:
                     self._db.execute("COMMIT")
                     return None
@@ -245,23 +260,44 @@ class Store:
             known = self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
         return "stale-lease" if known else "unknown"
 
-    def release(self, item_id: int, lease_id: str, term: int | None = None) -> str:
+    def retry_delay(self, attempts: int) -> float:
+        """Before attempt `attempts` + 1: base * 2^(attempts-1), capped, then jittered down by up to half
+        (so that items failing together do not come back together)."""
+        ceiling = min(self.retry_max_seconds, self.retry_base_seconds * 2 ** min(attempts - 1, 30))
+        return ceiling * self.rng.uniform(0.5, 1.0)
+
+    def release(self, item_id: int, lease_id: str, term: int | None = None, error: str | None = None) -> str:
+        """"released", "retrying" (an attempt failed: back after a backoff), "failed" (its last attempt
+        failed), "stale-lease" or "unknown"; raises Fenced."""
+        now = self._now()
         with self._lock:
             self._check_term(term)
-            cur = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL,
-                lease_holder=NULL, lease_term=NULL
-                WHERE id=? AND lease_id=? AND state='leased'""", (item_id, lease_id))
-            known = cur.rowcount or self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
+            row = self._db.execute("SELECT attempts FROM items WHERE id=? AND lease_id=? AND state='leased'",
+                                   (item_id, lease_id)).fetchone()
+            if row is None:
+                known = self._db.execute("SELECT 1 FROM items WHERE id = ?", (item_id,)).fetchone()
+                return "stale-lease" if known else "unknown"
+            attempts, state, not_before, result = row[0], "queued", None, "released"
+            if error is not None:
+                attempts += 1
+                if attempts >= self.max_attempts:
+                    state, result = "failed", "failed"
+                else:
+                    not_before, result = now + self.retry_delay(attempts), "retrying"
+            self._db.execute("""UPDATE items SET state=?, lease_id=NULL, lease_expires_at=NULL, lease_holder=NULL,
+                lease_term=NULL, attempts=?, not_before=?, last_error=COALESCE(?, last_error) WHERE id=?""",
+                             (state, attempts, not_before, None if error is None else error[:MAX_ERROR_CHARS], item_id))
         self._notify()
-        return "released" if cur.rowcount else ("stale-lease" if known else "unknown")
+        return result
 
     def list_items(self, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` items, oldest first: what `gpu-agent queue list` shows."""
         with self._lock:
-            rows = self._db.execute("SELECT id, idempotency_key, state, deliveries, created_at, acked_at FROM items "
-                                    "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+            rows = self._db.execute("SELECT id, idempotency_key, state, deliveries, created_at, acked_at, attempts, "
+                                    "last_error FROM items ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [{"id": r[0], "idempotencyKey": r[1], "state": r[2], "deliveries": r[3], "createdAt": r[4],
-                 **({"ackedAt": r[5]} if r[5] is not None else {})} for r in reversed(rows)]
+                 **({"ackedAt": r[5]} if r[5] is not None else {}), "failedAttempts": r[6],
+                 **({"lastError": r[7]} if r[7] is not None else {})} for r in reversed(rows)]
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -271,6 +307,7 @@ class Store:
                      "registrations": r[4]}
                     for r in self._db.execute("SELECT cluster_id, registration_id, generation, gpus, count FROM registrations")]
             term = self._current_term()
-        return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0)},
+        return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0),
+                          "failed": counts.get("failed", 0)},
                 "deliveries": deliveries, "registrations": regs,
                 **({"term": {"term": term[0], "holder": term[1]}} if term else {})}

@@ -1,0 +1,55 @@
+"""The Pod executor against a scripted API server: a Pod that asks for more GPUs than any node has
+fails the attempt at once and is deleted; one that merely waits for GPUs in use keeps waiting."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, pod_name
+
+
+class ScriptedCore:
+    def __init__(self, phases, node_gpus):
+        self.phases = list(phases)  # one per read; the last repeats
+        self.node_gpus = node_gpus
+        self.created, self.deleted, self.node_lists = [], [], 0
+        self.body = None
+
+    def create_namespaced_pod(self, namespace, body):
+        self.created.append(body["metadata"]["name"])
+        self.body = body
+
+    def read_namespaced_pod(self, name, namespace):
+        phase = self.phases.pop(0) if len(self.phases) > 1 else self.phases[0]
+        limits = self.body["spec"]["containers"][0]["resources"].get("limits", {})
+        conditions = [NS(type="PodScheduled", status="False", reason="Unschedulable")] if phase == "Pending" else []
+        return NS(status=NS(phase=phase, conditions=conditions),
+                  spec=NS(containers=[NS(resources=NS(limits=limits))]))
+
+    def list_node(self, _request_timeout):
+        self.node_lists += 1
+        return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in self.node_gpus])
+
+    def delete_namespaced_pod(self, name, namespace, grace_period_seconds):
+        self.deleted.append(name)
+
+
+def executor(core):
+    ex = PodExecutor(None, "work", "img", poll_seconds=0.0)
+    ex.core = core
+    return ex
+
+
+def test_a_pod_asking_more_gpus_than_any_node_has_fails_at_once_and_is_deleted():
+    core = ScriptedCore(["Pending"], node_gpus=[8, 4])
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "too-big", {"gpus": 64}, "l", 1))
+    assert "asks for 64 nvidia.com/gpu" in str(e.value) and "the most on one node: 8" in str(e.value)
+    assert core.deleted == [pod_name("too-big")] and core.node_lists == 1
+
+
+def test_a_pod_waiting_for_gpus_in_use_keeps_waiting_until_it_runs():
+    core = ScriptedCore(["Pending", "Pending", "Pending", "Running", "Succeeded"], node_gpus=[8])
+    assert executor(core).execute(WorkItem(1, "fits", {"gpus": 8}, "l", 1)) == "executed"
+    assert core.deleted == [] and core.node_lists == 1  # nodes looked at once, not on every poll

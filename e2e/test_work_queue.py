@@ -1,0 +1,90 @@
+"""Poison items on a real cluster, with the chart's defaults: a payload no executor could run is
+refused at enqueue naming the field; an item whose Pod can never be scheduled fails its attempt at
+once, is held back by the control plane's backoff and ends `failed` with its reason, its Pod
+deleted; and a valid item enqueued behind each kind is done within 5 s of its enqueue."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kubernetes import client
+
+from e2e.helpers import wait_until
+from e2e.release import WAIT, Release
+
+BEHIND_WITHIN = 5.0
+
+
+def queue(release: Release) -> dict[str, dict]:
+    out = release.control_plane("import json; print(json.dumps(c.list_items(t)))")
+    return {i["idempotencyKey"]: i for i in json.loads(out.strip().splitlines()[-1])}
+
+
+BEHIND = """
+import time
+from gpu_agent.foundations.control_plane_client import ControlPlaneError
+try:
+    c.enqueue(t, POISON, PAYLOAD)
+    print("poison accepted")
+except ControlPlaneError as e:
+    print("poison refused:", e)
+c.enqueue(t, GOOD, {"gpus": 1})
+started = time.monotonic()
+while time.monotonic() - started < 30:
+    if {i["idempotencyKey"]: i["state"] for i in c.list_items(t)}[GOOD] == "done":
+        print("good done after", round(time.monotonic() - started, 2))
+        break
+    time.sleep(0.05)
+else:
+    print("good not done after 30 s")
+"""
+
+
+def poison_then_good(release: Release, poison: str, payload: dict, good: str) -> tuple[str, float | None]:
+    """Enqueue a poison item, then a good one, and time the good one to done, all beside the control
+    plane (its own state, read every 50 ms over loopback): (the poison's answer, seconds or None)."""
+    out = release.control_plane(BEHIND.replace("POISON", repr(poison)).replace("PAYLOAD", repr(payload))
+                                .replace("GOOD", repr(good))).strip().splitlines()
+    answer = next(line for line in out if line.startswith("poison "))
+    done = next((float(line.split()[-1]) for line in out if line.startswith("good done after")), None)
+    return answer, done
+
+
+def test_a_valid_item_behind_each_kind_of_poison_item_is_done_within_5s_and_the_poison_ends_failed(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(4)
+    release = Release(api, core, apps, kubeconfig, namespace, name="poison")
+    try:
+        release.install(*WAIT)
+        wait_until(lambda: (release.healthz()[1] or {}).get("active"), 60, "the cluster agent active")
+        figures = []
+        for kind, payload in (("a string for gpus", {"gpus": "x"}), ("negative gpus", {"gpus": -1}),
+                              ("more gpus than any node has", {"gpus": 64})):
+            poison, good = f"poison-{len(figures)}", f"good-{len(figures)}"
+            answer, took = poison_then_good(release, poison, payload, good)
+            if kind == "more gpus than any node has":
+                assert answer == "poison accepted", answer
+            else:
+                assert answer.startswith("poison refused:") and "422" in answer and "gpus" in answer, answer
+            figures.append(f"{kind}: {answer.split(':')[0]}; the item behind it done {took} s after its enqueue")
+            assert took is not None and took <= BEHIND_WITHIN, figures[-1]
+        started = time.monotonic()
+        wait_until(lambda: queue(release)["poison-2"]["state"] == "failed", 120, "the unschedulable item failed")
+        poison = queue(release)["poison-2"]
+        assert poison["failedAttempts"] == 5 and "asks for 64 nvidia.com/gpu" in poison["lastError"], poison
+        from gpu_agent.mechanisms.queues.pod_executor import pod_name
+
+        try:
+            core.read_namespaced_pod(pod_name("poison-2"), namespace)
+            raise AssertionError("the unschedulable item's Pod is still there")
+        except client.ApiException as e:
+            assert e.status == 404
+        assert {k: v["state"] for k, v in queue(release).items() if k.startswith("good")} == {
+            "good-0": "done", "good-1": "done", "good-2": "done"}
+        print("\n" + "\n".join(figures))
+        print(f"the unschedulable item: failed after {poison['failedAttempts']} attempts and {poison['deliveries']} "
+              f"deliveries, {time.monotonic() - started:.1f} s later; its reason: {poison['lastError']}")
+    finally:
+        release.uninstall_if_installed()
+        fake_gpus.set(0)
