@@ -141,7 +141,7 @@ def test_100_items_killed_mid_run_and_restarted_are_each_executed_exactly_once(r
     executed = rig.executed_keys()
     assert sorted(executed) == keys  # every item, none twice
     status = cp.status(rig.admin_token)
-    assert status["items"] == {"queued": 0, "leased": 0, "done": 100}
+    assert status["items"] == {"queued": 0, "leased": 0, "done": 100, "failed": 0}
     assert restarted.alive()
 
 
