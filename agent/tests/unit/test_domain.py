@@ -290,3 +290,16 @@ def test_folding_many_domains_batches_longer_so_their_status_writes_do_not_crowd
     assert folding.window(1) == pytest.approx(0.1)  # one domain: as quick as the single aggregator
     assert folding.window(64) == pytest.approx(0.8)
     assert folding.window(10_000) == EveryDomainAggregator.MAX_INTERVAL
+
+
+def test_a_member_without_a_spec_is_left_out_and_every_other_member_is_still_folded():
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    folding = Aggregator(None, "ns", "gpus")
+    good = {"metadata": {"name": "gpus-n1"}, "spec": {"node": "n1", "gpuUUIDs": []}}
+    folding._listed_members({"items": [{"metadata": {"name": "broken"}}, {"metadata": {"name": "no-node"}, "spec": {}},
+                                       good, "not an object"]})
+    assert folding.members == {"n1": good["spec"]}
+    folding._member_event("MODIFIED", {"metadata": {"name": "broken"}, "spec": None})
+    folding._member_event("DELETED", {"metadata": {"name": "broken"}})
+    assert folding.members == {"n1": good["spec"]}

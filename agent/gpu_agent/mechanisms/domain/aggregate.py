@@ -233,15 +233,28 @@ class Aggregator:
         self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random())
         self.writes = 0
 
+    def _spec(self, member: Any) -> dict[str, Any] | None:
+        """A member's spec, or None (logged) for one without a node name: the CRD does not require
+        `spec`, and one such object must not stop the fold of every other member."""
+        spec = member.get("spec") if isinstance(member, dict) else None
+        if isinstance(spec, dict) and isinstance(spec.get("node"), str) and spec["node"]:
+            return spec
+        name = ((member.get("metadata") or {}) if isinstance(member, dict) else {}).get("name", "?")
+        log.warning("member %s of %s has no spec.node; left out of the fold", name, self.writer.where)
+        return None
+
     def _listed_members(self, listed: Any) -> None:
         with self._lock:
-            self.members = {m["spec"]["node"]: m["spec"] for m in items_of(listed)}
+            specs = [spec for spec in map(self._spec, items_of(listed)) if spec is not None]
+            self.members = {spec["node"]: spec for spec in specs}
             for node, spec in self.members.items():
                 self.heartbeats.saw(node, spec)
         self._changed.set()
 
     def _member_event(self, kind: str, member: dict[str, Any]) -> None:
-        spec = member["spec"]
+        spec = self._spec(member)
+        if spec is None:
+            return
         with self._lock:
             if kind == "DELETED":
                 self.members.pop(spec["node"], None)
