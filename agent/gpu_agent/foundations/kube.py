@@ -75,13 +75,16 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
     while not stop.is_set():
         try:
             listed = list_call(*args, **kwargs)
+            if stop.is_set():
+                return  # stopped while listing: whoever stopped us no longer wants the view
             on_list(listed)
             w = watch.Watch()
             for event in w.stream(list_call, *args, resource_version=_resource_version(listed),
                                   timeout_seconds=resync_seconds, **kwargs):
-                on_event(event["type"], event["object"])
-                if stop.is_set():
+                if stop.is_set():  # checked before delivering: no event reaches a stopped caller
                     w.stop()
+                    return
+                on_event(event["type"], event["object"])
         except Exception as e:  # noqa: BLE001 - reported by the caller, then list again
             on_error(e)
             stop.wait(retry_seconds)

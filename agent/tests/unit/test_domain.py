@@ -303,3 +303,33 @@ def test_a_member_without_a_spec_is_left_out_and_every_other_member_is_still_fol
     folding._member_event("MODIFIED", {"metadata": {"name": "broken"}, "spec": None})
     folding._member_event("DELETED", {"metadata": {"name": "broken"}})
     assert folding.members == {"n1": good["spec"]}
+
+
+def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone():
+    import threading
+
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    class Gone:
+        calls = 0
+
+        def get_namespaced_custom_object(self, *args):
+            Gone.calls += 1
+            raise client.ApiException(status=404, reason="Not Found")
+
+    folding = Aggregator(None, "ns", "deleted-domain", interval=0.01)
+    folding.writer.custom = Gone()
+    folding._watch = lambda: None  # members are handed in below; no API server here
+    folding.writer.sleep = lambda seconds: threading.Event().wait(0.01)  # retries come quickly here
+    folding._listed_members({"items": [{"metadata": {"name": "m"}, "spec": {"node": "n1"}}]})
+    runner = threading.Thread(target=folding.run, daemon=True)
+    runner.start()
+    deadline = threading.Event()
+    for _ in range(200):  # poll to a deadline: the write is retrying
+        if Gone.calls >= 3:
+            break
+        deadline.wait(0.01)
+    assert Gone.calls >= 3
+    folding.stop()
+    runner.join(2)
+    assert not runner.is_alive(), "the aggregator went on retrying after it was stopped"

@@ -289,8 +289,9 @@ class Aggregator:
             self._changed.clear()
             with self._lock:
                 members = dict(self.members)
+            # Stopped (no longer leading, the domain gone): the retries end with it.
             if self.writer.update(lambda obj: fold(obj, members, silent), f"fold {len(members)} members",
-                                  lambda: False, None):
+                                  self._stop.is_set, None):
                 self.writes += 1
 
     def stop(self) -> None:
