@@ -270,3 +270,48 @@ async def test_a_standby_still_takes_over_a_silent_leader_only_after_the_lease_d
     assert started > cut + SETTINGS.lease_duration - SETTINGS.retry_period
     a.task.cancel()
     b.task.cancel()
+
+
+async def test_one_attempt_takes_at_most_its_limit_when_the_read_is_slow_and_the_write_hangs():
+    """The read and the write of one attempt share its limit: a slow read (0.6 s) leaves the write
+    only the rest, so the attempt ends by its 1 s limit (it took up to 1.6 s when each had 1 s)."""
+    clock, lease = ManualClock(), MemoryLease()
+    lease.for_("a").create(LeaseRecord("a", 15.0, 0.0, 0.0, 0))
+    slow = {"get": 0.6, "update": 3600.0}  # real seconds: wait_for's bound is what ends them
+
+    async def slowly(fn, *args):
+        await asyncio.sleep(slow.get(fn.__name__, 0))
+        return fn(*args)
+
+    async def changed(leading, reason):
+        pass
+    elector = LeaderElector(lease.for_("a"), "a", SETTINGS, clock, random.Random(1), changed, slowly)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert not await elector.try_acquire_or_renew(1.0)
+    took = loop.time() - started
+    assert 0.95 <= took <= 1.2, took
+
+
+async def test_a_standby_dates_another_holders_lease_from_the_answer_not_from_the_start_of_its_read():
+    """b's read takes 5 s (a slow API server); the Lease it returns runs 15 s from when b saw it, so b
+    may not take it over 16 s after its read began (it could when it dated the record from the start)."""
+    clock, lease = ManualClock(), MemoryLease()
+    lease.for_("a").create(LeaseRecord("a", 15.0, 0.0, 0.0, 0))
+    delay = {"get": 5.0}
+
+    async def slow_read(fn, *args):
+        if fn.__name__ == "get" and delay["get"]:
+            clock._now += delay["get"]  # the answer arrives 5 s (of the injected clock) after the call
+        return fn(*args)
+
+    async def changed(leading, reason):
+        pass
+    b = LeaderElector(lease.for_("b"), "b", SETTINGS, clock, random.Random(1), changed, slow_read)
+    began = clock.monotonic()
+    assert not await b.try_acquire_or_renew(2.0)
+    delay["get"] = 0.0
+    clock._now = began + 16.0  # a has not renewed since: 16 s after b's read began, 11 s after its answer
+    assert not await b.try_acquire_or_renew(2.0)
+    clock._now = began + 20.5  # the lease's 15 s have passed since b saw it
+    assert await b.try_acquire_or_renew(2.0)

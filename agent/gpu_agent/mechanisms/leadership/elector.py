@@ -122,34 +122,41 @@ class LeaderElector:
         """Who holds the lease, as last seen ("" when nobody)."""
         return self.identity if self.leading else (self.observed.holder if self.observed else "")
 
-    async def _call(self, fn: Callable[..., LeaseRecord | None], *args: object, limit: float) -> LeaseRecord | None:
-        return await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(limit, 0.001))  # type: ignore[return-value]
+    async def _call(self, fn: Callable[..., LeaseRecord | None], *args: object, until: float) -> LeaseRecord | None:
+        """`fn` bounded by what is left of its attempt: `until` is on the event loop's clock, the one
+        wait_for measures with (the monotonic clock in production)."""
+        left = until - asyncio.get_running_loop().time()
+        return await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(left, 0.001))  # type: ignore[return-value]
 
     async def try_acquire_or_renew(self, limit: float) -> bool:
-        """One attempt (client-go's tryAcquireOrRenew); `limit` bounds the time it may take."""
+        """One attempt (client-go's tryAcquireOrRenew); `limit` bounds the whole attempt, its read and
+        its write together (each given what the other left), so a leader never renews past its deadline."""
         now, wall = self.clock.monotonic(), self.clock.wall()
+        until = asyncio.get_running_loop().time() + limit
         s = self.settings
         try:
-            current = await self._call(self.backend.get, limit=limit)
+            current = await self._call(self.backend.get, until=until)
             if current is None:
                 mine = LeaseRecord(self.identity, s.lease_duration, wall, wall, 0)
-                self._saw(await self._call(self.backend.create, mine, limit=limit), now)
+                self._saw(await self._call(self.backend.create, mine, until=until), now)
                 self.last_renewal = now  # when the attempt began: the conservative end of it
                 return True
             if not current.same_as(self.observed):
-                self._saw(current, now)
+                # Dated from the answer, not from the start of the attempt: another holder's lease is
+                # then never thought to run out before it does.
+                self._saw(current, self.clock.monotonic())
             held_by_other = current.holder not in ("", self.identity)
             if held_by_other and self.observed_at + current.lease_duration > now:
                 return False
             ours = current.holder == self.identity
             mine = LeaseRecord(self.identity, s.lease_duration, current.acquire_time if ours else wall, wall,
                                current.transitions if ours else current.transitions + 1, current.version)
-            self._saw(await self._call(self.backend.update, mine, limit=limit), now)
+            self._saw(await self._call(self.backend.update, mine, until=until), now)
             self.last_renewal = now
             return True
         except LeaseConflict:
             log.v(2, "lease: someone else wrote it first")
-            await self._read_after_conflict(now, limit)
+            await self._read_after_conflict(until)
             return False
         except (asyncio.TimeoutError, TimeoutError):
             log.warning("lease: no answer within %.1fs", limit)
@@ -158,11 +165,11 @@ class LeaderElector:
             log.warning("lease: attempt failed: %s", e)
             return False
 
-    async def _read_after_conflict(self, began: float, limit: float) -> None:
+    async def _read_after_conflict(self, until: float) -> None:
         """Whoever wrote first is the holder: read it now, within what is left of the attempt, so a
         standby names the leader at once instead of "(nobody yet)" until its next attempt."""
         try:
-            current = await self._call(self.backend.get, limit=began + limit - self.clock.monotonic())
+            current = await self._call(self.backend.get, until=until)
         except Exception as e:  # noqa: BLE001 - the next attempt reads it again
             log.v(2, "lease: reading it after a conflict failed: %s", e)
             return
