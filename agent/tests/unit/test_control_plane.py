@@ -132,13 +132,21 @@ def test_every_endpoint_but_health_needs_the_right_token(cp):
     assert doc["openapi"].startswith("3.") and "/v1/queue/lease" in doc["paths"]
 
 
-def test_credentials_expire_and_renewal_revokes_the_old_one(cp, clock):
+def test_credentials_expire_and_a_renewed_one_keeps_working_30s_beside_its_successor(cp, clock):
+    """No window of 401s at a renewal: calls under way with the old token land, and an agent whose
+    renewal answer was lost renews again with it; 30 s later it is refused."""
     _, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
     fresh = client.renew(cred)
+    client.lease(cred, 5)
+    again = client.renew(cred)  # the first answer was lost
+    clock.now += 29
+    client.lease(cred, 5)
+    clock.now += 1.5
     with pytest.raises(ControlPlaneError) as e:
         client.lease(cred, 5)
     assert e.value.kind == "unauthorized"
+    client.lease(again.token, 5)
     clock.now += 61
     with pytest.raises(ControlPlaneError) as e:
         client.renew(fresh.token)

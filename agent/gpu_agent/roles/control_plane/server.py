@@ -29,6 +29,7 @@ from gpu_agent.roles.control_plane import api
 from gpu_agent.roles.control_plane.store import Fenced, Store
 
 log = get_logger(__name__)
+RENEWAL_OVERLAP_SECONDS = 30.0  # how long a renewed credential keeps working beside its successor
 
 LIST_LIMIT = 200  # GET /v1/queue/items shows the newest items only
 
@@ -190,7 +191,9 @@ class ControlPlane:
 
     def renew(self, token: str, cluster_id: str | None, **_: Any) -> tuple[int, api.Model]:
         fresh, expires_at = self.store.issue_credential(cluster_id or "", self.settings.credential_ttl)
-        self.store.revoke(token)
+        # Not revoked at once: calls already under way with the old token (a lease renewal, an ack)
+        # still land, and an agent whose answer was lost can renew again with it.
+        self.store.retire(token, RENEWAL_OVERLAP_SECONDS)
         log.v(1, "cluster %s renewed its credential", quote(cluster_id or ""))
         return 200, api.RenewResponse(credential=api.Credential(token=fresh, expiresInSeconds=self.settings.credential_ttl,
                                                                 expiresAt=expires_at))

@@ -115,9 +115,12 @@ class Store:
             return None, "unknown"
         return row[0], "valid" if row[1] > self._now() else "expired"
 
-    def revoke(self, token: str) -> None:
+    def retire(self, token: str, within: float) -> None:
+        """The token stops working `within` seconds from now (or at its own expiry, if sooner)."""
         with self._lock:
-            self._db.execute("DELETE FROM credentials WHERE token_sha256 = ?", (token_hash(token),))
+            self._db.execute("UPDATE credentials SET expires_at = MIN(expires_at, ?) WHERE token_sha256 = ?",
+                             (self._now() + within, token_hash(token)))
+
 
     # registrations -------------------------------------------------------------------------
     def register(self, cluster_id: str, generation: int, gpus: list[dict[str, Any]]) -> str:
