@@ -67,3 +67,60 @@ async def test_a_failing_item_goes_back_with_its_reason_and_the_next_item_runs_a
     assert control_plane.released == [("poison", "creating pod ns/gpu-work-poison failed: 422 Unprocessable Entity")]
     assert control_plane.acked == ["good"] and executor.ran == ["poison", "good"]
     assert metrics.items.labels("failed")._value.get() == 1
+
+
+async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_held_now():
+    """This agent leased an item under term 1, lost the lead and got it back (term 3) while the item
+    ran; the item's ack, made under term 1, is refused as fenced. The agent keeps leasing under term 3
+    (it stopped for good when any fenced answer fenced it)."""
+    import asyncio
+    import threading
+    from dataclasses import replace
+
+    from gpu_agent.foundations.control_plane_client import ControlPlaneError
+
+    running, finish = threading.Event(), threading.Event()
+    terms = iter([1, 3])
+
+    class Regained(ScriptedControlPlane):
+        def start_term(self, credential, holder):
+            return Fence(holder, next(terms))
+
+        def lease(self, credential, lease_seconds, wait_seconds, fence):
+            item = super().lease(credential, lease_seconds, wait_seconds, fence)
+            return replace(item, fence=fence) if item else None
+
+        def ack(self, credential, item):
+            if item.fence.term != 3:
+                raise ControlPlaneError("fenced", "409 fenced: term 3 (holder a) is the current term", 409)
+            super().ack(credential, item)
+
+    class Blocking(Executor):
+        def execute(self, item):
+            if item.idempotency_key == "long":
+                running.set()
+                finish.wait(10)
+            return super().execute(item)
+
+    control_plane = Regained([item(1, "long"), item(2, "next")])
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock = ManualClock()
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Blocking(), clock,
+                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    await consumer.set_open(True, "")
+    first = asyncio.ensure_future(consumer.step())
+    for _ in range(500):  # poll to a deadline: the long item is running
+        if running.is_set():
+            break
+        await asyncio.sleep(0.01)
+    assert running.is_set()
+    consumer.new_term()  # lost the lead and regained it meanwhile
+    assert await consumer._term(Secret("credential-0123456789")) == Fence("gpu-agent", 3)
+    finish.set()
+    assert await first
+    assert consumer.fenced_by == "" and consumer.active
+    assert await consumer.step()  # leases on under term 3
+    assert control_plane.acked == ["next"]

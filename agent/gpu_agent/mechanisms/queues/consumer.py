@@ -86,7 +86,14 @@ class QueueConsumer:
         self.fenced_by = ""
         self._report()
 
-    def _fenced(self, e: ControlPlaneError) -> None:
+    def _fenced(self, e: ControlPlaneError, under: Fence | None) -> None:
+        """A call made under `under` was refused as fenced. Only a refusal of the current term stops
+        leasing: one about an older term of this agent (an item leased before it lost and regained
+        the lead, answered late) says nothing about the term it holds now."""
+        if under is not self.fence:
+            log.v(1, "a call of an older term (%s) was refused as fenced; the current term is unaffected",
+                  under.term if under else "none")
+            return
         if not self.fenced_by:
             log.warning("this agent's term is over (%s); it stops leasing work", e)
         self.fence = None
@@ -134,7 +141,7 @@ class QueueConsumer:
             item = await in_daemon_thread(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
         except ControlPlaneError as e:
             if e.kind == "fenced":
-                self._fenced(e)
+                self._fenced(e, fence)
             elif e.kind == "unauthorized":
                 await self.on_refused()
             else:
@@ -191,16 +198,16 @@ class QueueConsumer:
                     continue
                 log.warning("the lease of item %d was not renewed: %s; the item may be delivered again", item.item_id, e)
                 if e.kind == "fenced":
-                    self._fenced(e)
+                    self._fenced(e, item.fence)
                 return
 
-    async def _quietly(self, call: Callable[..., object], *args: object) -> bool:
+    async def _quietly(self, call: Callable[..., object], credential: Secret, item: WorkItem, *more: object) -> bool:
         try:
-            await asyncio.to_thread(call, *args)
+            await asyncio.to_thread(call, credential, item, *more)
         except ControlPlaneError as e:
             if e.kind == "fenced":
                 log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
-                self._fenced(e)
+                self._fenced(e, item.fence)
                 return False
             log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
             return False
