@@ -15,6 +15,7 @@ class ScriptedCore:
         self.node_gpus = node_gpus
         self.created, self.deleted, self.node_lists = [], [], 0
         self.body = None
+        self.reason, self.statuses = None, []
 
     def create_namespaced_pod(self, namespace, body):
         self.created.append(body["metadata"]["name"])
@@ -24,7 +25,8 @@ class ScriptedCore:
         phase = self.phases.pop(0) if len(self.phases) > 1 else self.phases[0]
         limits = self.body["spec"]["containers"][0]["resources"].get("limits", {})
         conditions = [NS(type="PodScheduled", status="False", reason="Unschedulable")] if phase == "Pending" else []
-        return NS(status=NS(phase=phase, conditions=conditions),
+        return NS(status=NS(phase=phase, conditions=conditions, reason=self.reason, message="refused",
+                            container_statuses=self.statuses),
                   spec=NS(containers=[NS(resources=NS(limits=limits))]))
 
     def list_node(self, _request_timeout):
@@ -53,3 +55,20 @@ def test_a_pod_waiting_for_gpus_in_use_keeps_waiting_until_it_runs():
     core = ScriptedCore(["Pending", "Pending", "Pending", "Running", "Succeeded"], node_gpus=[8])
     assert executor(core).execute(WorkItem(1, "fits", {"gpus": 8}, "l", 1)) == "executed"
     assert core.deleted == [] and core.node_lists == 1  # nodes looked at once, not on every poll
+
+
+def test_a_pod_the_kubelet_refused_before_it_started_fails_the_attempt_and_is_deleted():
+    core = ScriptedCore(["Pending", "Failed"], node_gpus=[8])
+    core.reason = "UnexpectedAdmissionError"
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "refused", {"gpus": 1}, "l", 1))
+    assert "failed before any container started (UnexpectedAdmissionError" in str(e.value)
+    assert core.deleted == [pod_name("refused")]
+
+
+def test_a_pod_whose_container_ran_and_failed_is_a_run_and_is_acknowledged():
+    core = ScriptedCore(["Running", "Failed"], node_gpus=[8])
+    ran = NS(state=NS(running=None, terminated=NS(started_at="2026-12-01T10:00:00Z", exit_code=1)), last_state=None)
+    core.statuses = [ran]
+    assert executor(core).execute(WorkItem(1, "ran", {"gpus": 1}, "l", 1)) == "executed"
+    assert core.deleted == []

@@ -9,7 +9,9 @@ A Pod that can never be scheduled (it asks for more GPUs than any node has) fail
 once instead of holding the queue for the whole timeout: the scheduler's Unschedulable condition
 is checked against the nodes' allocatable GPUs (at most every NODE_CHECK_SECONDS), and the Pod,
 which never ran, is deleted so that the redelivery (after the control plane's backoff) tries
-afresh, and a failed item leaves nothing Pending behind.
+afresh, and a failed item leaves nothing Pending behind. A Pod the kubelet refused before any of its
+containers ran (Failed, e.g. UnexpectedAdmissionError after a kubelet restart) fails the attempt
+the same way instead of being acknowledged as a run.
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ class PodExecutor:
                     self._delete(name)
                     raise RuntimeError(f"the item asks for {wanted} {GPU} and no node has that many (the most on one node: "
                                        f"{most}); its pod {self.namespace}/{name} can never be scheduled and was deleted")
+            if phase == "Failed" and never_started(pod):
+                # Refused by the kubelet before any container ran (UnexpectedAdmissionError, OutOf<resource>
+                # right after a kubelet restart): not a run. Deleted so that the retry makes a new Pod.
+                self._delete(name)
+                raise RuntimeError(f"work pod {self.namespace}/{name} failed before any container started "
+                                   f"({pod.status.reason or 'no reason given'}: {pod.status.message or ''}); deleted, "
+                                   "to be tried again")
             if phase in ("Succeeded", "Failed"):
                 # A failed run is still a run: acknowledged, never started again.
                 if phase == "Failed":
@@ -114,6 +123,16 @@ class PodExecutor:
 
     def after_ack(self, item: WorkItem) -> None:
         self._delete(pod_name(item.idempotency_key))
+
+
+def never_started(pod: Any) -> bool:
+    """No container of the Pod ever ran: none is running or terminated with a start time, now or before."""
+    for status in pod.status.container_statuses or []:
+        for state in (status.state, status.last_state):
+            if state is not None and (state.running is not None
+                                      or (state.terminated is not None and state.terminated.started_at is not None)):
+                return False
+    return True
 
 
 def unschedulable(pod: Any) -> bool:
