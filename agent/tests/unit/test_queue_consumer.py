@@ -124,3 +124,42 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
     assert consumer.fenced_by == "" and consumer.active
     assert await consumer.step()  # leases on under term 3
     assert control_plane.acked == ["next"]
+
+
+async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_deleted():
+    import asyncio
+
+    from gpu_agent.foundations.control_plane_client import ControlPlaneError
+
+    class LostAnswer(ScriptedControlPlane):
+        """The first ack lands but its answer is lost (a timeout); the second is answered."""
+        acks = 0
+
+        def ack(self, credential, item):
+            LostAnswer.acks += 1
+            super().ack(credential, item)
+            if LostAnswer.acks == 1:
+                raise ControlPlaneError("unavailable", "POST /v1/queue/items/1/ack: timed out after 10s")
+
+    class Deleting(Executor):
+        deleted = []
+
+        def after_ack(self, item):
+            self.deleted.append(item.idempotency_key)
+
+    control_plane, executor = LostAnswer([item(1, "a")]), Deleting()
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock = ManualClock()
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock,
+                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    await consumer.set_open(True, "")
+    stepping = asyncio.ensure_future(consumer.step())
+    for _ in range(100):  # the retry waits on the injected clock
+        if stepping.done():
+            break
+        await clock.advance(0.5)
+    assert await stepping
+    assert LostAnswer.acks == 2 and executor.deleted == ["a"]

@@ -174,8 +174,7 @@ class QueueConsumer:
             renewer.cancel()
         if outcome == "duplicate":
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
-        # An ack that fails leaves the lease to expire; the redelivery is then a "duplicate".
-        acked = await self._quietly(self.client.ack, credential, item)
+        acked = await self._ack(credential, item)
         if acked:
             await asyncio.to_thread(self.executor.after_ack, item)
         # The one line per item a person watching the queue looks for (a state change of the queue).
@@ -185,6 +184,29 @@ class QueueConsumer:
         self.processed += 1
         self.metrics.items.labels(outcome).inc()
         self._report()
+
+    ACK_RETRIES = (1.0, 2.0, 4.0)
+
+    async def _ack(self, credential: Secret, item: WorkItem) -> bool:
+        """Ack, trying again when no answer came: an ack that landed but whose answer was lost would
+        otherwise leave the item done at the control plane, never redelivered, and its Pod never
+        deleted. Acking again with the same lease is answered "already-acked". An ack that still
+        fails leaves the lease to expire; the redelivery is then a "duplicate"."""
+        for wait in (*self.ACK_RETRIES, None):
+            try:
+                await asyncio.to_thread(self.client.ack, credential, item)
+                return True
+            except ControlPlaneError as e:
+                if e.kind == "fenced":
+                    log.warning("ack refused: %s (the current leader has taken the item over)", e)
+                    self._fenced(e, item.fence)
+                    return False
+                if not e.recoverable or wait is None:
+                    log.warning("ack failed: %s (the lease will expire and the item be redelivered)", e)
+                    return False
+                log.warning("ack of item %d got no answer (%s); trying again in %.0fs", item.item_id, e, wait)
+                await self.clock.sleep(wait)
+        return False
 
     async def _keep_leased(self, credential: Secret, item: WorkItem) -> None:
         while True:
