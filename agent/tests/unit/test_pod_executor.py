@@ -16,12 +16,17 @@ class ScriptedCore:
         self.created, self.deleted, self.node_lists = [], [], 0
         self.body = None
         self.reason, self.statuses = None, []
+        self.create_faults, self.read_faults = [], []
 
-    def create_namespaced_pod(self, namespace, body):
+    def create_namespaced_pod(self, namespace, body, _request_timeout):
         self.created.append(body["metadata"]["name"])
         self.body = body
+        if self.create_faults:
+            raise self.create_faults.pop(0)
 
-    def read_namespaced_pod(self, name, namespace):
+    def read_namespaced_pod(self, name, namespace, _request_timeout):
+        if self.read_faults:
+            raise self.read_faults.pop(0)
         phase = self.phases.pop(0) if len(self.phases) > 1 else self.phases[0]
         limits = self.body["spec"]["containers"][0]["resources"].get("limits", {})
         conditions = [NS(type="PodScheduled", status="False", reason="Unschedulable")] if phase == "Pending" else []
@@ -33,7 +38,7 @@ class ScriptedCore:
         self.node_lists += 1
         return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in self.node_gpus])
 
-    def delete_namespaced_pod(self, name, namespace, grace_period_seconds):
+    def delete_namespaced_pod(self, name, namespace, grace_period_seconds, _request_timeout):
         self.deleted.append(name)
 
 
@@ -72,3 +77,24 @@ def test_a_pod_whose_container_ran_and_failed_is_a_run_and_is_acknowledged():
     core.statuses = [ran]
     assert executor(core).execute(WorkItem(1, "ran", {"gpus": 1}, "l", 1)) == "executed"
     assert core.deleted == []
+
+
+def test_a_create_without_an_answer_is_sent_again_and_its_own_conflict_is_the_execution():
+    from kubernetes import client
+    from urllib3.exceptions import ReadTimeoutError
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.create_faults = [ReadTimeoutError(None, "/api/v1/pods", "timed out"), client.ApiException(status=409)]
+    core.read_faults = [ReadTimeoutError(None, "/api/v1/pods", "timed out")]  # a read without an answer: read again
+    assert executor(core).execute(WorkItem(1, "slow", {"gpus": 1}, "l", 1)) == "executed"
+    assert core.created == [pod_name("slow")] * 2
+
+
+def test_a_pod_deleted_by_someone_else_fails_the_attempt_naming_it():
+    from kubernetes import client
+
+    core = ScriptedCore(["Running"], node_gpus=[8])
+    core.read_faults = [client.ApiException(status=404, reason="Not Found")]
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "gone", {"gpus": 1}, "l", 1))
+    assert "was deleted by someone else" in str(e.value)

@@ -30,6 +30,8 @@ log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
+REQUEST_TIMEOUT = 10.0  # every call to the API server: a hung one must not hold the item (and the queue)
+CREATE_ATTEMPTS = 3
 
 
 def pod_name(key: str) -> str:
@@ -72,21 +74,45 @@ class PodExecutor:
             },
         }
 
+    def _create(self, item: WorkItem, name: str) -> str:
+        """"executed", or "duplicate" when the Pod of an earlier delivery is there. A create that got no
+        answer is sent again: if the first landed, the second's conflict is our own Pod."""
+        for attempt in range(1, CREATE_ATTEMPTS + 1):
+            try:
+                self.core.create_namespaced_pod(self.namespace, self._pod(item), _request_timeout=REQUEST_TIMEOUT)
+                log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
+                return "executed"
+            except client.ApiException as e:
+                if e.status != 409:
+                    raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {e.status} {e.reason}") from None
+                # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
+                return "duplicate" if attempt == 1 else "executed"
+            except Exception as e:  # noqa: BLE001 - no answer (a timeout, a broken connection): try again
+                log.warning("creating pod %s/%s got no answer (%s); attempt %d of %d", self.namespace, name,
+                            type(e).__name__, attempt, CREATE_ATTEMPTS)
+        raise RuntimeError(f"creating pod {self.namespace}/{name} got no answer {CREATE_ATTEMPTS} times")
+
+    def _read(self, name: str) -> Any:
+        """The Pod, or None when the API server did not answer in time (the caller polls again)."""
+        try:
+            return self.core.read_namespaced_pod(name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
+        except client.ApiException as e:
+            if e.status == 404:
+                raise RuntimeError(f"work pod {self.namespace}/{name} was deleted by someone else before it "
+                                   "finished") from None
+            log.warning("reading pod %s/%s failed: %s %s; reading again", self.namespace, name, e.status, e.reason)
+        except Exception as e:  # noqa: BLE001 - no answer: the next poll reads again
+            log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
+        return None
+
     def execute(self, item: WorkItem) -> str:
         name = pod_name(item.idempotency_key)
-        outcome = "executed"
-        try:
-            self.core.create_namespaced_pod(self.namespace, self._pod(item))
-            log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
-        except client.ApiException as e:
-            if e.status != 409:
-                raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {e.status} {e.reason}") from None
-            outcome = "duplicate"  # a redelivery: the pod from the first delivery is the execution
+        outcome = self._create(item, name)
         deadline = time.monotonic() + self.timeout_seconds
         nodes_checked = float("-inf")
         while True:
-            pod = self.core.read_namespaced_pod(name, self.namespace)
-            phase = pod.status.phase
+            pod = self._read(name)
+            phase = pod.status.phase if pod is not None else None
             if phase == "Pending" and unschedulable(pod) and time.monotonic() - nodes_checked >= NODE_CHECK_SECONDS:
                 nodes_checked = time.monotonic()
                 wanted, most = gpus_asked(pod), self._most_gpus_on_a_node()
@@ -116,7 +142,7 @@ class PodExecutor:
 
     def _delete(self, name: str) -> None:
         try:
-            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT)
         except client.ApiException as e:
             if e.status != 404:
                 log.warning("deleting pod %s/%s failed: %s", self.namespace, name, e.reason)
