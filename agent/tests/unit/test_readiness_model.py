@@ -53,7 +53,7 @@ async def test_a_fenced_leader_is_not_ready_and_not_active(tmp_path):
     await a._readiness_changed(True, "registered")
     await a._leadership_changed(True, "leader: me")
     from gpu_agent.foundations.control_plane_client import ControlPlaneError
-    a.queue._fenced(ControlPlaneError("fenced", "newer term"))
+    a.queue._fenced(ControlPlaneError("fenced", "newer term"), a.queue.fence)  # refused under the term it holds
     assert state(a) == ("notready", False, False, 0.0, 0.0)
 
 
