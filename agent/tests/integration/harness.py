@@ -103,6 +103,7 @@ class Rig:
         (root / "admin-token").write_text(self.admin_token.reveal())
         self.cp: Process | None = None
         self.agent: Process | None = None
+        self.agents: list[Process] = []  # every agent started, so stop() leaves none running (a test may start two)
         self.cp_url = ""
         self.agent_url = ""
         self._agent_port = free_port()
@@ -135,11 +136,12 @@ class Rig:
                                                *(["--gpu-poll-interval", "0.1", "--queue-poll-interval", "0.1"]
                                                  if fast_polls else []), *flags],
                              self.root / f"agent-{self._starts}.log")
+        self.agents.append(self.agent)
         wait_until(lambda: self._get(self.agent_url + "/livez") == 200, 15, "agent /livez")
         return self.agent
 
     def stop(self) -> None:
-        for p in (self.agent, self.cp):
+        for p in (*reversed(self.agents), self.cp):
             if p is not None:
                 p.stop()
 
