@@ -30,6 +30,7 @@ from pathlib import Path
 from kubernetes import client, config
 
 from bench.domain_sim import table as sim_table
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator, MemberWriter, fold
 from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSION, DomainWriter
@@ -46,13 +47,13 @@ def new_client() -> client.ApiClient:
 
 def make_domain(custom: client.CustomObjectsApi, name: str, expected: int) -> None:
     try:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+        custom.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
         time.sleep(0.5)
     except client.ApiException:
         pass
     custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomain", "metadata": {"name": name},
-        "spec": {"expectedNodes": expected}})
+        "spec": {"expectedNodes": expected}}, _request_timeout=REQUEST_TIMEOUT)
 
 
 def measure_rate(seconds: float = 5.0) -> float:
@@ -61,10 +62,10 @@ def measure_rate(seconds: float = 5.0) -> float:
     make_domain(custom, "bench-rate", 1)
     done, flip, deadline = 0, False, time.monotonic() + seconds
     while time.monotonic() < deadline:
-        obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "bench-rate")
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "bench-rate", _request_timeout=REQUEST_TIMEOUT)
         flip = not flip
         obj["status"] = {"nodes": [{"name": "solo", "index": 0, "status": "Ready" if flip else "NotReady"}]}
-        custom.replace_namespaced_custom_object_status(GROUP, VERSION, NAMESPACE, PLURAL, "bench-rate", obj)
+        custom.replace_namespaced_custom_object_status(GROUP, VERSION, NAMESPACE, PLURAL, "bench-rate", obj, _request_timeout=REQUEST_TIMEOUT)
         done += 1
     return done / seconds
 
@@ -118,7 +119,7 @@ def run(n: int, strategy: str, rate: float) -> str:
         finished.append(time.monotonic())
         aggregator.stop()
     elapsed = max(finished) - started
-    obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+    obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
     nodes = (obj.get("status") or {}).get("nodes") or []
     indices = [e["index"] for e in nodes]
     present = {e["name"] for e in nodes}
@@ -199,7 +200,7 @@ def many_domains(m: int, n: int) -> list[str]:
         lost = bad_indices = 0
         if folding is not None:
             for name in names:
-                obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+                obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
                 nodes = (obj.get("status") or {}).get("nodes") or []
                 lost += n - len(nodes)
                 for clique in {e.get("clique") for e in nodes}:

@@ -16,6 +16,7 @@ from kubernetes import client, config
 from fake_gpu import node_labels
 from fake_gpu.layout import LayoutError
 from fake_gpu.layout_source import LAYOUT_SELECTOR, LEGACY_CONFIGMAP, NodeLayout, max_count, validate
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 
 class ClusterLayout:
@@ -30,7 +31,8 @@ class ClusterLayout:
 
     def _configmap(self) -> client.V1ConfigMap:
         selector = LAYOUT_SELECTOR + (f",app.kubernetes.io/instance={self.release}" if self.release else "")
-        found = self.core.list_namespaced_config_map(self.namespace, label_selector=selector).items
+        found = self.core.list_namespaced_config_map(self.namespace, label_selector=selector,
+                                                     _request_timeout=REQUEST_TIMEOUT).items
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
@@ -39,7 +41,8 @@ class ClusterLayout:
                               "pick one with --release NAME")
         if not self.release:
             try:
-                return self.core.read_namespaced_config_map(LEGACY_CONFIGMAP, self.namespace)
+                return self.core.read_namespaced_config_map(LEGACY_CONFIGMAP, self.namespace,
+                                                            _request_timeout=REQUEST_TIMEOUT)
             except client.ApiException as e:
                 if e.status != 404:
                     raise
@@ -49,10 +52,10 @@ class ClusterLayout:
 
     def _check_node(self, node: str) -> None:
         try:
-            self.core.read_node(node)
+            self.core.read_node(node, _request_timeout=REQUEST_TIMEOUT)
         except client.ApiException as e:
             if e.status == 404:
-                names = ", ".join(n.metadata.name for n in self.core.list_node().items)
+                names = ", ".join(n.metadata.name for n in self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items)
                 raise LayoutError(f"unknown node {node!r}; nodes: {names}") from None
             raise
 
@@ -68,13 +71,13 @@ class ClusterLayout:
         layout = validate(NodeLayout(count, product, memory_mib, clique), max_count(cm.data or {}))
         # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
         patch = {"metadata": {"resourceVersion": cm.metadata.resource_version}, "data": {node: layout.to_json()}}
-        self.core.patch_namespaced_config_map(cm.metadata.name, self.namespace, patch)
+        self.core.patch_namespaced_config_map(cm.metadata.name, self.namespace, patch, _request_timeout=REQUEST_TIMEOUT)
         return layout
 
     def status(self) -> dict[str, Any]:
         cm = self._configmap()
         nodes = {}
-        for n in self.core.list_node().items:
+        for n in self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items:
             name = n.metadata.name
             desired = (cm.data or {}).get(name)
             nodes[name] = {"desired": json.loads(desired) if desired else "default",

@@ -25,7 +25,7 @@ from fake_gpu.plugin import Devices, PluginRunner
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, core_v1_list, items_of, list_then_watch
 
 log = get_logger("fake_gpu.daemon")
 
@@ -93,7 +93,7 @@ def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_
     labeler = None
     if release:
         core = client.CoreV1Api(api)
-        labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=10))
+        labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=REQUEST_TIMEOUT))
         threading.Thread(target=labeler.run, args=(stopping,), name="node-labels", daemon=True).start()
     devices = Devices()
     applier = LayoutApplier(node, state_file, devices, default_count, labeler, release)

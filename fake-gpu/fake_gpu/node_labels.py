@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 log = get_logger("fake_gpu.node_labels")
 
@@ -98,7 +99,8 @@ class NodeLabeler:
 
 def unlabel_nodes(core: Any, release: str) -> list[str]:
     """The post-delete hook's work: take this release's labels off every node it marked."""
-    names = [n.metadata.name for n in core.list_node(label_selector=f"{RELEASE}={release}", _request_timeout=30).items]
+    marked = core.list_node(label_selector=f"{RELEASE}={release}", _request_timeout=REQUEST_TIMEOUT).items
+    names = [n.metadata.name for n in marked]
     for name in names:
-        core.patch_node(name, {"metadata": {"labels": {k: None for k in ALL}}}, _request_timeout=30)
+        core.patch_node(name, {"metadata": {"labels": {k: None for k in ALL}}}, _request_timeout=REQUEST_TIMEOUT)
     return names

@@ -13,7 +13,7 @@ import yaml
 from kubernetes import client
 
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
-from gpu_agent.foundations.kube import api_client
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
 from gpu_agent_hooks.migrate import MigrationError, migrate
@@ -70,7 +70,7 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
 
 def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
     try:
-        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
+        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace, _request_timeout=REQUEST_TIMEOUT)
         deployed = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
     except client.ApiException as e:
         if e.status != 404:
@@ -88,7 +88,7 @@ def hand_over_from_non_electing(api: client.ApiClient, namespace: str, deploymen
     elect is replaced by deleting its Deployment, unless the rollout itself recreates it (both the
     deployed and the target strategy Recreate)."""
     try:
-        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace)
+        dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace, _request_timeout=REQUEST_TIMEOUT)
     except client.ApiException as e:
         if e.status != 404:
             raise
@@ -109,8 +109,8 @@ def delete_stale_lease(api: client.ApiClient, namespace: str, name: str) -> None
     stale: left by a leader whose RBAC a downgrade removed before it could release it. Its successor
     would otherwise wait a whole lease duration for a holder that is gone."""
     try:
-        lease = client.CoordinationV1Api(api).read_namespaced_lease(name, namespace)
-        client.CoordinationV1Api(api).delete_namespaced_lease(name, namespace)
+        lease = client.CoordinationV1Api(api).read_namespaced_lease(name, namespace, _request_timeout=REQUEST_TIMEOUT)
+        client.CoordinationV1Api(api).delete_namespaced_lease(name, namespace, _request_timeout=REQUEST_TIMEOUT)
     except client.ApiException as e:
         if e.status != 404:
             raise
@@ -134,14 +134,15 @@ def replace_non_electing(api: client.ApiClient, dep: client.V1Deployment, versio
     say(f"the deployed cluster agent ({version or 'unknown version'}) does not take part in leader election: "
         f"deleting Deployment {name} so that it never runs beside its successor; the upgrade creates it again")
     try:
-        client.AppsV1Api(api).delete_namespaced_deployment(name, namespace, propagation_policy="Foreground")
+        client.AppsV1Api(api).delete_namespaced_deployment(name, namespace, propagation_policy="Foreground",
+                                                         _request_timeout=REQUEST_TIMEOUT)
     except client.ApiException as e:
         if e.status != 404:
             raise
     selector = ",".join(f"{k}={v}" for k, v in (dep.spec.selector.match_labels or {}).items())
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + timeout
-    while core.list_namespaced_pod(namespace, label_selector=selector).items:
+    while core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items:
         if time.monotonic() > deadline:
             raise SystemExit(f"gpu-agent-hook: the pods of Deployment {name} were still there after {timeout:.0f}s")
         time.sleep(0.5)
@@ -183,25 +184,26 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
 
     def clear_domains() -> None:
         domains = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomains",
-                                                       label_selector=selector)
+                                                       label_selector=selector, _request_timeout=REQUEST_TIMEOUT)
         for d in domains.get("items", []):
             custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, "gpudomains", d["metadata"]["name"],
-                {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}})
+                {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}}, _request_timeout=REQUEST_TIMEOUT)
 
     def delete_work_pods() -> None:
-        for pod in core.list_namespaced_pod(namespace, label_selector=f"gpu-agent.io/work-item=true,{selector}").items:
-            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        work = f"gpu-agent.io/work-item=true,{selector}"
+        for pod in core.list_namespaced_pod(namespace, label_selector=work, _request_timeout=REQUEST_TIMEOUT).items:
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT)
 
     def delete_members() -> None:
         # members whose agents were killed before they could remove them (aggregate strategy)
         if not domain:
             return
         members = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
-                                                       label_selector=f"gpu-agent.io/domain={domain}")
+                                                       label_selector=f"gpu-agent.io/domain={domain}", _request_timeout=REQUEST_TIMEOUT)
         for m in members.get("items", []):
             custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
-                                                   m["metadata"]["name"])
+                                                   m["metadata"]["name"], _request_timeout=REQUEST_TIMEOUT)
 
     for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
                        ("GPUDomain members", delete_members)):

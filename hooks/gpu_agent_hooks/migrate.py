@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
+
 CONFLICT_RETRIES = 5
 
 
@@ -40,13 +42,14 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
     stored = list(ext.read_custom_resource_definition(name).status.stored_versions or [])
     if stored in ([storage], []):
         return f"{name}: stored at {storage} only; nothing to migrate"
-    items = custom.list_cluster_custom_object(group, storage, plural)["items"]
+    items = custom.list_cluster_custom_object(group, storage, plural, _request_timeout=REQUEST_TIMEOUT * 6)["items"]  # every object
     rewritten = gone = 0
     for obj in items:
         namespace, obj_name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
         for _ in range(CONFLICT_RETRIES):
             try:
-                custom.replace_namespaced_custom_object(group, storage, namespace, plural, obj_name, obj)
+                custom.replace_namespaced_custom_object(group, storage, namespace, plural, obj_name, obj,
+                                                        _request_timeout=REQUEST_TIMEOUT)
                 rewritten += 1
                 break
             except Exception as e:  # noqa: BLE001 - sorted by status below
@@ -57,7 +60,8 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
                     raise MigrationError(f"{name}: rewriting {namespace}/{obj_name} at {storage} failed: {e}; "
                                          f"storedVersions left at {stored}") from None
                 try:
-                    obj = custom.get_namespaced_custom_object(group, storage, namespace, plural, obj_name)
+                    obj = custom.get_namespaced_custom_object(group, storage, namespace, plural, obj_name,
+                                                             _request_timeout=REQUEST_TIMEOUT)
                 except Exception as again:  # noqa: BLE001
                     if _status(again) == 404:
                         gone += 1

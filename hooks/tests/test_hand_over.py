@@ -18,7 +18,7 @@ def deployment(args, strategy="RollingUpdate"):
 def decide(monkeypatch, dep, target):
     replaced = []
     monkeypatch.setattr(cli.client, "AppsV1Api", lambda api: type("A", (), {
-        "read_namespaced_deployment": lambda self, name, ns: dep})())
+        "read_namespaced_deployment": lambda self, name, ns, _request_timeout=None: dep})())
     monkeypatch.setattr(cli, "replace_non_electing", lambda api, d, version, timeout: replaced.append((d.metadata.name, version)))
     monkeypatch.setattr(cli, "delete_stale_lease", lambda api, ns, name: replaced.append(("lease", name)))
     cli.hand_over_from_non_electing(None, "ns", "ga-gpu-agent-cluster-agent", target)

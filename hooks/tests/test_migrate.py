@@ -31,17 +31,17 @@ class ScriptedApi:
     def read_custom_resource_definition(self, name):
         return SimpleNamespace(status=SimpleNamespace(stored_versions=list(self.stored)))
 
-    def list_cluster_custom_object(self, group, version, plural):
+    def list_cluster_custom_object(self, group, version, plural, _request_timeout=None):
         self.calls.append(("list", version))
         return {"items": [{"metadata": {"namespace": "ns", "name": n, "resourceVersion": "1"}} for n in self.names]}
 
-    def replace_namespaced_custom_object(self, group, version, namespace, plural, name, body):
+    def replace_namespaced_custom_object(self, group, version, namespace, plural, name, body, _request_timeout=None):
         self.calls.append(("replace", name, version, body["metadata"]["resourceVersion"]))
         pending = self.failures.get(name) or []
         if pending:
             raise Refused(pending.pop(0))
 
-    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, _request_timeout=None):
         self.calls.append(("get", name))
         return {"metadata": {"namespace": namespace, "name": name, "resourceVersion": "2"}}
 

@@ -18,6 +18,13 @@ from typing import Any
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+# Every call to the API server names a timeout: a hung call would hold whatever waits on it (a work
+# item, a lease, a shutdown). Ten seconds is well inside what the callers protect.
+REQUEST_TIMEOUT = 10.0
+# A watch has the server end it (timeout_seconds); this much longer the client gives up on a connection
+# that went silent without ending.
+WATCH_GRACE = 30.0
+
 
 def api_client(kubeconfig: str = "") -> client.ApiClient:
     if kubeconfig:
@@ -74,13 +81,14 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
     Works for typed and custom-object list calls alike. Runs until `stop` is set."""
     while not stop.is_set():
         try:
-            listed = list_call(*args, **kwargs)
+            listed = list_call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
             if stop.is_set():
                 return  # stopped while listing: whoever stopped us no longer wants the view
             on_list(listed)
             w = watch.Watch()
             for event in w.stream(list_call, *args, resource_version=_resource_version(listed),
-                                  timeout_seconds=resync_seconds, **kwargs):
+                                  timeout_seconds=resync_seconds, _request_timeout=resync_seconds + WATCH_GRACE,
+                                  **kwargs):
                 if stop.is_set():  # checked before delivering: no event reaches a stopped caller
                     w.stop()
                     return

@@ -50,11 +50,11 @@ class FakeCustom:
         self.script = list(script)  # exceptions to raise on the next replace calls
         self.gets = self.replaces = 0
 
-    def get_namespaced_custom_object(self, *a):
+    def get_namespaced_custom_object(self, *a, _request_timeout=None):
         self.gets += 1
         return copy.deepcopy(self.obj)
 
-    def replace_namespaced_custom_object_status(self, g, v, ns, plural, name, body):
+    def replace_namespaced_custom_object_status(self, g, v, ns, plural, name, body, _request_timeout=None):
         self.replaces += 1
         if self.script:
             raise self.script.pop(0)
@@ -313,7 +313,7 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
     class Gone:
         calls = 0
 
-        def get_namespaced_custom_object(self, *args):
+        def get_namespaced_custom_object(self, *args, _request_timeout=None):
             Gone.calls += 1
             raise client.ApiException(status=404, reason="Not Found")
 

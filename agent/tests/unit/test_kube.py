@@ -5,18 +5,20 @@ from gpu_agent.foundations import kube
 
 def test_list_then_watch_lists_watches_from_the_lists_version_and_lists_again_after_an_error(monkeypatch):
     stop = threading.Event()
-    seen, errors, watched_from = [], [], []
+    seen, errors, watched_from, timeouts = [], [], [], []
     lists = iter([RuntimeError("apiserver down"), {"metadata": {"resourceVersion": "7"}, "items": ["a"]},
                   {"metadata": {"resourceVersion": "9"}, "items": ["a", "b"]}])
 
-    def list_call(ns, **kwargs):
+    def list_call(ns, _request_timeout, **kwargs):
+        timeouts.append(("list", _request_timeout))
         item = next(lists)
         if isinstance(item, Exception):
             raise item
         return item
 
     class FakeWatch:
-        def stream(self, fn, *args, resource_version, timeout_seconds, **kwargs):
+        def stream(self, fn, *args, resource_version, timeout_seconds, _request_timeout, **kwargs):
+            timeouts.append(("watch", _request_timeout - timeout_seconds))
             watched_from.append((args, resource_version, kwargs))
             if resource_version == "7":
                 yield {"type": "ADDED", "object": "b"}
@@ -36,3 +38,6 @@ def test_list_then_watch_lists_watches_from_the_lists_version_and_lists_again_af
     # and an EveryDomainAggregator stopped on losing leadership started a new Aggregator from it).
     assert seen == [("list", ["a"]), ("ADDED", "b"), ("list", ["a", "b"])]
     assert watched_from == [(("ns1",), "7", {"label_selector": "x=y"}), (("ns1",), "9", {"label_selector": "x=y"})]
+    # Every call bounded: a list by the request timeout, a watch a grace period beyond its server-side end.
+    assert timeouts == [("list", kube.REQUEST_TIMEOUT)] * 2 + [("watch", kube.WATCH_GRACE), ("list", kube.REQUEST_TIMEOUT),
+                                                                ("watch", kube.WATCH_GRACE)]

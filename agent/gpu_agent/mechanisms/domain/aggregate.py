@@ -35,7 +35,7 @@ from typing import Any
 from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
 from gpu_agent.mechanisms.domain.entries import Entry, in_clique, lowest_free_index, overall, status_entry
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.mechanisms.domain.entries import has_entry
@@ -111,13 +111,14 @@ class MemberWriter(DomainView):
         self.stats.calls += 1
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, body["metadata"]["name"], body,
                                                    field_manager=FIELD_MANAGER, force=True,
-                                                   _content_type="application/apply-patch+yaml")
+                                                   _content_type="application/apply-patch+yaml", _request_timeout=REQUEST_TIMEOUT)
         self.stats.writes += 1
 
     def remove(self, node: str, deadline: float | None = None) -> bool:
         self.stats.calls += 1
         try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, member_name(self.domain, node))
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, member_name(self.domain, node),
+                                                        _request_timeout=REQUEST_TIMEOUT)
         except client.ApiException as e:
             if e.status != 404:
                 log.warning("removing member %s of %s failed: %s", node, self.where, e.reason)

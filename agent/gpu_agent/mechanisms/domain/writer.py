@@ -25,6 +25,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
 
 log = get_logger(__name__)
@@ -94,7 +95,7 @@ class DomainWriter(DomainView):
 
     def read(self) -> dict[str, Any]:
         self.stats.calls += 1
-        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT)
         self.observe(obj)
         return obj
 
@@ -114,7 +115,7 @@ class DomainWriter(DomainView):
                     return True  # already so in the newest view we have
                 self.stats.calls += 1
                 written = self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL,
-                                                                              self.name, new)
+                                                                              self.name, new, _request_timeout=REQUEST_TIMEOUT)
                 self.stats.writes += 1
                 self.cached = written
                 log.v(3, "domain update: %s in %s (attempt %d)", what, self.where, attempt)

@@ -25,12 +25,12 @@ from kubernetes import client
 
 from gpu_agent.foundations.control_plane_client import WorkItem
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
-REQUEST_TIMEOUT = 10.0  # every call to the API server: a hung one must not hold the item (and the queue)
 CREATE_ATTEMPTS = 3
 
 
@@ -137,7 +137,7 @@ class PodExecutor:
             time.sleep(self.poll_seconds)
 
     def _most_gpus_on_a_node(self) -> int:
-        nodes = self.core.list_node(_request_timeout=30).items
+        nodes = self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items
         return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
 
     def _delete(self, name: str) -> None:
