@@ -185,28 +185,13 @@ class QueueConsumer:
         self.metrics.items.labels(outcome).inc()
         self._report()
 
+    # An ack that landed but whose answer was lost would otherwise leave the item done at the control
+    # plane, never redelivered, and its Pod never deleted; acking again with the same lease is
+    # answered "already-acked".
     ACK_RETRIES = (1.0, 2.0, 4.0)
 
     async def _ack(self, credential: Secret, item: WorkItem) -> bool:
-        """Ack, trying again when no answer came: an ack that landed but whose answer was lost would
-        otherwise leave the item done at the control plane, never redelivered, and its Pod never
-        deleted. Acking again with the same lease is answered "already-acked". An ack that still
-        fails leaves the lease to expire; the redelivery is then a "duplicate"."""
-        for wait in (*self.ACK_RETRIES, None):
-            try:
-                await asyncio.to_thread(self.client.ack, credential, item)
-                return True
-            except ControlPlaneError as e:
-                if e.kind == "fenced":
-                    log.warning("ack refused: %s (the current leader has taken the item over)", e)
-                    self._fenced(e, item.fence)
-                    return False
-                if not e.recoverable or wait is None:
-                    log.warning("ack failed: %s (the lease will expire and the item be redelivered)", e)
-                    return False
-                log.warning("ack of item %d got no answer (%s); trying again in %.0fs", item.item_id, e, wait)
-                await self.clock.sleep(wait)
-        return False
+        return await self._quietly(self.client.ack, credential, item, retries=self.ACK_RETRIES)
 
     async def _keep_leased(self, credential: Secret, item: WorkItem) -> None:
         while True:
@@ -223,17 +208,25 @@ class QueueConsumer:
                     self._fenced(e, item.fence)
                 return
 
-    async def _quietly(self, call: Callable[..., object], credential: Secret, item: WorkItem, *more: object) -> bool:
-        try:
-            await asyncio.to_thread(call, credential, item, *more)
-        except ControlPlaneError as e:
-            if e.kind == "fenced":
-                log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
-                self._fenced(e, item.fence)
-                return False
-            log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
-            return False
-        return True
+    async def _quietly(self, call: Callable[..., object], credential: Secret, item: WorkItem, *more: object,
+                       retries: tuple[float, ...] = ()) -> bool:
+        """One call about a leased item; a call that got no answer is tried again after each of `retries`
+        (seconds on the injected clock). False, logged, when it did not succeed."""
+        for wait in (*retries, None):
+            try:
+                await asyncio.to_thread(call, credential, item, *more)
+                return True
+            except ControlPlaneError as e:
+                if e.kind == "fenced":
+                    log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
+                    self._fenced(e, item.fence)
+                    return False
+                if not e.recoverable or wait is None:
+                    log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
+                    return False
+                log.warning("%s of item %d got no answer (%s); trying again in %.0fs", call.__name__, item.item_id, e, wait)
+                await self.clock.sleep(wait)
+        return False
 
     async def run(self) -> None:
         while True:

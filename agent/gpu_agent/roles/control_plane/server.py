@@ -226,29 +226,25 @@ class ControlPlane:
         item = self._fenced(self.store.lease_waiting, seconds, min(body.waitSeconds, s.max_lease_wait), body.holder, body.term)
         return (204, None) if item is None else (200, api.LeasedItem(**item))
 
-    def _item(self, params: dict[str, str], body: api.LeaseRef, action: str) -> tuple[int, api.Model]:
+    def _item(self, params: dict[str, str], body: api.LeaseRef, call: Any, *more: Any) -> str:
+        """`call` (the store's ack or release) on the item the path names, its refusals as HTTP errors."""
         item_id = int(params["itemId"])
-        if item_id > api.INT64_MAX:
-            result = "unknown"
-        elif action == "ack":
-            result = self._fenced(self.store.ack, item_id, body.leaseId, body.term)
-        else:
-            error = body.error if isinstance(body, api.ReleaseRequest) else None
-            result = self._fenced(self.store.release, item_id, body.leaseId, body.term, error)
-            if result in ("retrying", "failed"):
-                log.warning("item %d: an attempt failed (%s)%s", item_id, quote(error or ""),
-                            "; no attempt left: the item is failed" if result == "failed" else "; retried after a backoff")
+        result = "unknown" if item_id > api.INT64_MAX else self._fenced(call, item_id, body.leaseId, body.term, *more)
         if result == "unknown":
             raise Refused(404, f"no item {item_id}")
         if result == "stale-lease":
             raise Refused(409, f"that lease is no longer the current lease of item {item_id}")
-        return 200, api.ItemResult(result=result)
+        return result
 
     def ack(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
-        return self._item(params, body, "ack")
+        return 200, api.ItemResult(result=self._item(params, body, self.store.ack))
 
     def release(self, params: dict[str, str], body: api.ReleaseRequest, **_: Any) -> tuple[int, api.Model]:
-        return self._item(params, body, "release")
+        result = self._item(params, body, self.store.release, body.error)
+        if result in ("retrying", "failed"):
+            log.warning("item %s: an attempt failed (%s)%s", params["itemId"], quote(body.error or ""),
+                        "; no attempt left: the item is failed" if result == "failed" else "; retried after a backoff")
+        return 200, api.ItemResult(result=result)
 
     def renew_lease(self, params: dict[str, str], body: api.LeaseRenewal, **_: Any) -> tuple[int, api.Model]:
         item_id = int(params["itemId"])

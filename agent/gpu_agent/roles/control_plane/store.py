@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.files import open_database
 
 SCHEMA = """
@@ -266,8 +267,8 @@ class Store:
     def retry_delay(self, attempts: int) -> float:
         """Before attempt `attempts` + 1: base * 2^(attempts-1), capped, then jittered down by up to half
         (so that items failing together do not come back together)."""
-        ceiling = min(self.retry_max_seconds, self.retry_base_seconds * 2 ** min(attempts - 1, 30))
-        return ceiling * self.rng.uniform(0.5, 1.0)
+        return Backoff(self.retry_base_seconds, self.retry_max_seconds, jitter=0.5, rng=self.rng,
+                       attempt=attempts - 1).next_delay()
 
     def release(self, item_id: int, lease_id: str, term: int | None = None, error: str | None = None) -> str:
         """"released", "retrying" (an attempt failed: back after a backoff), "failed" (its last attempt
