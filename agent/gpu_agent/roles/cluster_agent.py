@@ -100,14 +100,17 @@ SETTINGS = [
 ]
 
 
-def make_executor(cfg: Config) -> Executor:
+def make_executor(cfg: Config, clock: Clock) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
+        from kubernetes import client
+
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 
-        return PodExecutor(api_client(cfg.kubeconfig), cfg.workNamespace, cfg.workImage, cfg.releaseName)
-    return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds)
+        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig)), cfg.workNamespace, cfg.workImage,
+                           cfg.releaseName, clock=clock)
+    return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
 
 class ClusterAgent:
@@ -120,7 +123,7 @@ class ClusterAgent:
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
-        self.executor = make_executor(cfg)
+        self.executor = make_executor(cfg, self.clock)
         self.registration = RegistrationManager(
             self.client, cfg.controlPlaneToken,
             RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
@@ -140,6 +143,7 @@ class ClusterAgent:
         self.health.set("leadership", True, self.leading[1])  # a standby does its job: see the module docstring
         self.rng = rng or random.Random()
         self.aggregator: Any = None
+        self.elector: LeaderElector | None = None
         self.logged: tuple[bool, str] | None = None
         self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed,
                                         loss_debounce=cfg.gpuLossDebounce,
@@ -167,7 +171,7 @@ class ClusterAgent:
         self.leading = (leading, reason)
         self.health.set("leadership", True, reason)
         if leading and not was_leading:
-            self.queue.new_term()
+            self.queue.new_term(self.elector.token if self.elector is not None else None)
             self._start_folding()
         elif not leading and was_leading:
             self._stop_folding()
@@ -239,7 +243,8 @@ class ClusterAgent:
                          tg.create_task(self.registration.run(), name="registration"),
                          tg.create_task(self.queue.run(), name="queue-consumer")]
                 if self.cfg.leaderElection:
-                    tasks.append(tg.create_task(self._elector().run(), name="leader-election"))
+                    self.elector = self._elector()
+                    tasks.append(tg.create_task(self.elector.run(), name="leader-election"))
                 await stop.wait()
                 # Stop leasing before the Lease is released (the elector's task, cancelled below), so
                 # that the successor never finds this agent still leasing: a hand-over, not an overlap.

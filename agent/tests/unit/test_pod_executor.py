@@ -1,10 +1,12 @@
 """The Pod executor against a scripted API server: a Pod that asks for more GPUs than any node has
 fails the attempt at once and is deleted; one that merely waits for GPUs in use keeps waiting."""
 
+import asyncio
 from types import SimpleNamespace as NS
 
 import pytest
 
+from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.control_plane_client import WorkItem
 from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, pod_name
 
@@ -17,6 +19,8 @@ class ScriptedCore:
         self.body = None
         self.reason, self.statuses = None, []
         self.create_faults, self.read_faults = [], []
+        self.deleting = None
+        self.patched = []
 
     def create_namespaced_pod(self, namespace, body, _request_timeout):
         self.created.append(body["metadata"]["name"])
@@ -32,20 +36,45 @@ class ScriptedCore:
         conditions = [NS(type="PodScheduled", status="False", reason="Unschedulable")] if phase == "Pending" else []
         return NS(status=NS(phase=phase, conditions=conditions, reason=self.reason, message="refused",
                             container_statuses=self.statuses),
+                  metadata=NS(deletion_timestamp=self.deleting, finalizers=["gpu-agent.io/work-item"]),
                   spec=NS(containers=[NS(resources=NS(limits=limits))]))
 
     def list_node(self, _request_timeout):
         self.node_lists += 1
         return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in self.node_gpus])
 
+    def patch_namespaced_pod(self, name, namespace, body, _request_timeout, _content_type):
+        self.patched.append((name, body, _content_type))
+
     def delete_namespaced_pod(self, name, namespace, grace_period_seconds, _request_timeout):
         self.deleted.append(name)
 
 
+async def inline(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+class Executing:
+    """The executor on a ManualClock, its calls made inline: `execute` runs to its end as the
+    clock is advanced (every poll waits on that clock, none on wall time)."""
+
+    def __init__(self, core):
+        self.clock = ManualClock()
+        self.ex = PodExecutor(core, "work", "img", poll_seconds=0.5, clock=self.clock, run_blocking=inline)
+
+    def execute(self, item, leader=None):
+        async def drive():
+            task = asyncio.ensure_future(self.ex.execute(item, leader))
+            for _ in range(2000):
+                if task.done():
+                    break
+                await self.clock.advance(0.5)
+            return await task
+        return asyncio.run(drive())
+
+
 def executor(core):
-    ex = PodExecutor(None, "work", "img", poll_seconds=0.0)
-    ex.core = core
-    return ex
+    return Executing(core)
 
 
 def test_a_pod_asking_more_gpus_than_any_node_has_fails_at_once_and_is_deleted():
@@ -98,3 +127,53 @@ def test_a_pod_deleted_by_someone_else_fails_the_attempt_naming_it():
     with pytest.raises(RuntimeError) as e:
         executor(core).execute(WorkItem(1, "gone", {"gpus": 1}, "l", 1))
     assert "was deleted by someone else" in str(e.value)
+
+
+def test_the_pod_carries_the_leaders_fencing_token_and_the_finalizer_and_is_released_before_its_delete():
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    run = executor(core)
+    token = LeaderToken("agent-a", "0f1e2d3c-uid", 7)
+    assert run.execute(WorkItem(1, "fenced", {"gpus": 1}, "l", 1), token) == "executed"
+    meta = core.body["metadata"]
+    assert meta["finalizers"] == ["gpu-agent.io/work-item"]
+    assert {k: meta["annotations"][k] for k in ("gpu-agent.io/leader", "gpu-agent.io/lease-uid",
+                                                "gpu-agent.io/lease-transitions")} == \
+        {"gpu-agent.io/leader": "agent-a", "gpu-agent.io/lease-uid": "0f1e2d3c-uid", "gpu-agent.io/lease-transitions": "7"}
+    assert token.admits(meta["annotations"]) and not LeaderToken("agent-a", "0f1e2d3c-uid", 8).admits(meta["annotations"])
+    asyncio.run(run.ex.after_ack(WorkItem(1, "fenced", {"gpus": 1}, "l", 1)))
+    name = pod_name("fenced")
+    assert core.patched == [(name, {"metadata": {"$deleteFromPrimitiveList/finalizers": ["gpu-agent.io/work-item"]}},
+                             "application/strategic-merge-patch+json")]
+    assert core.deleted == [name]
+
+
+def test_a_succeeded_pod_someone_deleted_is_kept_by_its_finalizer_and_acknowledged_not_run_again():
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.deleting = "2026-12-01T10:00:00Z"
+    core.create_faults = [__import__("kubernetes").client.ApiException(status=409)]  # the redelivery finds it
+    assert executor(core).execute(WorkItem(1, "done-before", {"gpus": 1}, "l", 2)) == "duplicate"
+    assert core.deleted == []  # deleted only after the ack
+
+
+def test_a_pod_deleted_before_it_started_is_released_and_the_attempt_fails():
+    core = ScriptedCore(["Running"], node_gpus=[8])
+    core.phases = ["Pending"]
+    core.deleting = "2026-12-01T10:00:00Z"
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "deleted-early", {"gpus": 1}, "l", 1))
+    assert "was deleted before any container started" in str(e.value)
+    assert [p[0] for p in core.patched] == [pod_name("deleted-early")] and core.deleted == [pod_name("deleted-early")]
+
+
+def test_a_create_the_admission_policy_refuses_fails_the_attempt_naming_the_fencing():
+    from kubernetes import client
+
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.create_faults = [client.ApiException(status=403, reason="Forbidden")]
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "stale", {"gpus": 1}, "l", 1), LeaderToken("agent-a", "uid", 3))
+    assert "no longer the Lease's (fenced by the admission policy)" in str(e.value)

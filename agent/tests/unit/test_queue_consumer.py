@@ -37,13 +37,13 @@ class Executor:
     def __init__(self):
         self.ran = []
 
-    def execute(self, item):
+    async def execute(self, item, leader=None):
         self.ran.append(item.idempotency_key)
         if item.payload.get("poison"):
             raise RuntimeError("creating pod ns/gpu-work-poison failed: 422 Unprocessable Entity")
         return "executed"
 
-    def after_ack(self, item):
+    async def after_ack(self, item):
         pass
 
 
@@ -74,12 +74,11 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
     ran; the item's ack, made under term 1, is refused as fenced. The agent keeps leasing under term 3
     (it stopped for good when any fenced answer fenced it)."""
     import asyncio
-    import threading
     from dataclasses import replace
 
     from gpu_agent.foundations.control_plane_client import ControlPlaneError
 
-    running, finish = threading.Event(), threading.Event()
+    running, finish = asyncio.Event(), asyncio.Event()
     terms = iter([1, 3])
 
     class Regained(ScriptedControlPlane):
@@ -96,11 +95,11 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
             super().ack(credential, item)
 
     class Blocking(Executor):
-        def execute(self, item):
+        async def execute(self, item, leader=None):
             if item.idempotency_key == "long":
                 running.set()
-                finish.wait(10)
-            return super().execute(item)
+                await asyncio.wait_for(finish.wait(), 10)
+            return await super().execute(item)
 
     control_plane = Regained([item(1, "long"), item(2, "next")])
 
@@ -144,7 +143,7 @@ async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_d
     class Deleting(Executor):
         deleted = []
 
-        def after_ack(self, item):
+        async def after_ack(self, item):
             self.deleted.append(item.idempotency_key)
 
     control_plane, executor = LostAnswer([item(1, "a")]), Deleting()
@@ -163,3 +162,45 @@ async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_d
         await clock.advance(0.5)
     assert await stepping
     assert LostAnswer.acks == 2 and executor.deleted == ["a"]
+
+
+async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_own_again():
+    """A deposed leader's late start_term (term 2) lands after this leader's (term 1): while the Lease
+    says this agent leads, it starts a newer term after a poll and leases on (it stopped for good)."""
+    from dataclasses import replace
+
+    from gpu_agent.foundations.control_plane_client import ControlPlaneError
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    terms = iter([1, 3])
+
+    class LateTerm(ScriptedControlPlane):
+        def start_term(self, credential, holder):
+            return Fence(holder, next(terms))
+
+        def lease(self, credential, lease_seconds, wait_seconds, fence):
+            if fence.term == 1:
+                raise ControlPlaneError("fenced", "409 fenced: term 2 (holder b) is the current term", 409)
+            item = super().lease(credential, lease_seconds, wait_seconds, fence)
+            return replace(item, fence=fence) if item else None
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    control_plane, clock = LateTerm([item(1, "a")]), ManualClock()
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock,
+                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    consumer.new_term(LeaderToken("gpu-agent", "uid", 4))
+    await consumer.set_open(True, "")
+    assert not await consumer.step()  # fenced under term 1
+    assert consumer.active and consumer.terms_restarted == 1
+    assert await consumer.step()  # term 3 started; leased and acked
+    assert control_plane.acked == ["a"] and consumer.fence.term == 3
+
+    # Without a Lease (no leader election) nothing says this agent should lead: fenced for good.
+    terms = iter([1])
+    alone = QueueConsumer(LateTerm([item(2, "b")]), lambda: Secret("credential-0123456789"), Executor(), clock,
+                          HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    alone.new_term()
+    await alone.set_open(True, "")
+    assert not await alone.step() and not alone.active and not await alone.step()

@@ -26,9 +26,11 @@ never the timestamps written in the record, so clock skew between nodes does not
 to the API server are bounded by the time left before the deadline: a hung call cannot keep a
 leader leading past it.
 
-Each change of holder increments the record's transitions (client-go's leaseTransitions). Fencing
-at the control plane uses its own terms (a term is started each time an agent begins to lead), so
-a Lease deleted and recreated cannot bring back an old token.
+Each change of holder increments the record's transitions (client-go's leaseTransitions). A
+leadership's fencing token (`token`) is (holder, the record's uid, transitions): the work Pods carry
+it and the API server refuses one whose token is not the Lease's now (foundations/fencing.py), so a
+create a deposed leader sent late never lands. Fencing at the control plane uses its own terms (a
+term is started each time an agent begins to lead).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gpu_agent.foundations.clock import Clock, sleep_or
+from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.threads import in_daemon_thread
 
@@ -58,6 +61,7 @@ class LeaseRecord:
     renew_time: float
     transitions: int
     version: str = ""  # the store's resourceVersion; not part of what "changed" means
+    uid: str = ""  # the store's name for this record's lifetime: a deleted and recreated record has a new one
 
     def same_as(self, other: LeaseRecord | None) -> bool:
         return other is not None and replace(self, version="") == replace(other, version="")
@@ -118,6 +122,13 @@ class LeaderElector:
         self.terms = 0  # how many times this agent began to lead
 
     @property
+    def token(self) -> LeaderToken | None:
+        """This leadership's fencing token (what its work Pods carry), or None while not leading."""
+        if not self.leading or self.observed is None:
+            return None
+        return LeaderToken(self.identity, self.observed.uid, self.observed.transitions)
+
+    @property
     def leader(self) -> str:
         """Who holds the lease, as last seen ("" when nobody)."""
         return self.identity if self.leading else (self.observed.holder if self.observed else "")
@@ -150,7 +161,7 @@ class LeaderElector:
                 return False
             ours = current.holder == self.identity
             mine = LeaseRecord(self.identity, s.lease_duration, current.acquire_time if ours else wall, wall,
-                               current.transitions if ours else current.transitions + 1, current.version)
+                               current.transitions if ours else current.transitions + 1, current.version, current.uid)
             self._saw(await self._call(self.backend.update, mine, until=until), now)
             self.last_renewal = now
             return True

@@ -38,7 +38,7 @@ class KubeLease:
         spec = lease.spec or client.V1LeaseSpec()
         return LeaseRecord(spec.holder_identity or "", float(spec.lease_duration_seconds or 0),
                            _seconds(spec.acquire_time), _seconds(spec.renew_time), int(spec.lease_transitions or 0),
-                           lease.metadata.resource_version or "")
+                           lease.metadata.resource_version or "", lease.metadata.uid or "")
 
     def _owner_references(self) -> list[dict[str, str]] | None:
         if self.owner_deployment and self._owner is None:

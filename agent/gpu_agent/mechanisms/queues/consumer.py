@@ -9,10 +9,17 @@ tried again at the next third.
 Fencing: the consumer leases under a term it starts at the control plane the first time it
 leases after it began to lead (`new_term()` drops the old one). Every lease, ack, renewal and
 release names that term. Once another agent has started a newer term the control plane refuses
-them ("fenced"); the consumer then stops leasing and reports it, and leases again only under a
-term of its own next leadership. Starting a term hands back the leases older terms held, so the
-items a dead or partitioned agent held are delivered again at once, to the new leader, whose
-executor adopts what already ran (the Pod executor finds the item's Pod by name).
+them ("fenced"). Starting a term hands back the leases older terms held, so the items a dead or
+partitioned agent held are delivered again at once, to the new leader, whose executor adopts
+what already ran (the Pod executor finds the item's Pod by name).
+
+What a fencing means depends on what ties the term to leadership. With leader election the Lease
+does: while this agent holds it (`new_term(leader)` was given its token), a newer term can only be
+a deposed leader's late `start_term`, so the consumer starts a term of its own again after a poll
+interval (and the deposed one, no longer leading, never answers back). Without leader election
+nothing says who should lead, so a fenced consumer stops leasing until `new_term()`. Only a
+refusal of the term held now counts: one answered late about an older term is ignored. The Pods
+themselves are fenced by the Lease (the executor gets the token; foundations/fencing.py).
 
 Readiness: the `queues` entry of /healthz is ready while the queues are open, and also while they
 are paused only because this agent is a hot standby (it does its job: waiting to lead). Whether
@@ -32,11 +39,12 @@ from collections.abc import Awaitable, Callable
 
 from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Fence, WorkItem
+from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
-from gpu_agent.foundations.threads import in_daemon_thread
+from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
 from gpu_agent.mechanisms.queues.executor import Executor
 
@@ -47,11 +55,14 @@ class QueueConsumer:
     def __init__(self, client: ControlPlaneClient, credential: Callable[[], Secret | None], executor: Executor,
                  clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
                  poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0,
-                 identity: str = "gpu-agent") -> None:
+                 identity: str = "gpu-agent", run_blocking: RunBlocking = in_daemon_thread) -> None:
         self.client = client
+        self.run_blocking = run_blocking  # every call to the control plane goes through it
         self.identity = identity
         self.fence: Fence | None = None
-        self.fenced_by = ""  # set when a newer term refused ours: no leasing until new_term()
+        self.leader: LeaderToken | None = None  # the Lease's token while leading through one
+        self.fenced_by = ""  # set when a newer term refused ours: no leasing until new_term() (or, leading, a poll)
+        self.terms_restarted = 0
         self.credential = credential
         self.executor = executor
         self.clock = clock
@@ -80,9 +91,11 @@ class QueueConsumer:
         self.health.state("active", on)
         self.metrics.active.set(1 if on else 0)
 
-    def new_term(self) -> None:
-        """This agent began to lead (again): its next lease starts a new term."""
+    def new_term(self, leader: LeaderToken | None = None) -> None:
+        """This agent began to lead (again): its next lease starts a new term. `leader`: the Lease's
+        fencing token of this leadership (None without leader election)."""
         self.fence = None
+        self.leader = leader
         self.fenced_by = ""
         self._report()
 
@@ -94,16 +107,23 @@ class QueueConsumer:
             log.v(1, "a call of an older term (%s) was refused as fenced; the current term is unaffected",
                   under.term if under else "none")
             return
+        self.fence = None
+        if self.leader is not None:
+            # The Lease says this agent leads: the newer term is a deposed leader's late start_term.
+            log.warning("this agent's term was fenced (%s) while it holds the Lease; starting a new term after "
+                        "%.1fs", e, self.poll_interval)
+            self.terms_restarted += 1
+            self._report()
+            return
         if not self.fenced_by:
             log.warning("this agent's term is over (%s); it stops leasing work", e)
-        self.fence = None
         self.fenced_by = "fenced: another agent holds a newer term at the control plane"
         self._report()
 
     async def _term(self, credential: Secret) -> Fence | None:
         if self.fence is None:
             try:
-                self.fence = await in_daemon_thread(self.client.start_term, credential, self.identity)
+                self.fence = await self.run_blocking(self.client.start_term, credential, self.identity)
             except ControlPlaneError as e:
                 if e.kind == "unauthorized":
                     await self.on_refused()
@@ -138,7 +158,7 @@ class QueueConsumer:
         if fence is None:
             return False
         try:
-            item = await in_daemon_thread(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
+            item = await self.run_blocking(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
         except ControlPlaneError as e:
             if e.kind == "fenced":
                 self._fenced(e, fence)
@@ -161,7 +181,7 @@ class QueueConsumer:
         started = self.clock.monotonic()
         renewer = asyncio.ensure_future(self._keep_leased(credential, item))
         try:
-            outcome = await asyncio.to_thread(self.executor.execute, item)
+            outcome = await self.executor.execute(item, self.leader)
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
             # Released with the reason: the control plane counts the attempt and holds the item back
             # for a backoff (the items behind it go first), then fails it after its last attempt.
@@ -176,7 +196,7 @@ class QueueConsumer:
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         acked = await self._ack(credential, item)
         if acked:
-            await asyncio.to_thread(self.executor.after_ack, item)
+            await self.executor.after_ack(item)
         # The one line per item a person watching the queue looks for (a state change of the queue).
         log.info("work item %s done (%.1f s)%s%s", item.idempotency_key, self.clock.monotonic() - started,
                  " (already executed before; acknowledged only)" if outcome == "duplicate" else "",
@@ -197,7 +217,7 @@ class QueueConsumer:
         while True:
             await self.clock.sleep(self.lease_seconds / 3)
             try:  # the current credential: a long item can outlive the one it was leased with
-                await in_daemon_thread(self.client.renew_lease, self.credential() or credential, item, self.lease_seconds)
+                await self.run_blocking(self.client.renew_lease, self.credential() or credential, item, self.lease_seconds)
                 log.v(4, "renewed the lease of item %d for %.1fs", item.item_id, self.lease_seconds)
             except ControlPlaneError as e:
                 if e.recoverable:
@@ -214,7 +234,7 @@ class QueueConsumer:
         (seconds on the injected clock). False, logged, when it did not succeed."""
         for wait in (*retries, None):
             try:
-                await asyncio.to_thread(call, credential, item, *more)
+                await self.run_blocking(call, credential, item, *more)
                 return True
             except ControlPlaneError as e:
                 if e.kind == "fenced":

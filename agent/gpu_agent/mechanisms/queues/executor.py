@@ -12,49 +12,54 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
 from pathlib import Path
-
-from gpu_agent.foundations.files import open_database
 from typing import Protocol
 
+from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.foundations.fencing import LeaderToken
+from gpu_agent.foundations.files import open_database
 
 
 class Executor(Protocol):
-    def execute(self, item: WorkItem) -> str:
-        """Run the item; return "executed" or "duplicate" (already run under this key)."""
+    """Executors are coroutines on the agent's event loop: they wait on the injected clock and run
+    their blocking calls through the offload they were given, so one seeded simulation drives them."""
+
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
+        """Run the item; return "executed" or "duplicate" (already run under this key). `leader`: the
+        fencing token of the leadership it runs under (None without leader election)."""
         ...
 
-    def after_ack(self, item: WorkItem) -> None:
+    async def after_ack(self, item: WorkItem) -> None:
         """Clean up once the control plane has the ack (e.g. delete the item's Pod)."""
         ...
 
 
 class RecordingExecutor:
-    def __init__(self, journal: Path, work_seconds: float = 0.0) -> None:
+    def __init__(self, journal: Path, work_seconds: float = 0.0, clock: Clock | None = None) -> None:
+        self.clock = clock or SystemClock()
         self._db = open_database(journal, "executor journal", "--executor-journal", """CREATE TABLE IF NOT EXISTS executions (
             idempotency_key TEXT PRIMARY KEY, item_id INTEGER NOT NULL, payload TEXT NOT NULL,
             executed_at REAL NOT NULL, deliveries INTEGER NOT NULL);""")
         self._lock = threading.Lock()
         self.work_seconds = work_seconds
 
-    def execute(self, item: WorkItem) -> str:
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
         with self._lock:
             if self._db.execute("SELECT 1 FROM executions WHERE idempotency_key = ?", (item.idempotency_key,)).fetchone():
                 return "duplicate"
         if self.work_seconds:
-            time.sleep(self.work_seconds)  # stands in for real work; a kill here must not lose the item
+            await self.clock.sleep(self.work_seconds)  # stands in for real work; a kill here must not lose the item
         with self._lock:
             try:
                 self._db.execute("INSERT INTO executions VALUES (?, ?, ?, ?, ?)",
                                  (item.idempotency_key, item.item_id, json.dumps(item.payload, sort_keys=True),
-                                  time.time(), item.deliveries))
+                                  self.clock.wall(), item.deliveries))
             except sqlite3.IntegrityError:
                 return "duplicate"
         return "executed"
 
-    def after_ack(self, item: WorkItem) -> None:
+    async def after_ack(self, item: WorkItem) -> None:
         return None
 
     def executed_keys(self) -> list[str]:

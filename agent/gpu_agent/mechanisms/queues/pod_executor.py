@@ -5,6 +5,19 @@ item never makes a second Pod. The Pod is deleted only after the item is acknowl
 (`after_ack`): a crash between the Pod finishing and the ack leaves the Pod to be found by
 the redelivery.
 
+Three rules keep "one Pod per item" true under schedules nobody plans for:
+- Fencing: every Pod carries the fencing token of the leadership that created it
+  (foundations/fencing.py) and the chart's admission policy refuses one whose token is not the
+  Lease's now, so a create a deposed leader sent late (stalled in a partition, its process
+  paused) never lands after its successor ran the item. A refusal (403) fails the attempt.
+- A finalizer (`gpu-agent.io/work-item`) keeps the Pod, and so the record that the item ran,
+  until the item is acknowledged: a Pod deleted by someone else (a user, PodGC, a hook) after it
+  Succeeded is still found by the redelivery, which acknowledges it instead of running it again.
+  A deleted Pod that never started is released (the finalizer removed) and the attempt fails, so
+  the retry makes a new one; one deleted while it ran is a run (at most once), as a Failed Pod is.
+- Every call has a request timeout; a create without an answer is sent again (if the first
+  landed, the second's conflict is our own Pod); a read without one is read again at the next poll.
+
 A Pod that can never be scheduled (it asks for more GPUs than any node has) fails the attempt at
 once instead of holding the queue for the whole timeout: the scheduler's Unschedulable condition
 is checked against the nodes' allocatable GPUs (at most every NODE_CHECK_SECONDS), and the Pod,
@@ -12,23 +25,27 @@ which never ran, is deleted so that the redelivery (after the control plane's ba
 afresh, and a failed item leaves nothing Pending behind. A Pod the kubelet refused before any of its
 containers ran (Failed, e.g. UnexpectedAdmissionError after a kubelet restart) fails the attempt
 the same way instead of being acknowledged as a run.
+
+The executor is a coroutine: its polls wait on the injected clock and its API calls go through
+the offload it was given (a daemon thread in production, the simulated network in agent/tests/sim).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import time
 from typing import Any
 
-from kubernetes import client
-
+from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
+from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
+FINALIZER = "gpu-agent.io/work-item"
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
 CREATE_ATTEMPTS = 3
@@ -39,17 +56,28 @@ def pod_name(key: str) -> str:
     return f"gpu-work-{slug}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
+def _status(e: BaseException) -> int | None:
+    """The HTTP status of an API error (kubernetes.client.ApiException or a fake of it); None: no answer."""
+    status = getattr(e, "status", None)
+    return status if isinstance(status, int) and status > 0 else None
+
+
 class PodExecutor:
-    def __init__(self, api: client.ApiClient, namespace: str, image: str, release: str = "",
-                 timeout_seconds: float = 600, poll_seconds: float = 0.5) -> None:
-        self.core = client.CoreV1Api(api)
+    def __init__(self, core: Any, namespace: str, image: str, release: str = "", timeout_seconds: float = 600,
+                 poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread) -> None:
+        self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
         self.namespace = namespace
         self.image = image
         self.release = release
         self.timeout_seconds = timeout_seconds
         self.poll_seconds = poll_seconds
+        self.clock = clock or SystemClock()
+        self.run_blocking = run_blocking
 
-    def _pod(self, item: WorkItem) -> dict[str, Any]:
+    async def _api(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        return await self.run_blocking(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+
+    def _pod(self, item: WorkItem, leader: LeaderToken | None) -> dict[str, Any]:
         payload = item.payload
         command = payload.get("command") or ["fake-gpu", "smi", "-L"]
         gpus = int(payload.get("gpus", 1))
@@ -58,8 +86,9 @@ class PodExecutor:
             labels["app.kubernetes.io/instance"] = self.release
         return {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": pod_name(item.idempotency_key), "labels": labels,
-                         "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250]}},
+            "metadata": {"name": pod_name(item.idempotency_key), "labels": labels, "finalizers": [FINALIZER],
+                         "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250],
+                                         **(leader.annotations() if leader else {})}},
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
@@ -74,81 +103,101 @@ class PodExecutor:
             },
         }
 
-    def _create(self, item: WorkItem, name: str) -> str:
+    async def _create(self, item: WorkItem, name: str, leader: LeaderToken | None) -> str:
         """"executed", or "duplicate" when the Pod of an earlier delivery is there. A create that got no
         answer is sent again: if the first landed, the second's conflict is our own Pod."""
         for attempt in range(1, CREATE_ATTEMPTS + 1):
             try:
-                self.core.create_namespaced_pod(self.namespace, self._pod(item), _request_timeout=REQUEST_TIMEOUT)
+                await self._api(self.core.create_namespaced_pod, self.namespace, self._pod(item, leader))
                 log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
                 return "executed"
-            except client.ApiException as e:
-                if e.status != 409:
-                    raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {e.status} {e.reason}") from None
-                # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
-                return "duplicate" if attempt == 1 else "executed"
-            except Exception as e:  # noqa: BLE001 - no answer (a timeout, a broken connection): try again
+            except Exception as e:  # noqa: BLE001 - an answer decides; no answer: try again
+                status = _status(e)
+                if status == 409:
+                    # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
+                    return "duplicate" if attempt == 1 else "executed"
+                if status == 403 and leader is not None:
+                    raise RuntimeError(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
+                                       f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
+                if status is not None:
+                    raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {status} "
+                                       f"{getattr(e, 'reason', '')}") from None
                 log.warning("creating pod %s/%s got no answer (%s); attempt %d of %d", self.namespace, name,
                             type(e).__name__, attempt, CREATE_ATTEMPTS)
         raise RuntimeError(f"creating pod {self.namespace}/{name} got no answer {CREATE_ATTEMPTS} times")
 
-    def _read(self, name: str) -> Any:
+    async def _read(self, name: str) -> Any:
         """The Pod, or None when the API server did not answer in time (the caller polls again)."""
         try:
-            return self.core.read_namespaced_pod(name, self.namespace, _request_timeout=REQUEST_TIMEOUT)
-        except client.ApiException as e:
-            if e.status == 404:
-                raise RuntimeError(f"work pod {self.namespace}/{name} was deleted by someone else before it "
-                                   "finished") from None
-            log.warning("reading pod %s/%s failed: %s %s; reading again", self.namespace, name, e.status, e.reason)
-        except Exception as e:  # noqa: BLE001 - no answer: the next poll reads again
-            log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
+            return await self._api(self.core.read_namespaced_pod, name, self.namespace)
+        except Exception as e:  # noqa: BLE001 - no answer, or an error: the next poll reads again
+            status = _status(e)
+            if status == 404:
+                raise RuntimeError(f"work pod {self.namespace}/{name} was deleted by someone else (its finalizer "
+                                   "removed) before it finished") from None
+            if status is not None:
+                log.warning("reading pod %s/%s failed: %s %s; reading again", self.namespace, name, status,
+                            getattr(e, "reason", ""))
+            else:
+                log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
         return None
 
-    def execute(self, item: WorkItem) -> str:
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
         name = pod_name(item.idempotency_key)
-        outcome = self._create(item, name)
-        deadline = time.monotonic() + self.timeout_seconds
+        outcome = await self._create(item, name, leader)
+        deadline = self.clock.monotonic() + self.timeout_seconds
         nodes_checked = float("-inf")
         while True:
-            pod = self._read(name)
+            pod = await self._read(name)
             phase = pod.status.phase if pod is not None else None
-            if phase == "Pending" and unschedulable(pod) and time.monotonic() - nodes_checked >= NODE_CHECK_SECONDS:
-                nodes_checked = time.monotonic()
-                wanted, most = gpus_asked(pod), self._most_gpus_on_a_node()
+            deleting = pod is not None and pod.metadata.deletion_timestamp is not None
+            if phase == "Pending" and unschedulable(pod) and self.clock.monotonic() - nodes_checked >= NODE_CHECK_SECONDS:
+                nodes_checked = self.clock.monotonic()
+                wanted, most = gpus_asked(pod), await self._most_gpus_on_a_node()
                 if wanted > most:
-                    self._delete(name)
+                    await self._delete(name)
                     raise RuntimeError(f"the item asks for {wanted} {GPU} and no node has that many (the most on one node: "
                                        f"{most}); its pod {self.namespace}/{name} can never be scheduled and was deleted")
-            if phase == "Failed" and never_started(pod):
+            if phase in ("Pending", "Failed", "Unknown") and never_started(pod) and (phase == "Failed" or deleting):
                 # Refused by the kubelet before any container ran (UnexpectedAdmissionError, OutOf<resource>
-                # right after a kubelet restart): not a run. Deleted so that the retry makes a new Pod.
-                self._delete(name)
-                raise RuntimeError(f"work pod {self.namespace}/{name} failed before any container started "
-                                   f"({pod.status.reason or 'no reason given'}: {pod.status.message or ''}); deleted, "
-                                   "to be tried again")
+                # right after a kubelet restart), or deleted by someone before it started: not a run.
+                # Deleted (its finalizer removed) so that the retry makes a new Pod.
+                await self._delete(name)
+                why = "was deleted before any container started" if phase != "Failed" else \
+                    f"failed before any container started ({pod.status.reason or 'no reason given'}: {pod.status.message or ''})"
+                raise RuntimeError(f"work pod {self.namespace}/{name} {why}; deleted, to be tried again")
             if phase in ("Succeeded", "Failed"):
-                # A failed run is still a run: acknowledged, never started again.
+                # A failed run is still a run: acknowledged, never started again. A Succeeded Pod someone
+                # deleted is kept by the finalizer until this ack.
                 if phase == "Failed":
-                    log.warning("work pod %s/%s of item %d ended Failed", self.namespace, name, item.item_id)
+                    log.warning("work pod %s/%s of item %d ended Failed%s", self.namespace, name, item.item_id,
+                                " (deleted while it ran)" if deleting else "")
                 return outcome
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 raise RuntimeError(f"pod {self.namespace}/{name} did not finish within {self.timeout_seconds:.0f}s")
-            time.sleep(self.poll_seconds)
+            await self.clock.sleep(self.poll_seconds)
 
-    def _most_gpus_on_a_node(self) -> int:
-        nodes = self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items
+    async def _most_gpus_on_a_node(self) -> int:
+        nodes = (await self._api(self.core.list_node)).items
         return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
 
-    def _delete(self, name: str) -> None:
-        try:
-            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT)
-        except client.ApiException as e:
-            if e.status != 404:
-                log.warning("deleting pod %s/%s failed: %s", self.namespace, name, e.reason)
+    async def _delete(self, name: str) -> None:
+        """Remove the finalizer, then delete: the Pod is gone at once. Either call may fail (the next
+        delivery or the cleanup hook tries again); a Pod already gone is fine."""
+        release = {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}
+        steps = (("releasing", self.core.patch_namespaced_pod, (name, self.namespace, release),
+                  {"_content_type": "application/strategic-merge-patch+json"}),
+                 ("deleting", self.core.delete_namespaced_pod, (name, self.namespace), {"grace_period_seconds": 0}))
+        for what, call, args, kwargs in steps:
+            try:
+                await self._api(call, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - logged; see above
+                if _status(e) == 404:
+                    return
+                log.warning("%s pod %s/%s failed: %s", what, self.namespace, name, getattr(e, "reason", None) or type(e).__name__)
 
-    def after_ack(self, item: WorkItem) -> None:
-        self._delete(pod_name(item.idempotency_key))
+    async def after_ack(self, item: WorkItem) -> None:
+        await self._delete(pod_name(item.idempotency_key))
 
 
 def never_started(pod: Any) -> bool:
