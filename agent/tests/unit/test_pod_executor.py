@@ -8,6 +8,7 @@ import pytest
 
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade
 from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, pod_name
 
 
@@ -173,7 +174,18 @@ def test_a_create_the_admission_policy_refuses_fails_the_attempt_naming_the_fenc
     from gpu_agent.foundations.fencing import LeaderToken
 
     core = ScriptedCore(["Succeeded"], node_gpus=[8])
-    core.create_faults = [client.ApiException(status=403, reason="Forbidden")]
-    with pytest.raises(RuntimeError) as e:
+    core.create_faults = [client.ApiException(status=403, reason="Forbidden")] * 4  # refused, and after 3 waits
+    with pytest.raises(AttemptNotMade) as e:  # not the item's fault: no attempt counted
         executor(core).execute(WorkItem(1, "stale", {"gpus": 1}, "l", 1), LeaderToken("agent-a", "uid", 3))
-    assert "no longer the Lease's (fenced by the admission policy)" in str(e.value)
+    assert "no longer the Lease's (fenced by the admission policy)" in str(e.value) and len(core.created) == 4
+
+
+def test_a_create_refused_while_the_policy_has_not_yet_seen_the_new_lease_is_tried_again():
+    from kubernetes import client
+
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.create_faults = [client.ApiException(status=403, reason="Forbidden")]
+    assert executor(core).execute(WorkItem(1, "fresh", {"gpus": 1}, "l", 1), LeaderToken("a", "uid", 0)) == "executed"
+    assert len(core.created) == 2

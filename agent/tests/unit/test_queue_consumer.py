@@ -204,3 +204,28 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
     alone.new_term()
     await alone.set_open(True, "")
     assert not await alone.step() and not alone.active and not await alone.step()
+
+
+async def test_an_attempt_the_infrastructure_prevented_goes_back_without_counting_and_after_a_poll():
+    import asyncio
+
+    from gpu_agent.mechanisms.queues.executor import AttemptNotMade
+
+    class Outage(Executor):
+        async def execute(self, item, leader=None):
+            self.ran.append(item.idempotency_key)
+            raise AttemptNotMade("creating pod ns/p got no answer 3 times")
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    control_plane, clock = ScriptedControlPlane([item(1, "a")]), ManualClock()
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Outage(), clock,
+                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    await consumer.set_open(True, "")
+    stepping = asyncio.ensure_future(consumer.step())
+    await clock.settle()
+    assert control_plane.released == [("a", None)]  # no error: the control plane counts no attempt
+    assert not stepping.done() and clock.sleepers[0] == 1.0  # waits a poll before leasing again
+    await clock.advance(1.0)
+    assert await stepping

@@ -46,7 +46,7 @@ from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
-from gpu_agent.mechanisms.queues.executor import Executor
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor
 
 log = get_logger(__name__)
 
@@ -182,6 +182,13 @@ class QueueConsumer:
         renewer = asyncio.ensure_future(self._keep_leased(credential, item))
         try:
             outcome = await self.executor.execute(item, self.leader)
+        except AttemptNotMade as e:
+            # Not the item's fault: back without an attempt counted, after a poll (no spinning on an outage).
+            log.warning("item %d (key %s) could not be tried: %s; releasing it (no attempt counted)",
+                        item.item_id, item.idempotency_key, e)
+            await self._quietly(self.client.release, credential, item)
+            await self.clock.sleep(self.poll_interval)
+            return
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
             # Released with the reason: the control plane counts the attempt and holds the item back
             # for a backoff (the items behind it go first), then fails it after its last attempt.

@@ -21,6 +21,12 @@ from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.files import open_database
 
 
+class AttemptNotMade(Exception):
+    """The executor could not make its attempt for reasons of the infrastructure, not of the item (the
+    API server did not answer, this agent's leadership was fenced): the item goes back without counting
+    an attempt, so that an outage never turns runnable items into failed ones."""
+
+
 class Executor(Protocol):
     """Executors are coroutines on the agent's event loop: they wait on the injected clock and run
     their blocking calls through the offload they were given, so one seeded simulation drives them."""

@@ -42,6 +42,7 @@ from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
@@ -49,6 +50,9 @@ FINALIZER = "gpu-agent.io/work-item"
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
 CREATE_ATTEMPTS = 3
+# A fenced create is tried again after each of these (seconds): the admission policy's copy of the
+# Lease can lag the leadership this agent has just begun; a real fencing stays refused.
+FENCED_RETRIES = (0.5, 1.0, 2.0)
 
 
 def pod_name(key: str) -> str:
@@ -106,7 +110,10 @@ class PodExecutor:
     async def _create(self, item: WorkItem, name: str, leader: LeaderToken | None) -> str:
         """"executed", or "duplicate" when the Pod of an earlier delivery is there. A create that got no
         answer is sent again: if the first landed, the second's conflict is our own Pod."""
-        for attempt in range(1, CREATE_ATTEMPTS + 1):
+        refusals = list(FENCED_RETRIES)
+        attempt = 0
+        while attempt < CREATE_ATTEMPTS:
+            attempt += 1
             try:
                 await self._api(self.core.create_namespaced_pod, self.namespace, self._pod(item, leader))
                 log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
@@ -117,14 +124,18 @@ class PodExecutor:
                     # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
                     return "duplicate" if attempt == 1 else "executed"
                 if status == 403 and leader is not None:
-                    raise RuntimeError(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
-                                       f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
+                    if refusals:  # the policy reads the Lease from a cache, which can lag a leadership just begun
+                        attempt -= 1
+                        await self.clock.sleep(refusals.pop(0))
+                        continue
+                    raise AttemptNotMade(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
+                                         f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
                 if status is not None:
                     raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {status} "
                                        f"{getattr(e, 'reason', '')}") from None
                 log.warning("creating pod %s/%s got no answer (%s); attempt %d of %d", self.namespace, name,
                             type(e).__name__, attempt, CREATE_ATTEMPTS)
-        raise RuntimeError(f"creating pod {self.namespace}/{name} got no answer {CREATE_ATTEMPTS} times")
+        raise AttemptNotMade(f"creating pod {self.namespace}/{name} got no answer {CREATE_ATTEMPTS} times")
 
     async def _read(self, name: str) -> Any:
         """The Pod, or None when the API server did not answer in time (the caller polls again)."""
