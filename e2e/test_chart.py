@@ -103,6 +103,34 @@ def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_sele
     assert "affinity" not in node_agent("--set", "nodeAgent.gpuNodeSelectorTerms=null")  # every node
 
 
+def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_renders_only_with_leader_election():
+    def fencing(*sets):
+        docs = render(*sets)
+        return ([d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-work-pod-fence")],
+                [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                 and d["metadata"]["name"].endswith("-work-pod-fence")], docs)
+
+    [policy], [binding], docs = fencing()
+    assert policy["spec"]["paramKind"] == {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
+    assert "'gpu-agent.io/leader' in object.metadata.annotations" in policy["spec"]["matchConditions"][0]["expression"]
+    assert [v["reason"] for v in policy["spec"]["validations"]] == ["Forbidden"]
+    args = cluster_agent_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["args"]
+    lease = [a.split("=", 1)[1] for a in args if a.startswith("--leader-election-lease-name=")]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["paramRef"] == {"name": lease[0], "namespace": "ns", "parameterNotFoundAction": "Deny"}
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ns"}},
+        "objectSelector": {"matchLabels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "t"}}}
+    role = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent")][0]
+    assert "patch" in [r for r in role["rules"] if r["resources"] == ["pods"]][0]["verbs"]  # the finalizer's release
+    assert fencing("--set", "clusterAgent.workPodFencing=false")[:2] == ([], [])
+    assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
+
+
 def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
     def budget(*sets):
         return [d for d in render(*sets) if d["kind"] == "PodDisruptionBudget"]
@@ -166,15 +194,18 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
             texts.append(core.read_namespaced_pod_log(p.metadata.name, release.namespace, container=c.name))
     assert texts and not [t for t in texts for tok in tokens if tok in t]
 
-    # pre-delete cleanup removes leftover work Pods of the release
+    # pre-delete cleanup removes leftover work Pods of the release, releasing the finalizer the agent keeps on each
+    # until its item's ack (without the hook nobody would, and the Pod would stay Terminating)
     core.create_namespaced_pod(release.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
-        "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": release.name}},
+        "name": "gpu-work-leftover", "labels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": release.name},
+        "finalizers": ["gpu-agent.io/work-item"]},
         "spec": {"containers": [{"name": "c", "image": "localhost/gpu-agent:dev", "imagePullPolicy": "Never",
                                  "command": ["sleep", "600"]}]}})
     leases = client.CoordinationV1Api(release.api)
     assert leases.read_namespaced_lease(f"{release.fullname}-cluster-agent", release.namespace).spec.holder_identity
     release.uninstall()
-    wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30, "leftover work Pod deleted by the pre-delete hook")
+    wait_until(lambda: not release.pods("gpu-agent.io/work-item=true"), 30,
+               "leftover work Pod released (its finalizer removed) and deleted by the pre-delete hook")
     wait_until(lambda: not release.pods(f"app.kubernetes.io/instance={release.name}"), 60, "every release pod gone after uninstall")
     # ...and the leader-election Lease the agents made (not a release object) goes with them
     assert not [x.metadata.name for x in leases.list_namespaced_lease(release.namespace).items]
@@ -276,6 +307,7 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
     table = [
         ("cluster-agent", "list", "nodes", None, True), ("cluster-agent", "watch", "nodes", None, True),
         ("cluster-agent", "create", "pods", ns, True), ("cluster-agent", "delete", "pods", ns, True),
+        ("cluster-agent", "patch", "pods", ns, True), ("cluster-agent", "patch", "pods", other, False),
         ("cluster-agent", "create", "pods", other, False), ("cluster-agent", "get", "secrets", ns, False),
         ("cluster-agent", "patch", "nodes", None, False), ("cluster-agent", "delete", "nodes", None, False),
         ("node-agent", "list", "pods", ns, False), ("node-agent", "get", "nodes", None, False),

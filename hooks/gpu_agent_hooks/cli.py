@@ -166,6 +166,32 @@ def _bounded(name: str, seconds: float, fn: Any) -> None:
     say(f"cleanup {name}: {outcome[0] if outcome else f'gave up after {seconds:.0f}s'}")
 
 
+WORK_ITEM = "gpu-agent.io/work-item"  # the work Pods' label and finalizer (agent: mechanisms/queues/pod_executor.py)
+
+
+def _ignore_404(call: Any, *args: Any, **kwargs: Any) -> None:
+    try:
+        call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+
+
+def delete_work_pods_of(core: client.CoreV1Api, namespace: str, release: str) -> int:
+    """Delete the release's work Pods, each released first: the agent keeps a finalizer on a work Pod until its
+    item is acknowledged, and once the release is gone nobody would remove it (the Pod would stay Terminating and
+    hold its namespace's deletion). A Pod already gone is fine. Returns how many Pods were listed."""
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{WORK_ITEM}=true,app.kubernetes.io/instance={release}",
+                                    _request_timeout=REQUEST_TIMEOUT).items
+    release_patch = {"metadata": {"$deleteFromPrimitiveList/finalizers": [WORK_ITEM]}}
+    for pod in pods:
+        name = pod.metadata.name
+        _ignore_404(core.patch_namespaced_pod, name, namespace, release_patch,
+                    _content_type="application/strategic-merge-patch+json")
+        _ignore_404(core.delete_namespaced_pod, name, namespace, grace_period_seconds=0)
+    return len(pods)
+
+
 def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
             timeout: float, domain: str = "") -> None:
     deadline = time.monotonic() + timeout
@@ -191,9 +217,7 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
                 {"status": {"nodes": [], "readyNodes": 0, "status": "NotReady"}}, _request_timeout=REQUEST_TIMEOUT)
 
     def delete_work_pods() -> None:
-        work = f"gpu-agent.io/work-item=true,{selector}"
-        for pod in core.list_namespaced_pod(namespace, label_selector=work, _request_timeout=REQUEST_TIMEOUT).items:
-            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0, _request_timeout=REQUEST_TIMEOUT)
+        say(f"{delete_work_pods_of(core, namespace, release)} work pod(s) released (finalizer removed) and deleted")
 
     def delete_members() -> None:
         # members whose agents were killed before they could remove them (aggregate strategy)

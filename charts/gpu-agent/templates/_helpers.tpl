@@ -169,6 +169,17 @@ release's name, within 63 characters like every other name of the chart. */}}
 {{- printf "%s-%s-own-member" (include "gpu-agent.fullname" . | trunc 44 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
 
+{{/* The work Pods' fencing policy: cluster-scoped like the members' one, so its name carries a hash of the namespace
+as well, within 63 characters. */}}
+{{- define "gpu-agent.workPodPolicyName" -}}
+{{- printf "%s-%s-work-pod-fence" (include "gpu-agent.fullname" . | trunc 40 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
+{{- end -}}
+
+{{/* The leader-election Lease: the cluster agents' (--leader-election-lease-name), and the fencing policy's param. */}}
+{{- define "gpu-agent.leaseName" -}}
+{{- include "gpu-agent.fullname" . }}-cluster-agent
+{{- end -}}
+
 {{/* Whether node agents publish into GPUDomains at all: the chart's own (domain.name) or those
      users create (domain.joinMatching). "true" or "". */}}
 {{- define "gpu-agent.domainsOn" -}}
