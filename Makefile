@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -59,6 +59,13 @@ chaos: setup
 ## cluster-up NODES=3 | cluster-down | images | node-stop/node-start/node-partition/node-heal NODE=w1: see ci/Makefile
 cluster-up cluster-down images node-stop node-start node-partition node-heal:
 	$(MAKE) -C ci $@
+
+## sim: the deterministic simulation of the work path (agent/tests/sim): SEEDS=N seeds from FIRST (default 100000),
+## or SEED=N to replay one with its trace; ARGS=--no-fencing runs it without the admission policy that fences work Pods
+SEEDS ?= 100000
+FIRST ?= 1
+sim: setup
+	cd agent && ../$(BIN)/python -m tests.sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS) --first $(FIRST)) $(ARGS)
 
 ## fuzz: the longer fuzzing run (schemathesis on the control plane, hypothesis on every parsed file)
 FUZZ_EXAMPLES ?= 1000

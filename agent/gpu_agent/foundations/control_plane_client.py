@@ -196,6 +196,15 @@ class ControlPlaneClient:
         extra = {"error": error[:4000]} if error else {}
         self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
 
+    def item_state(self, credential: Secret, item_id: int) -> str:
+        """"queued", "leased", "done" or "failed" (ControlPlaneError "rejected" 404: no such item)."""
+        where = f"GET /v1/queue/items/{item_id}"
+        _, doc = self._call("GET", f"/v1/queue/items/{item_id}", credential)
+        state = _field(doc, "state", str, where)
+        if state not in ("queued", "leased", "done", "failed"):
+            raise ControlPlaneError("protocol", f"{where}: field 'state' is not one of queued, leased, done, failed")
+        return state
+
     def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
         return self._objects("/v1/queue/deliveries", "deliveries", admin_token)
 

@@ -264,5 +264,5 @@ class LeaderElector:
             await asyncio.wait_for(asyncio.shield(self.run_blocking(self.backend.delete, self.observed)), timeout=2.0)
             log.info("released the lease")
         except BaseException as e:  # noqa: BLE001 - shutdown goes on; the lease expires by itself
-            log.warning("releasing the lease failed: %s; it expires in %.0fs", e or type(e).__name__,
+            log.warning("releasing the lease failed: %s; it expires in %.0fs", str(e) or type(e).__name__,
                         self.settings.lease_duration)

@@ -63,6 +63,7 @@ class QueueConsumer:
         self.leader: LeaderToken | None = None  # the Lease's token while leading through one
         self.fenced_by = ""  # set when a newer term refused ours: no leasing until new_term() (or, leading, a poll)
         self.terms_restarted = 0
+        self._next_sweep = float("-inf")
         self.credential = credential
         self.executor = executor
         self.clock = clock
@@ -97,6 +98,7 @@ class QueueConsumer:
         self.fence = None
         self.leader = leader
         self.fenced_by = ""
+        self._next_sweep = float("-inf")  # a new leader cleans up after its predecessors first
         self._report()
 
     def _fenced(self, e: ControlPlaneError, under: Fence | None) -> None:
@@ -157,6 +159,8 @@ class QueueConsumer:
         fence = await self._term(credential)
         if fence is None:
             return False
+        if self.clock.monotonic() >= self._next_sweep:
+            await self._sweep(credential)
         try:
             item = await self.run_blocking(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
         except ControlPlaneError as e:
@@ -254,6 +258,25 @@ class QueueConsumer:
                 log.warning("%s of item %d got no answer (%s); trying again in %.0fs", call.__name__, item.item_id, e, wait)
                 await self.clock.sleep(wait)
         return False
+
+    # The sweep deletes what finished items left behind (their Pods, when after_ack never happened).
+    SWEEP_SECONDS = 60.0
+
+    async def _sweep(self, credential: Secret) -> None:
+        self._next_sweep = self.clock.monotonic() + self.SWEEP_SECONDS
+        sweep = getattr(self.executor, "sweep", None)
+        if sweep is None:
+            return
+
+        async def item_state(item_id: int) -> str | None:
+            try:
+                return str(await self.run_blocking(self.client.item_state, credential, item_id))
+            except ControlPlaneError as e:
+                log.v(2, "asking the state of item %d failed: %s", item_id, e)
+                return None
+        swept = await sweep(item_state)
+        if swept:
+            log.info("swept the pods of %d finished item(s)", swept)
 
     async def run(self) -> None:
         while True:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
@@ -47,6 +48,7 @@ from gpu_agent.mechanisms.queues.executor import AttemptNotMade
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
 FINALIZER = "gpu-agent.io/work-item"
+ITEM_ID = "gpu-agent.io/item-id"  # the control plane's id of the item, for the sweep
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
 CREATE_ATTEMPTS = 3
@@ -91,7 +93,7 @@ class PodExecutor:
         return {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(item.idempotency_key), "labels": labels, "finalizers": [FINALIZER],
-                         "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250],
+                         "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250], ITEM_ID: str(item.item_id),
                                          **(leader.annotations() if leader else {})}},
             "spec": {
                 "restartPolicy": "Never",
@@ -209,6 +211,28 @@ class PodExecutor:
 
     async def after_ack(self, item: WorkItem) -> None:
         await self._delete(pod_name(item.idempotency_key))
+
+    async def sweep(self, item_state: Callable[[int], Awaitable[str | None]]) -> int:
+        """Delete the Pods of items the control plane has finished (done or failed): those whose
+        `after_ack` never happened (its agent died between the ack and the delete, the delete got no
+        answer, or the ack's answer was lost and its retry fenced). Any other Pod is left to its
+        item's delivery. `item_state` asks the control plane (None: it could not say). How many were deleted."""
+        selector = f"{LABEL}=true" + (f",app.kubernetes.io/instance={self.release}" if self.release else "")
+        try:
+            pods = (await self._api(self.core.list_namespaced_pod, self.namespace, label_selector=selector)).items
+        except Exception as e:  # noqa: BLE001 - the next sweep tries again
+            log.warning("listing work pods to sweep failed: %s", getattr(e, "reason", None) or type(e).__name__)
+            return 0
+        swept = 0
+        for pod in pods:
+            item_id = (pod.metadata.annotations or {}).get(ITEM_ID, "")
+            if not item_id.isdigit() or await item_state(int(item_id)) not in ("done", "failed"):
+                continue
+            log.info("work pod %s/%s belongs to item %s, which is finished; deleting it", self.namespace,
+                     pod.metadata.name, item_id)
+            await self._delete(pod.metadata.name)
+            swept += 1
+        return swept
 
 
 def never_started(pod: Any) -> bool:

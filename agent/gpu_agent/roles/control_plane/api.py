@@ -217,6 +217,11 @@ class ItemList(Model):
     items: list[ItemSummary]
 
 
+class ItemState(Model):
+    id: int
+    state: Literal["queued", "leased", "done", "failed"]
+
+
 class ItemCounts(Model):
     queued: int
     leased: int
@@ -303,6 +308,9 @@ ROUTES = [
           frozenset({"credential"}), LeaseRenewal, {200: ("renewed", RenewedLease), **ITEM_ERRORS}),
     Route("POST", "/v1/queue/items/{itemId}/release", "release", "Give a leased item back for redelivery now",
           frozenset({"credential"}), ReleaseRequest, {200: ("released", ItemResult), **ITEM_ERRORS}),
+    Route("GET", "/v1/queue/items/{itemId}", "item_state",
+          "An item's state (a consumer cleaning up after items that finished: done or failed ones need nothing more)",
+          frozenset({"credential"}), responses={200: ("the item's state", ItemState), 404: ("no such item", ErrorBody)}),
     Route("GET", "/v1/status", "status", "Queue counts and registrations", frozenset({"admin", "credential"}),
           responses={200: ("status", StatusResponse)}),
     Route("POST", "/admin/faults", "arm_fault", "Inject a fault into the next matching calls (never /healthz or /admin)",

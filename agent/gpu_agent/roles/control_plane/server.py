@@ -257,6 +257,13 @@ class ControlPlane:
             raise Refused(409, f"that lease of item {item_id} expired or is no longer its current lease")
         return 200, api.RenewedLease(result="renewed", leaseExpiresInSeconds=seconds)
 
+    def item_state(self, params: dict[str, str], **_: Any) -> tuple[int, api.Model]:
+        item_id = int(params["itemId"])
+        state = None if item_id > api.INT64_MAX else self.store.item_state(item_id)
+        if state is None:
+            raise Refused(404, f"no item {item_id}")
+        return 200, api.ItemState(id=item_id, state=state)
+
     def status(self, **_: Any) -> tuple[int, api.Model]:
         return 200, api.StatusResponse.model_validate(self.store.status())
 

@@ -294,6 +294,12 @@ class Store:
         self._notify()
         return result
 
+    def item_state(self, item_id: int) -> str | None:
+        """"queued", "leased", "done" or "failed"; None when there is no such item."""
+        with self._lock:
+            row = self._db.execute("SELECT state FROM items WHERE id = ?", (item_id,)).fetchone()
+        return row[0] if row else None
+
     def list_items(self, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` items, oldest first: what `gpu-agent queue list` shows."""
         with self._lock:
