@@ -41,10 +41,10 @@ def work_pod(release: Release, name: str, marks: dict[str, str] | None) -> dict:
             "name": "c", "image": IMAGE, "imagePullPolicy": "Never", "command": ["sleep", "600"]}]}}
 
 
-def create(core, release: Release, name: str, marks: dict[str, str] | None) -> tuple[int, str]:
-    """(201, "") when admitted, else (status, the API server's message)."""
+def create(core, release: Release, name: str, marks: dict[str, str] | None, dry_run: bool = False) -> tuple[int, str]:
+    """(201, "") when admitted, else (status, the API server's message). `dry_run`: admission only, nothing made."""
     try:
-        core.create_namespaced_pod(release.namespace, work_pod(release, name, marks))
+        core.create_namespaced_pod(release.namespace, work_pod(release, name, marks), **({"dry_run": "All"} if dry_run else {}))
         return 201, ""
     except client.ApiException as e:
         try:
@@ -156,6 +156,19 @@ def test_work_pods_are_admitted_only_under_the_leases_current_token_and_a_pod_de
         assert set(items(release).values()) == {"done"}
         figures.append(f"{victim} deleted while running: item done {acked:.1f} s later, deliveries "
                        f"{item['deliveries']}, failed attempts {item.get('failedAttempts', 0)}, UIDs seen {len(pods.uids[victim])}")
+
+        # 4. No Lease, nobody leads: with the agent scaled to 0 (the leader deletes the Lease as it stops), the last
+        # leader's token is refused, and so is a work Pod without one (the binding's parameterNotFoundAction: Deny).
+        apps.patch_namespaced_deployment_scale(lease_name, namespace, {"spec": {"replicas": 0}})
+        wait_until(lambda: not [x for x in leases.list_namespaced_lease(namespace).items if x.metadata.name == lease_name],
+                   60, "the Lease deleted by the stopping leader")
+        wait_until(lambda: create(core, release, "fence-probe", None, dry_run=True)[0] != 201, 10,
+                   "the policy's copy of the Lease gone (a dry run refused)")
+        for name, marks in (("fence-leaderless", token(lease)), ("fence-leaderless-no-token", None)):
+            status, message = create(core, release, name, marks)
+            figures.append(f"no Lease, {name}: {status} {message}")
+            # a binding without its param is a configuration error: 422 Invalid, naming the missing param
+            assert status == 422 and "no params found" in message and gone(core, namespace, name), figures[-1]
         print("\n" + "\n".join(figures))
     finally:
         release.uninstall_if_installed()
