@@ -190,11 +190,14 @@ class ControlPlaneClient:
         self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
                    self._lease_ref(item, leaseSeconds=lease_seconds))
 
-    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> None:
+    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> str:
         """Give the item back; with `error` (why its execution failed) the control plane counts a failed
-        attempt and holds the item back for a backoff, or fails it after its last attempt."""
+        attempt and holds the item back for a backoff, or fails it after its last attempt. The answer:
+        "released", "retrying" or "failed" (no attempt left: the item is failed for good)."""
+        where = f"POST /v1/queue/items/{item.item_id}/release"
         extra = {"error": error[:4000]} if error else {}
-        self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
+        _, doc = self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
+        return str(_field(doc, "result", str, where))
 
     def item_state(self, credential: Secret, item_id: int) -> str:
         """"queued", "leased", "done" or "failed" (ControlPlaneError "rejected" 404: no such item)."""

@@ -498,8 +498,8 @@ class ControlPlane:
     def renew_lease(self, credential: Any, item: WorkItem, lease_seconds: float) -> None:
         self._call(self.store.renew, item.item_id, item.lease_id, lease_seconds, item.fence.term if item.fence else None)
 
-    def release(self, credential: Any, item: WorkItem, error: str | None = None) -> None:
-        self._call(self.store.release, item.item_id, item.lease_id, item.fence.term if item.fence else None, error)
+    def release(self, credential: Any, item: WorkItem, error: str | None = None) -> str:
+        return self._call(self.store.release, item.item_id, item.lease_id, item.fence.term if item.fence else None, error)
 
     def item_state(self, credential: Any, item_id: int) -> str:
         state = self._call(self.store.item_state, item_id)

@@ -57,6 +57,21 @@ def test_register_lease_ack(cp):
     assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 0, "done": 2, "failed": 0}
 
 
+def test_an_items_state_is_told_to_a_credential_and_an_unknown_item_is_404(cp):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    assert client.item_state(cred, 1) == "queued"
+    item = client.lease(cred, 10)
+    assert client.item_state(cred, 1) == "leased"
+    client.ack(cred, item)
+    assert client.item_state(cred, 1) == "done"
+    for missing in (2, 2**63 + 5):
+        with pytest.raises(ControlPlaneError) as e:
+            client.item_state(cred, missing)
+        assert e.value.kind == "rejected" and e.value.status == 404
+
+
 def test_expired_lease_is_delivered_again_and_a_stale_ack_is_refused(cp, clock):
     server, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
@@ -123,7 +138,7 @@ def test_every_endpoint_but_health_needs_the_right_token(cp):
     assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
     for method, path in [("GET", "/openapi.json"), ("POST", "/v1/register"), ("POST", "/v1/credentials/renew"),
                          ("POST", "/v1/queue/items"), ("POST", "/v1/queue/lease"), ("POST", "/v1/queue/items/1/ack"),
-                         ("GET", "/v1/status"), ("POST", "/admin/faults")]:
+                         ("GET", "/v1/status"), ("POST", "/admin/faults"), ("GET", "/v1/queue/items/1")]:
         assert requests.request(method, server.url + path, json={}, timeout=5).status_code == 401, path
     with pytest.raises(ControlPlaneError) as e:
         client.enqueue(REG, "x", {})  # the registration token is not an admin token

@@ -189,3 +189,29 @@ def test_a_create_refused_while_the_policy_has_not_yet_seen_the_new_lease_is_tri
     core.create_faults = [client.ApiException(status=403, reason="Forbidden")]
     assert executor(core).execute(WorkItem(1, "fresh", {"gpus": 1}, "l", 1), LeaderToken("a", "uid", 0)) == "executed"
     assert len(core.created) == 2
+
+
+def test_the_sweep_deletes_the_pods_of_finished_items_and_leaves_the_others():
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+
+    def pod(name, item_id):
+        return NS(metadata=NS(name=name, annotations={"gpu-agent.io/item-id": item_id} if item_id else {}))
+
+    listed = []
+
+    def list_namespaced_pod(namespace, label_selector, _request_timeout):
+        listed.append(label_selector)
+        return NS(items=[pod("done", "1"), pod("failed", "2"), pod("running", "3"), pod("unknown", "4"),
+                         pod("person's", None)])
+
+    core.list_namespaced_pod = list_namespaced_pod
+    states = {1: "done", 2: "failed", 3: "leased", 4: None}
+
+    async def item_state(item_id):
+        return states[item_id]
+
+    run = executor(core)
+    run.ex.release = "r1"
+    assert asyncio.run(run.ex.sweep(item_state)) == 2
+    assert listed == ["gpu-agent.io/work-item=true,app.kubernetes.io/instance=r1"]
+    assert core.deleted == ["done", "failed"] and [p[0] for p in core.patched] == ["done", "failed"]

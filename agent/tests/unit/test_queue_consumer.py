@@ -229,3 +229,23 @@ async def test_an_attempt_the_infrastructure_prevented_goes_back_without_countin
     assert not stepping.done() and clock.sleepers[0] == 1.0  # waits a poll before leasing again
     await clock.advance(1.0)
     assert await stepping
+
+
+async def test_an_item_whose_last_attempt_failed_is_counted_in_healthz_and_the_metric():
+    class LastAttempt(ScriptedControlPlane):
+        def release(self, credential, item, error=None):
+            super().release(credential, item, error)
+            return "failed"  # the control plane's answer: no attempt left
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock, metrics = ManualClock(), AgentMetrics()
+    health = HealthRegistry(clock, ["queues"])
+    consumer = QueueConsumer(LastAttempt([item(1, "poison", poison=True)]), lambda: Secret("credential-0123456789"),
+                             Executor(), clock, health, metrics, 30.0, 1.0, refused)
+    await consumer.set_open(True, "")
+    assert await consumer.step()
+    details = health.get("queues").details
+    assert details["failedAttempts"] == 1 and details["failedItems"] == 1
+    assert metrics.items.labels("gave-up")._value.get() == 1 and metrics.items.labels("failed")._value.get() == 1

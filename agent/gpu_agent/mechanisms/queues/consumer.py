@@ -76,6 +76,8 @@ class QueueConsumer:
         self.open = Toggle(False)
         self.standby = False  # paused only because another agent leads
         self.processed = 0
+        self.failed_attempts = 0  # executions that failed (released with the reason)
+        self.failed_items = 0  # items whose last attempt failed here: failed for good at the control plane
         self.pause_reason = "waiting for GPUs, registration and credentials"
         self._report()
 
@@ -88,7 +90,8 @@ class QueueConsumer:
         on = self.active
         standby = self.standby and not on
         reason = "leasing work" if on else f"paused: {self.pause_reason if standby else self.fenced_by or self.pause_reason}"
-        self.health.set("queues", on or standby, reason, processed=self.processed, term=self.fence.term if self.fence else 0)
+        self.health.set("queues", on or standby, reason, processed=self.processed, failedAttempts=self.failed_attempts,
+                        failedItems=self.failed_items, term=self.fence.term if self.fence else 0)
         self.health.state("active", on)
         self.metrics.active.set(1 if on else 0)
 
@@ -199,7 +202,14 @@ class QueueConsumer:
             log.error("item %d (key %s) failed: %s; releasing it with the reason (retried after a backoff)",
                       item.item_id, item.idempotency_key, e)
             self.metrics.items.labels("failed").inc()
-            await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
+            self.failed_attempts += 1
+            answer = await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
+            if answer == "failed":
+                log.error("item %d (key %s) failed for good: no attempt left (`gpu-agent queue list` shows why)",
+                          item.item_id, item.idempotency_key)
+                self.failed_items += 1
+                self.metrics.items.labels("gave-up").inc()
+            self._report()
             return
         finally:
             renewer.cancel()
@@ -222,7 +232,7 @@ class QueueConsumer:
     ACK_RETRIES = (1.0, 2.0, 4.0)
 
     async def _ack(self, credential: Secret, item: WorkItem) -> bool:
-        return await self._quietly(self.client.ack, credential, item, retries=self.ACK_RETRIES)
+        return bool(await self._quietly(self.client.ack, credential, item, retries=self.ACK_RETRIES))
 
     async def _keep_leased(self, credential: Secret, item: WorkItem) -> None:
         while True:
@@ -240,13 +250,14 @@ class QueueConsumer:
                 return
 
     async def _quietly(self, call: Callable[..., object], credential: Secret, item: WorkItem, *more: object,
-                       retries: tuple[float, ...] = ()) -> bool:
+                       retries: tuple[float, ...] = ()) -> object:
         """One call about a leased item; a call that got no answer is tried again after each of `retries`
-        (seconds on the injected clock). False, logged, when it did not succeed."""
+        (seconds on the injected clock). Its answer (True when it has none), or False, logged, when it did
+        not succeed."""
         for wait in (*retries, None):
             try:
-                await self.run_blocking(call, credential, item, *more)
-                return True
+                answer = await self.run_blocking(call, credential, item, *more)
+                return True if answer is None else answer
             except ControlPlaneError as e:
                 if e.kind == "fenced":
                     log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
