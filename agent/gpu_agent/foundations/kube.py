@@ -18,6 +18,8 @@ from typing import Any
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
+from gpu_agent.foundations.clock import Clock, SystemClock
+
 # Every call to the API server names a timeout: a hung call would hold whatever waits on it (a work
 # item, a lease, a shutdown). Ten seconds is well inside what the callers protect.
 REQUEST_TIMEOUT = 10.0
@@ -74,11 +76,14 @@ def _resource_version(listed: Any) -> str:
 
 def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable[[Any], None],
                     on_event: Callable[[str, Any], None], on_error: Callable[[Exception], None],
-                    stop: threading.Event, retry_seconds: float = 1.0, resync_seconds: int = 240, **kwargs: Any) -> None:
+                    stop: threading.Event, retry_seconds: float = 1.0, resync_seconds: int = 240, clock: Clock | None = None,
+                    **kwargs: Any) -> None:
     """Keep a local view current: list (handing the whole list to `on_list`), then watch from
     the list's resourceVersion (each event to `on_event(type, object)`). A watch that ends
     (its timeout, a 410 Gone, an outage) lists again; an error goes to `on_error`, then a pause.
-    Works for typed and custom-object list calls alike. Runs until `stop` is set."""
+    Works for typed and custom-object list calls alike. Runs until `stop` is set; its pauses wait on
+    `clock` (the system's by default)."""
+    clock = clock or SystemClock()
     while not stop.is_set():
         try:
             listed = list_call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
@@ -95,4 +100,4 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
                 on_event(event["type"], event["object"])
         except Exception as e:  # noqa: BLE001 - reported by the caller, then list again
             on_error(e)
-            stop.wait(retry_seconds)
+            clock.wait_blocking(stop, retry_seconds)

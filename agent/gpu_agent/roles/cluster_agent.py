@@ -202,11 +202,12 @@ class ClusterAgent:
 
         api = api_client(self.cfg.kubeconfig)
         if self.cfg.foldAllDomains:  # the named domain is one of them
-            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace, self.cfg.domainHeartbeatTtl)
+            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace, self.cfg.domainHeartbeatTtl,
+                                                    clock=self.clock)
             log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
         else:
             self.aggregator = Aggregator(api, self.cfg.domainNamespace, self.cfg.domainName,
-                                         heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl)
+                                         heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock)
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
 

@@ -80,15 +80,17 @@ class NodeAgent:
                 resync = 60.0
                 if cfg.domainWriteStrategy == "aggregate":
                     owner = {"name": cfg.podName, "uid": cfg.podUid} if cfg.podName and cfg.podUid else None
-                    writer = MemberWriter(api, cfg.domainNamespace, domain, owner=owner,
+                    writer = MemberWriter(api, cfg.domainNamespace, domain, clock=self.clock, owner=owner,
                                           heartbeat_interval=cfg.domainHeartbeatInterval)
                     resync = cfg.domainHeartbeatInterval  # each resync applies the member again: the heartbeat
                 else:
-                    writer = DomainWriter(api, cfg.domainNamespace, domain, cfg.domainWriteStrategy, cfg.domainWriteRate)
+                    writer = DomainWriter(api, cfg.domainNamespace, domain, cfg.domainWriteStrategy, cfg.domainWriteRate,
+                                          clock=self.clock)
                 named = domain == cfg.domainName
                 peers = (cfg.peersFile if named else f"{cfg.peersFile}.{domain}") if cfg.peersFile else ""
                 return DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp, Path(peers) if peers else None,
-                                        resync_seconds=resync, health_component="domain" if named else None)
+                                        resync_seconds=resync, health_component="domain" if named else None,
+                                        clock=self.clock)
 
             self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, cfg.domainName, cfg.joinMatchingDomains,
                                            reconciler_for, leave_timeout=cfg.shutdownTimeout)

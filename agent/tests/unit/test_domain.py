@@ -6,6 +6,8 @@ import random
 import pytest
 from kubernetes import client
 
+from gpu_agent.foundations.clock import SystemClock
+
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, with_entry, without_entry
 from gpu_agent.mechanisms.domain.reconciler import render_peers
@@ -66,11 +68,21 @@ class FakeCustom:
         return copy.deepcopy(body)
 
 
+class SleepRecorder(SystemClock):
+    """The writer's clock: its retry waits recorded, none waited."""
+
+    def __init__(self):
+        self.sleeps = []
+
+    def sleep_blocking(self, seconds):
+        self.sleeps.append(seconds)
+
+
 def writer(fake, strategy="fulljitter", rng=None):
-    sleeps = []
-    w = DomainWriter(client.ApiClient(), "default", "d1", strategy, 25.0, rng or FixedRandom([0.5] * 50), sleeps.append)
+    clock = SleepRecorder()
+    w = DomainWriter(client.ApiClient(), "default", "d1", strategy, 25.0, rng or FixedRandom([0.5] * 50), clock)
     w.custom = fake
-    return w, sleeps
+    return w, clock.sleeps
 
 
 def conflict():
@@ -143,7 +155,7 @@ def test_many_writers_keep_every_entry_and_unique_indices():
 def test_remove_gives_up_at_its_deadline():
     fake = FakeCustom(domain([node("a", 0)]), [conflict()] * 100)
     w, _ = writer(fake, strategy="dra", rng=random.Random(0))
-    w.sleep = lambda s: None
+    w.clock = SleepRecorder()
     import time
 
     assert w.remove("a", deadline=time.monotonic() - 1) is False
@@ -320,7 +332,7 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
     folding = Aggregator(None, "ns", "deleted-domain", interval=0.01)
     folding.writer.custom = Gone()
     folding._watch = lambda: None  # members are handed in below; no API server here
-    folding.writer.sleep = lambda seconds: threading.Event().wait(0.01)  # retries come quickly here
+    folding.writer.clock = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
     folding._listed_members({"items": [{"metadata": {"name": "m"}, "spec": {"node": "n1"}}]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
@@ -333,3 +345,44 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
     folding.stop()
     runner.join(2)
     assert not runner.is_alive(), "the aggregator went on retrying after it was stopped"
+
+
+def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_notready_after_its_ttl():
+    """No wall time: the aggregator's batching, its wake-ups and its heartbeat TTL all run on a
+    ManualClock the test advances; the member goes NotReady after 3 intervals of silence, not before."""
+    import threading
+
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    clock = ManualClock()
+    fake = FakeCustom(domain(expected=1))
+    folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock)
+    folding.writer.custom = fake
+    folding._watch = lambda: None  # members are handed in below
+    folding._listed_members({"items": [{"metadata": {"name": "d1-a"},
+                                        "spec": {"node": "a", "ready": True, "heartbeat": "t1",
+                                                 "heartbeatIntervalSeconds": 1}}]})
+    runner = threading.Thread(target=folding.run, daemon=True)
+    runner.start()
+
+    def status_after(seconds):
+        """Advance the clock by `seconds` in steps, each once the aggregator waits on it again."""
+        for _ in range(round(seconds / 0.1)):
+            clock.step_thread(0.1)
+        return fake.obj["status"].get("status"), [n["status"] for n in fake.obj["status"]["nodes"]]
+
+    for _ in range(2000):  # poll to a deadline: the aggregator's thread is blocked on the clock
+        if clock.blocked:
+            break
+        threading.Event().wait(0.001)
+    try:
+        assert status_after(0.2) == ("Ready", ["Ready"])
+        assert status_after(2.5) == ("Ready", ["Ready"])  # 2.7 s of silence: within the TTL
+        assert status_after(1.0) == ("NotReady", ["NotReady"])  # past 3 intervals
+        assert fake.replaces == 2
+    finally:
+        folding.stop()
+        clock.advance_blocking(1.0)
+        runner.join(2)
+    assert not runner.is_alive()

@@ -28,12 +28,12 @@ import datetime as dt
 import math
 import random
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
 
+from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
 from gpu_agent.mechanisms.domain.entries import Entry, in_clique, lowest_free_index, overall, status_entry
@@ -59,7 +59,7 @@ class MemberWriter(DomainView):
     REAPPLY_AFTER = 5.0
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, rng: random.Random | None = None,
-                 sleep: Any = time.sleep, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
+                 clock: Clock | None = None, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
         self.heartbeat_interval = heartbeat_interval  # 0: no heartbeat
@@ -71,10 +71,10 @@ class MemberWriter(DomainView):
         self.cached: dict[str, Any] | None = None
         self.applied_at = float("-inf")
         self.rng = rng or random.Random()
-        self.sleep = sleep
+        self.clock = clock or SystemClock()
 
     def needs_reapply(self, obj: dict[str, Any], entry: Entry) -> bool:
-        return not has_entry(obj, entry) and time.monotonic() - self.applied_at > self.REAPPLY_AFTER
+        return not has_entry(obj, entry) and self.clock.monotonic() - self.applied_at > self.REAPPLY_AFTER
 
     def ensure(self, entry: Entry, superseded: Any = lambda: False, deadline: float | None = None) -> bool:
         backoff = Backoff(0.05, 5.0, 2.0, 0.5, self.rng)
@@ -83,16 +83,16 @@ class MemberWriter(DomainView):
             attempt += 1
             try:
                 self._apply(entry)
-                self.applied_at = time.monotonic()
+                self.applied_at = self.clock.monotonic()
                 return True
             except Exception as e:  # noqa: BLE001 - API trouble: back off and try again
                 self.stats.errors += 1
                 delay = backoff.next_delay()
                 log.warning("domain update: failed to apply member %s of %s: %s (attempt %d)",
                             entry.name, self.where, e, attempt)
-            if superseded() or (deadline is not None and time.monotonic() + delay > deadline):
+            if superseded() or (deadline is not None and self.clock.monotonic() + delay > deadline):
                 return False
-            self.sleep(delay)
+            self.clock.sleep_blocking(delay)
 
     def _apply(self, entry: Entry) -> None:
         body: dict[str, Any] = {
@@ -106,7 +106,8 @@ class MemberWriter(DomainView):
             body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
                                                     "uid": self.owner["uid"]}]
         if self.heartbeat_interval > 0:
-            body["spec"]["heartbeat"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            body["spec"]["heartbeat"] = dt.datetime.fromtimestamp(self.clock.wall(), dt.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ")
             body["spec"]["heartbeatIntervalSeconds"] = self.heartbeat_interval
         self.stats.calls += 1
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, body["metadata"]["name"], body,
@@ -220,9 +221,10 @@ class Aggregator:
     """Folds a domain's members into its status; one per domain (the cluster agent runs it)."""
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1,
-                 heartbeat_ttl_intervals: float = 3.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None) -> None:
         self.api = api
-        self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, monotonic)
+        self.clock = clock or SystemClock()
+        self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, self.clock.monotonic)
         self.custom = client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
@@ -231,7 +233,7 @@ class Aggregator:
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random())
+        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random(), self.clock)
         self.writes = 0
 
     def _spec(self, member: Any) -> dict[str, Any] | None:
@@ -268,14 +270,14 @@ class Aggregator:
     def _watch(self) -> None:
         list_then_watch(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, MEMBERS,
                         label_selector=f"gpu-agent.io/domain={self.domain}", on_list=self._listed_members,
-                        on_event=self._member_event, stop=self._stop,
+                        on_event=self._member_event, stop=self._stop, clock=self.clock,
                         on_error=lambda e: log.warning("watching members of %s failed: %s", self.writer.where, e))
 
     def run(self) -> None:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
         silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
-            changed = self._changed.wait(0.5)  # also the step at which silent members are noticed
+            changed = self.clock.wait_blocking(self._changed, 0.5)  # also the step at which silent members are noticed
             with self._lock:
                 now_silent = self.heartbeats.silent(self.members)
             if now_silent != silent:
@@ -286,7 +288,7 @@ class Aggregator:
                 silent, changed = now_silent, True
             if not changed:
                 continue
-            time.sleep(self.interval)  # batch whatever else arrives meanwhile into the same write
+            self.clock.sleep_blocking(self.interval)  # batch whatever else arrives meanwhile into the same write
             self._changed.clear()
             with self._lock:
                 members = dict(self.members)
@@ -314,8 +316,9 @@ class EveryDomainAggregator:
     MAX_INTERVAL = 1.0
 
     def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0,
-                 interval: float = 0.1) -> None:
+                 interval: float = 0.1, clock: Clock | None = None) -> None:
         self.api = api
+        self.clock = clock or SystemClock()
         self.namespace = namespace
         self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
         self.interval = interval
@@ -332,7 +335,7 @@ class EveryDomainAggregator:
             for agg in self.aggregators.values():
                 agg.interval = interval
             for name in sorted(names - set(self.aggregators)):
-                agg = Aggregator(self.api, self.namespace, name, interval, self.heartbeat_ttl_intervals)
+                agg = Aggregator(self.api, self.namespace, name, interval, self.heartbeat_ttl_intervals, self.clock)
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)
@@ -350,7 +353,7 @@ class EveryDomainAggregator:
         custom = client.CustomObjectsApi(self.api)
         list_then_watch(custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
                         on_list=lambda listed: self._sync({d["metadata"]["name"] for d in items_of(listed)}),
-                        on_event=self._event, stop=self._stop, retry_seconds=2.0,
+                        on_event=self._event, stop=self._stop, retry_seconds=2.0, clock=self.clock,
                         on_error=lambda e: log.warning("watching GPUDomains of %s failed: %s", self.namespace, e))
 
     def stop(self) -> None:

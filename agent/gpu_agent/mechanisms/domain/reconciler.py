@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from kubernetes import client
 
+from gpu_agent.foundations.clock import Clock, SystemClock, sleep_or
 from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
@@ -43,8 +43,9 @@ def render_peers(namespace: str, name: str, obj: dict[str, Any], clique: str = "
 
 class DomainReconciler:
     def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
-                 resync_seconds: float = 60.0, health_component: str | None = "domain") -> None:
+                 resync_seconds: float = 60.0, health_component: str | None = "domain", clock: Clock | None = None) -> None:
         self.writer = writer
+        self.clock = clock or SystemClock()
         self._registry = health
         self.health_component = health_component  # None: a domain joined by its selector, reported in the log only
         self.node = node
@@ -118,7 +119,7 @@ class DomainReconciler:
             PLURAL, field_selector=f"metadata.name={self.writer.name}", on_list=self._listed_domain,
             on_event=lambda kind, obj: self._observed(obj) if kind in ("ADDED", "MODIFIED") else None,
             on_error=lambda e: self._health(False, f"cannot watch {self.writer.where}: {str(e)[:160]}"),
-            stop=self._stop, retry_seconds=2.0)
+            stop=self._stop, retry_seconds=2.0, clock=self.clock)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -126,10 +127,8 @@ class DomainReconciler:
         self.trigger("start")
         try:
             while True:
-                try:
-                    async with asyncio.timeout(self.resync_seconds):
-                        await self._wake.wait()
-                except TimeoutError:
+                await sleep_or(self.clock, self.resync_seconds, self._wake.wait())
+                if not self._wake.is_set():
                     self.trigger("resync")
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
@@ -145,7 +144,7 @@ class DomainReconciler:
 
     def remove_entry(self, timeout: float) -> bool:
         """On shutdown: take this node's entry out, bounded by `timeout`."""
-        started = time.monotonic()
+        started = self.clock.monotonic()
         ok = self.writer.remove(self.node, deadline=started + timeout)
-        log.info("domain entry of %s %s in %.2fs", self.node, "removed" if ok else "NOT removed", time.monotonic() - started)
+        log.info("domain entry of %s %s in %.2fs", self.node, "removed" if ok else "NOT removed", self.clock.monotonic() - started)
         return ok

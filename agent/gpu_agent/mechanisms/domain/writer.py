@@ -16,7 +16,6 @@ Strategies (`domainWriteStrategy`), chosen by measurement (make bench-domain):
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from kubernetes import client
 
 from gpu_agent.foundations.backoff import Backoff
+from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
@@ -86,7 +86,7 @@ class DomainWriter(DomainView):
     strategy: str = "fulljitter"
     write_rate: float = 25.0
     rng: random.Random = field(default_factory=random.Random)
-    sleep: Callable[[float], None] = time.sleep
+    clock: Clock = field(default_factory=SystemClock)  # its retries wait on it
     stats: WriteStats = field(default_factory=WriteStats)
     cached: dict[str, Any] | None = None
 
@@ -149,11 +149,11 @@ class DomainWriter(DomainView):
             if superseded():
                 log.v(3, "domain update: %s in %s superseded by a newer event", what, self.where)
                 return False
-            if deadline is not None and time.monotonic() + delay > deadline:
+            if deadline is not None and self.clock.monotonic() + delay > deadline:
                 log.warning("domain update: gave up trying to %s in %s before the deadline (attempt %d)",
                             what, self.where, attempt)
                 return False
-            self.sleep(delay)
+            self.clock.sleep_blocking(delay)
 
     def ensure(self, entry: Entry, superseded: Callable[[], bool] = lambda: False, deadline: float | None = None) -> bool:
         what = f"set node {entry.name} status {'Ready' if entry.ready else 'NotReady'}"
