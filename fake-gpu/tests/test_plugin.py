@@ -46,7 +46,7 @@ class Kubelet(api_pb2_grpc.RegistrationServicer):
         self.start()
 
 
-def wait_for(pred, timeout=5.0):
+def wait_for(pred, timeout=15.0):
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, "timed out"
