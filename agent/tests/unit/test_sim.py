@@ -65,3 +65,25 @@ def test_without_the_sweep_the_pods_of_finished_items_are_left_behind(monkeypatc
     monkeypatch.setattr(PodExecutor, "sweep", no_sweep)
     left = [s for s in (3, 4, 14, 18, 23) if any("is left behind" in v for v in run_seed(s).violations)]
     assert left, "no seed left a Pod behind without the sweep"
+
+
+def test_the_fold_holds_its_invariants_for_2000_seeds():
+    from tests.sim.fold import run_fold_seed
+
+    failing = [(s, p) for s in range(1, 2001) if (p := run_fold_seed(s))]
+    assert not failing, failing[:3]
+
+
+def test_the_fold_invariants_can_fail(monkeypatch):
+    """A fold that forgets the heartbeat TTL, and one that renumbers, are both caught."""
+    import tests.sim.fold as sim_fold
+    from gpu_agent.mechanisms.domain import aggregate
+
+    monkeypatch.setattr(sim_fold, "fold", lambda obj, members, silent=frozenset(): aggregate.fold(obj, members))
+    assert any(sim_fold.run_fold_seed(s) for s in range(1, 50))
+
+    def renumbering(obj, members, silent=frozenset()):
+        out = aggregate.fold({**obj, "status": {}}, members, silent)
+        return out
+    monkeypatch.setattr(sim_fold, "fold", renumbering)
+    assert any("moved from index" in " ".join(sim_fold.run_fold_seed(s)) for s in range(1, 50))
