@@ -288,7 +288,8 @@ class ApiServer:
                                      and annotations.get(LEASE_TRANSITIONS) == str(lease.transitions)):
                 held = f"{lease.holder} (transition {lease.transitions})" if lease else "nobody (no Lease)"
                 self.refused.append((self.now, name, self.world.caller, f"the Lease is held by {held}"))
-                raise ApiError(403, "Forbidden: work pod fenced")
+                raise ApiError(403, f"Forbidden: work pod fenced: created under leadership {annotations.get(LEADER)}; "
+                                    f"the Lease is now held by {held}")
         pod = PodRecord(name, f"uid-{next(self.ids)}", annotations.get("gpu-agent.io/idempotency-key", ""), gpus,
                         annotations, list(meta.get("finalizers") or []), self.now, self.world.caller)
         self.pods[name] = pod

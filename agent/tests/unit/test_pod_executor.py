@@ -174,7 +174,9 @@ def test_a_create_the_admission_policy_refuses_fails_the_attempt_naming_the_fenc
     from gpu_agent.foundations.fencing import LeaderToken
 
     core = ScriptedCore(["Succeeded"], node_gpus=[8])
-    core.create_faults = [client.ApiException(status=403, reason="Forbidden")] * 4  # refused, and after 3 waits
+    fenced = client.ApiException(status=403, reason="Forbidden")
+    fenced.body = '{"message": "admission webhook denied: work pod fenced: created under leadership agent-a"}'
+    core.create_faults = [fenced] * 4  # refused, and after 3 waits
     with pytest.raises(AttemptNotMade) as e:  # not the item's fault: no attempt counted
         executor(core).execute(WorkItem(1, "stale", {"gpus": 1}, "l", 1), LeaderToken("agent-a", "uid", 3))
     assert "no longer the Lease's (fenced by the admission policy)" in str(e.value) and len(core.created) == 4
@@ -186,9 +188,25 @@ def test_a_create_refused_while_the_policy_has_not_yet_seen_the_new_lease_is_tri
     from gpu_agent.foundations.fencing import LeaderToken
 
     core = ScriptedCore(["Succeeded"], node_gpus=[8])
-    core.create_faults = [client.ApiException(status=403, reason="Forbidden")]
+    no_lease_yet = client.ApiException(status=422, reason="Unprocessable Entity")
+    no_lease_yet.body = '{"message": "failed to configure binding: no params found for policy binding with Deny"}'
+    core.create_faults = [no_lease_yet]
     assert executor(core).execute(WorkItem(1, "fresh", {"gpus": 1}, "l", 1), LeaderToken("a", "uid", 0)) == "executed"
     assert len(core.created) == 2
+
+
+def test_a_create_refused_for_what_the_pod_asks_counts_an_attempt_even_under_a_leader():
+    from kubernetes import client
+
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    invalid = client.ApiException(status=422, reason="Unprocessable Entity")
+    invalid.body = '{"message": "Pod is invalid: spec.containers[0].resources.limits: must be >= 0"}'
+    core.create_faults = [invalid]
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "bad", {"gpus": -1}, "l", 1), LeaderToken("a", "uid", 0))
+    assert not isinstance(e.value, AttemptNotMade) and "422" in str(e.value) and len(core.created) == 1
 
 
 def test_the_sweep_deletes_the_pods_of_finished_items_and_leaves_the_others():

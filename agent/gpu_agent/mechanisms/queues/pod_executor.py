@@ -125,7 +125,7 @@ class PodExecutor:
                 if status == 409:
                     # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
                     return "duplicate" if attempt == 1 else "executed"
-                if status == 403 and leader is not None:
+                if leader is not None and fenced_refusal(e):
                     if refusals:  # the policy reads the Lease from a cache, which can lag a leadership just begun
                         attempt -= 1
                         await self.clock.sleep(refusals.pop(0))
@@ -233,6 +233,14 @@ class PodExecutor:
             await self._delete(pod.metadata.name)
             swept += 1
         return swept
+
+
+def fenced_refusal(e: BaseException) -> bool:
+    """The chart's admission policy refused a work Pod: its token is not the Lease's (403 "work pod fenced"),
+    or there is no Lease (422 "no params found": nobody leads, or the policy has not seen the new Lease yet).
+    Told by the message, so that a Pod refused for what it asks (422 for a bad limit) still counts an attempt."""
+    text = f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}"
+    return _status(e) in (403, 422) and ("work pod fenced" in text or "no params found" in text)
 
 
 def never_started(pod: Any) -> bool:
