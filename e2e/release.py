@@ -110,6 +110,21 @@ class Release:
         return [base64.b64decode(v).decode() for v in secret.data.values()]
 
 
+LEADERSHIP = ("gpu-agent.io/leader", "gpu-agent.io/lease-uid", "gpu-agent.io/lease-transitions")
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that overlap at one moment (intervals that only touch do not overlap; a single
+    moment inside another interval does)."""
+    intervals = [(start, max(end, start + 1e-9)) for start, end in intervals]
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
 class WorkPods:
     """Every work Pod the namespace ever had, by name, with each distinct UID: an item run twice
     shows as a second UID under its (deterministic) name. Read from the API server's watch, not
@@ -124,6 +139,7 @@ class WorkPods:
 
     def __init__(self, core, namespace):
         self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
+        self.created: dict[str, tuple[float, tuple[str, ...]]] = {}  # uid -> (first seen, leadership token)
         self._lock, self._stopped, self._watch = threading.Lock(), threading.Event(), None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -157,6 +173,19 @@ class WorkPods:
         with self._lock:
             self.events += 1
             self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
+            if pod.metadata.uid not in self.created:  # first sight of this Pod: when, and under whose leadership
+                notes = pod.metadata.annotations or {}
+                self.created[pod.metadata.uid] = (time.monotonic(), tuple(notes.get(k, "") for k in LEADERSHIP))
+
+    def leaderships(self) -> dict[tuple[str, ...], tuple[float, float]]:
+        """Each leadership's token (leader, Lease uid, transitions: the annotations the Pod carries) and
+        the interval in which Pods created under it were first seen."""
+        out: dict[tuple[str, ...], tuple[float, float]] = {}
+        with self._lock:
+            for seen, token in self.created.values():
+                first, last = out.get(token, (seen, seen))
+                out[token] = (min(first, seen), max(last, seen))
+        return out
 
     def stop(self):
         self._stopped.set()
