@@ -8,7 +8,8 @@
   skew-check  pre-upgrade, pre-rollback: refuse an upgrade or downgrade the stored objects or
               the running agents cannot survive, saying why and how to proceed
   cleanup     pre-delete: deregister from the control plane, clear this release's GPUDomain
-              entries, delete leftover work Pods; bounded in time, never blocks an uninstall
+              entries, delete leftover work Pods (each one's gpu-agent.io/work-item finalizer removed
+              first: the agent keeps it until the item's ack); bounded in time, never blocks an uninstall
 
 Each check is a pure function (unit-tested); the commands only fetch and apply.
 """
