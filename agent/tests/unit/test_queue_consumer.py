@@ -226,6 +226,7 @@ async def test_an_attempt_the_infrastructure_prevented_goes_back_without_countin
     stepping = asyncio.ensure_future(consumer.step())
     await clock.settle()
     assert control_plane.released == [("a", None)]  # no error: the control plane counts no attempt
+    assert consumer.health.get("queues").details["notTried"] == "creating pod ns/p got no answer 3 times"
     assert not stepping.done() and clock.sleepers[0] == 1.0  # waits a poll before leasing again
     await clock.advance(1.0)
     assert await stepping

@@ -78,6 +78,7 @@ class QueueConsumer:
         self.processed = 0
         self.failed_attempts = 0  # executions that failed (released with the reason)
         self.failed_items = 0  # items whose last attempt failed here: failed for good at the control plane
+        self.not_tried = ""  # why the last item could not be tried (the infrastructure's fault), until one runs
         self.pause_reason = "waiting for GPUs, registration and credentials"
         self._report()
 
@@ -91,7 +92,8 @@ class QueueConsumer:
         standby = self.standby and not on
         reason = "leasing work" if on else f"paused: {self.pause_reason if standby else self.fenced_by or self.pause_reason}"
         self.health.set("queues", on or standby, reason, processed=self.processed, failedAttempts=self.failed_attempts,
-                        failedItems=self.failed_items, term=self.fence.term if self.fence else 0)
+                        failedItems=self.failed_items, term=self.fence.term if self.fence else 0,
+                        **({"notTried": self.not_tried} if self.not_tried else {}))
         self.health.state("active", on)
         self.metrics.active.set(1 if on else 0)
 
@@ -193,6 +195,8 @@ class QueueConsumer:
             # Not the item's fault: back without an attempt counted, after a poll (no spinning on an outage).
             log.warning("item %d (key %s) could not be tried: %s; releasing it (no attempt counted)",
                         item.item_id, item.idempotency_key, e)
+            self.not_tried = str(e)[:300]  # in /healthz until an item runs again
+            self._report()
             await self._quietly(self.client.release, credential, item)
             await self.clock.sleep(self.poll_interval)
             return
@@ -223,6 +227,7 @@ class QueueConsumer:
                  " (already executed before; acknowledged only)" if outcome == "duplicate" else "",
                  "" if acked else " (ack failed: it will be redelivered and acknowledged then)")
         self.processed += 1
+        self.not_tried = ""
         self.metrics.items.labels(outcome).inc()
         self._report()
 

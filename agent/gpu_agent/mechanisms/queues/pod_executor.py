@@ -130,6 +130,12 @@ class PodExecutor:
                         attempt -= 1
                         await self.clock.sleep(refusals.pop(0))
                         continue
+                    if "no params found" in f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}":
+                        raise AttemptNotMade(
+                            f"creating pod {self.namespace}/{name} was refused: the admission policy fencing work Pods "
+                            f"found no Lease, though this agent leads under {leader}; if that lasts, the API server's "
+                            "policy informer has stopped watching Leases (kubernetes#130887, Kubernetes up to 1.36.2): "
+                            "restart the API server, or set clusterAgent.workPodFencing=false") from None
                     raise AttemptNotMade(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
                                          f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
                 if status is not None:
