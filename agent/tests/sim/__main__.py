@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fencing", action="store_true", help="the API server without the admission policy that "
                    "fences work Pods (shows that the exactly-once invariant then fails)")
     p.add_argument("--stop-after", type=int, default=3, help="stop after this many failing seeds")
+    p.add_argument("--progress", type=int, default=0, help="print a line every this many seeds (0: never)")
     args = p.parse_args(argv)
     if args.seed is not None:
         out = run_seed(args.seed, fencing=not args.no_fencing, verbose=True)
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         totals["virtual"] += out.virtual_seconds
         for k, v in out.faults.items():
             faults[k] = faults.get(k, 0) + v
+        done = seed - args.first + 1
+        if args.progress and done % args.progress == 0:
+            print(f"{done} seeds ({time.monotonic() - started:.0f}s), {len(failed)} failing", flush=True)
         if not out.ok:
             failed.append(seed)
             print(f"seed {seed} FAILED:")

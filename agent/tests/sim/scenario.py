@@ -234,8 +234,7 @@ class Run:
                 if not a.proc.running.is_set() or now - a.proc.resumed_at < 0.5:
                     continue  # a stopped process believes nothing; one just resumed is catching up
                 leaders.append(a.name)
-                last_write = max((t for t, r, by in w.api.lease_history if by == a.name and r is not None
-                                  and r.holder == a.name), default=None)
+                last_write = w.api.last_write_by.get(a.name)
                 if last_write is None or now - last_write > SETTINGS.renew_deadline + 0.05:
                     self.violate(f"{a.name} believes it leads at {now:.2f}s, but its last write of the Lease was at "
                                  f"{last_write}: more than the renew deadline ({SETTINGS.renew_deadline:g}s) ago")

@@ -252,6 +252,7 @@ class ApiServer:
         self.fencing = True  # the chart's admission policy; off: what a build without it would do
         self.lease: LeaseRecord | None = None
         self.lease_history: list[tuple[float, LeaseRecord | None, str]] = [(0.0, None, "")]
+        self.last_write_by: dict[str, float] = {}  # holder -> when it last wrote the Lease as its holder
         self.ids = itertools.count(1)
 
     @property
@@ -262,6 +263,8 @@ class ApiServer:
     def _set_lease(self, record: LeaseRecord | None) -> None:
         self.lease = record
         self.lease_history.append((self.now, record, self.world.caller))
+        if record is not None and record.holder == self.world.caller:
+            self.last_write_by[record.holder] = self.now
 
     def lease_as_of(self, at: float) -> LeaseRecord | None:
         seen = None
