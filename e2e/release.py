@@ -19,6 +19,7 @@ from kubernetes import client, watch
 
 from e2e.cluster import host_paths, tool
 from e2e.helpers import drops, exec_python, pod_http_get, wait_until
+from gpu_agent.mechanisms.queues.pod_executor import never_started
 
 CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
@@ -140,6 +141,7 @@ class WorkPods:
     def __init__(self, core, namespace):
         self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
         self.created: dict[str, tuple[float, tuple[str, ...]]] = {}  # uid -> (first seen, leadership token)
+        self.ran: dict[str, set[str]] = {}  # name -> UIDs seen with a container that ran
         self._lock, self._stopped, self._watch = threading.Lock(), threading.Event(), None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -173,6 +175,8 @@ class WorkPods:
         with self._lock:
             self.events += 1
             self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
+            if not never_started(pod):  # a container ran: the item's work happened (once per UID)
+                self.ran.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
             if pod.metadata.uid not in self.created:  # first sight of this Pod: when, and under whose leadership
                 notes = pod.metadata.annotations or {}
                 self.created[pod.metadata.uid] = (time.monotonic(), tuple(notes.get(k, "") for k in LEADERSHIP))
@@ -199,6 +203,12 @@ class WorkPods:
     def executions(self) -> dict[str, int]:
         with self._lock:
             return {name: len(uids) for name, uids in self.uids.items()}
+
+    def runs(self) -> dict[str, int]:
+        """Per name, how many of its Pods ran (a container started): what "executed twice" means. A Pod
+        that never ran (unschedulable, refused by the kubelet, deleted first) is an attempt, not a run."""
+        with self._lock:
+            return {name: len(uids) for name, uids in self.ran.items()}
 
 
 def enqueue(release: Release, keys: list[str], seconds: int = 1) -> None:

@@ -120,9 +120,9 @@ class Cluster:
         leaders seen at once in the delivery log."""
         wait_until(lambda: (lambda s: all(s.get(k) == "done" for k in keys))(items(self.release)),
                    timeout, "every item done")  # of `keys`: poison items beside them end failed
-        wait_until(lambda: set(self.pods.executions()) >= {pod_name(k) for k in keys}, 30, "a work pod seen for each item")
+        wait_until(lambda: set(self.pods.runs()) >= {pod_name(k) for k in keys}, 30, "a work pod seen running for each item")
         self.pods.stop()
-        executions = self.pods.executions()
+        executions = self.pods.runs()  # Pods that ran: a poison item's unschedulable attempts are not runs
         log = self.deliveries()
         holders_of_term: dict[int, set[str]] = {}
         newest, overlaps = 0, 0
