@@ -441,12 +441,16 @@ def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeco
                         force_delete(cluster, pod.metadata.name)
                 elif what == "pause leader past its lease":  # SIGSTOP until the standby leads, then SIGCONT
                     leader = the_leader(cluster)
-                    kill(cluster, leader, signal.SIGSTOP)
+                    pid = host_pid(cluster.core.read_namespaced_pod(leader, cluster.namespace).metadata.uid)
+                    os.kill(pid, signal.SIGSTOP)
                     try:
                         wait_until(lambda: any(p != leader for p in cluster.leasing()), LEASE + RENEW + 30,
                                    "the standby leading while the leader is stopped", interval=0.2)
                     finally:
-                        kill(cluster, leader, signal.SIGCONT)
+                        try:
+                            os.kill(pid, signal.SIGCONT)
+                        except ProcessLookupError:
+                            pass  # its liveness probe failed meanwhile and the kubelet killed it: a restart
                 elif what == "cut leader off the API server":
                     leader = the_leader(cluster)
                     cut_off_api_server(cluster, leader, LEASE + RENEW + 30, lambda: any(p != leader for p in cluster.leasing()))
