@@ -203,8 +203,8 @@ class Run:
             agent.start()
         elif kind == "delete-pod":
             live = [p for p in w.api.pods.values() if p.deletion is None]
-            if live:
-                pod = rng.choice(live)
+            pod = rng.choice(live) if live else None
+            if pod is not None and (pod.started or w.spend_item_fault(pod.key)):  # before it started: costs an attempt
                 w.note(f"pod {pod.name} ({pod.key}, {pod.phase}) deleted by hand")
                 w.api.delete_pod(pod.name)
         elif kind == "credentials":
@@ -350,7 +350,8 @@ class _TraceHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         task = asyncio.current_task()
-        who = task.get_name().split(":")[0] if task else "?"
+        name = task.get_name() if task else ""
+        who = name.split(":")[0] if ":" in name else "world"  # asyncio's own names count tasks process-wide
         self.world.note(f"  [{who}] {record.levelname.lower()}: {record.getMessage()}")
 
 

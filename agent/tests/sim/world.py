@@ -12,10 +12,18 @@ its server when it arrives; its answer travels back the same way. The caller wai
 timeout on its own clock, which stops while its process is paused (SIGSTOP): a paused caller
 cannot give up. A partition drops what crosses it, either way.
 
-What the API server does with a request whose caller gave up is the one assumption written down
-here: it is applied only if it arrives before then (the API server cancels a request's context when
-its client's connection goes away, and a killed process's connections go with it). The control
-plane, a plain HTTP server, applies a late request whenever it arrives.
+Two assumptions about the API server are written down here. A request whose caller gave up is
+applied only if it arrives before then (the API server cancels a request's context when its
+client's connection goes away, and a killed process's connections go with it). And a request is
+never applied twice: HTTP over one TCP connection delivers it once, and the Kubernetes client does
+not send a POST again by itself. (A create landing twice, the second after the item's Pod was
+deleted, would run the item again under the same leadership; no token can tell it apart.) The
+control plane, a plain HTTP server, applies a late request whenever it arrives, and may get one
+twice (a proxy's retry): its handlers must be idempotent.
+
+Faults that cost an item an attempt (a kubelet refusal, a Pod deleted before it started) are drawn
+at most ITEM_FAULT_BUDGET times per item, fewer than the control plane's five attempts: an item the
+world keeps refusing is failed by design, and the invariant is that a runnable one is not.
 
 The API server fake keeps the history the invariants read (every Pod created, with its UID and
 creator's token; every start and end; every write of the Lease), and enforces what the real one
@@ -41,6 +49,7 @@ from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, LABEL
 from gpu_agent.roles.control_plane.store import Fenced, Store
 
 EPOCH = 1_800_000_000.0  # wall time at virtual 0
+ITEM_FAULT_BUDGET = 3  # attempt-costing faults drawn per item at most (the store fails an item after 5 attempts)
 
 
 class SimulationStuck(Exception):
@@ -192,7 +201,7 @@ class Net:
         if w.rng.random() >= w.faults.drop_request:
             d = self.delay()
             loop.call_later(d, arrive, True)
-            if w.rng.random() < w.faults.duplicate:
+            if side == "cp" and w.rng.random() < w.faults.duplicate:
                 loop.call_later(d + self.delay(), arrive, False)
         timer = asyncio.ensure_future(proc.clock.sleep(timeout))
         try:
@@ -426,7 +435,7 @@ class Kubelet:
             pod.unschedulable = True
             return
         loop = asyncio.get_running_loop()
-        if w.rng.random() < w.fault_rate("admission"):
+        if w.rng.random() < w.fault_rate("admission") and w.spend_item_fault(pod.key):
             self.timers[pod.uid] = loop.call_later(w.rng.uniform(0.2, 2.0), self._end, pod, "Failed", "UnexpectedAdmissionError")
             return
         self.timers[pod.uid] = loop.call_later(w.rng.uniform(0.2, 2.0), self._start, pod)
@@ -520,6 +529,7 @@ class World:
         self.rng = random.Random(seed)
         self.faults = Faults()
         self.rates: dict[str, float] = {}
+        self.item_faults: dict[str, int] = {}
         self.trace: list[tuple[float, str]] = []
         self.caller = ""  # the process whose request a server is applying now (for the history)
         self.net = Net(self)
@@ -533,6 +543,13 @@ class World:
 
     def fault_rate(self, kind: str) -> float:
         return self.rates.get(kind, 0.0)
+
+    def spend_item_fault(self, key: str) -> bool:
+        """Whether one more attempt-costing fault may hit item `key` (and count it)."""
+        if self.item_faults.get(key, 0) >= ITEM_FAULT_BUDGET:
+            return False
+        self.item_faults[key] = self.item_faults.get(key, 0) + 1
+        return True
 
     def note(self, text: str) -> None:
         self.trace.append((self.now, text))

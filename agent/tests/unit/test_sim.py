@@ -56,15 +56,17 @@ def test_a_leader_that_leads_past_its_renew_deadline_is_caught(monkeypatch):
 def test_without_the_sweep_the_pods_of_finished_items_are_left_behind(monkeypatch):
     """What the simulation found first: an ack whose answer was lost and whose retry was fenced, a
     delete without an answer, an agent killed between the ack and the delete: each left a Pod (kept
-    by its finalizer) that nobody deleted. Seeds 3 and 4 showed it; the sweep fixed it."""
+    by its finalizer) that nobody deleted. Seeds 3, 4, 14, 18 and 23 showed it first; the sweep fixed it."""
     from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 
     async def no_sweep(self, item_state):
         return 0
 
     monkeypatch.setattr(PodExecutor, "sweep", no_sweep)
-    left = [s for s in (3, 4, 14, 18, 23) if any("is left behind" in v for v in run_seed(s).violations)]
-    assert left, "no seed left a Pod behind without the sweep"
+    for seed in range(1, 300):  # the first seeds found it; the search goes on if code changes move them
+        if any("is left behind" in v for v in run_seed(seed).violations):
+            return
+    raise AssertionError("no seed left a Pod behind without the sweep")
 
 
 def test_the_fold_holds_its_invariants_for_2000_seeds():
