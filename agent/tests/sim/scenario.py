@@ -53,6 +53,10 @@ class SimAgent:
         self.incarnations = 0
 
     def start(self) -> None:
+        """Start a new process for this agent, unless one runs: a Pod runs one agent process at a time (its
+        name, the identity, is never shared), and overlapping faults may both try to bring it back."""
+        if self.up:
+            return
         w = self.world
         self.incarnations += 1
         proc = self.proc = Proc(self.name)
