@@ -19,6 +19,7 @@ retry 1 s) so that the suite stays quick; the defaults' rules are unit-tested.""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import random
@@ -90,13 +91,21 @@ class Cluster:
         return [p for p in self.release.pods(selector)
                 if p.status.phase == "Running" and p.metadata.deletion_timestamp is None]
 
+    @functools.cached_property
+    def probe_core(self) -> client.CoreV1Api:
+        """For /healthz probes: no retries (urllib3 retries a GET that timed out three times, so one probe of a
+        stopped agent took four timeouts)."""
+        configuration = copy.copy(self.release.api.configuration)
+        configuration.retries = False
+        return client.CoreV1Api(client.ApiClient(configuration))
+
     def leasing(self) -> list[str]:
         """Cluster agent pods whose /healthz says `active` (queues open: leader, registered, GPUs; a Ready
         hot standby is not active)."""
         out = []
         for pod in self.running(CA):
             try:  # a stopped (SIGSTOP) agent never answers: 2 s, or the probe would measure its own wait
-                code, body = pod_http_get(self.core, self.namespace, pod.metadata.name, 8080, "healthz", timeout=2.0)
+                code, body = pod_http_get(self.probe_core, self.namespace, pod.metadata.name, 8080, "healthz", timeout=2.0)
             except Exception:  # noqa: BLE001 - no answer: not active
                 continue
             if code == 200 and isinstance(body, dict) and body.get("active"):
@@ -449,8 +458,14 @@ def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeco
                     pid = host_pid(cluster.core.read_namespaced_pod(leader, cluster.namespace).metadata.uid)
                     os.kill(pid, signal.SIGSTOP)
                     try:
-                        wait_until(lambda: any(p != leader for p in cluster.leasing()), LEASE + RENEW + 30,
-                                   "the standby leading while the leader is stopped", interval=0.2)
+                        # The Lease first (one quick read; probing the stopped pod costs its timeout), then the new
+                        # leader's own /healthz.
+                        successor = wait_until(lambda: (lambda h: h if h not in (None, leader) else None)(cluster.leader()),
+                                               LEASE + RENEW + 30, "another holder of the Lease", interval=0.1)
+                        took_lease = time.monotonic() - started
+                        wait_until(lambda: successor in cluster.leasing(), 30, "the new holder leasing", interval=0.2)
+                        print(f"\npaused leader: the Lease changed hands {took_lease:.1f} s after SIGSTOP, the new "
+                              f"holder leased {time.monotonic() - started:.1f} s after")
                     finally:
                         try:
                             os.kill(pid, signal.SIGCONT)

@@ -38,7 +38,9 @@ class HealthRegistry:
         self._facts: dict[str, Any] = {}
 
     def state(self, name: str, value: Any) -> None:
-        """A top-level fact of the snapshot that is not part of readiness (e.g. `active`)."""
+        """A top-level fact of the snapshot that is not part of readiness (e.g. `active`). A callable is
+        asked at each snapshot: a fact that time can falsify (a lease past its deadline) is then never
+        served stale, even by a process resumed after a SIGSTOP before its event loop has run."""
         with self._lock:
             self._facts[name] = value
 
@@ -76,7 +78,7 @@ class HealthRegistry:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             entries = dict(self._entries)
-            facts = dict(self._facts)
+            facts = {name: value() if callable(value) else value for name, value in self._facts.items()}
         return {
             "status": "ready" if all(e.ready for e in entries.values()) else "notready",
             **facts,

@@ -245,6 +245,7 @@ class ClusterAgent:
                          tg.create_task(self.queue.run(), name="queue-consumer")]
                 if self.cfg.leaderElection:
                     self.elector = self._elector()
+                    self.queue.still_leading = self.elector.holds_lease
                     tasks.append(tg.create_task(self.elector.run(), name="leader-election"))
                 await stop.wait()
                 # Stop leasing before the Lease is released (the elector's task, cancelled below), so

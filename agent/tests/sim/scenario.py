@@ -73,6 +73,7 @@ class SimAgent:
             run_blocking)
         elector = self.elector = LeaderElector(FakeLease(w.api), self.name, SETTINGS, clock,
                                                random.Random(w.rng.random()), self._leadership, run_blocking)
+        consumer.still_leading = elector.holds_lease  # as roles/cluster_agent.py wires it
         proc.spawn(elector.run(), "elector")
         proc.spawn(consumer.run(), "consumer")
         w.note(f"{self.name}: started (incarnation {self.incarnations})")

@@ -315,3 +315,15 @@ async def test_a_standby_dates_another_holders_lease_from_the_answer_not_from_th
     assert not await b.try_acquire_or_renew(2.0)
     clock._now = began + 20.5  # the lease's 15 s have passed since b saw it
     assert await b.try_acquire_or_renew(2.0)
+
+
+def test_holds_lease_is_false_past_the_renew_deadline_even_before_the_elector_has_run():
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
+
+    clock = ManualClock()
+    elector = LeaderElector(None, "a", ElectionSettings(15, 10, 2), clock, __import__("random").Random(0), None)
+    elector.leading, elector.last_renewal = True, clock.monotonic()
+    assert elector.holds_lease()
+    clock.advance_blocking(10.0)  # a stopped process: no coroutine ran meanwhile, `leading` is still True
+    assert elector.leading and not elector.holds_lease()

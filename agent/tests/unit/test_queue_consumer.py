@@ -250,3 +250,25 @@ async def test_an_item_whose_last_attempt_failed_is_counted_in_healthz_and_the_m
     details = health.get("queues").details
     assert details["failedAttempts"] == 1 and details["failedItems"] == 1
     assert metrics.items.labels("gave-up")._value.get() == 1 and metrics.items.labels("failed")._value.get() == 1
+
+
+async def test_healthz_active_is_decided_when_asked_so_a_resumed_process_never_serves_a_stale_lead():
+    """A process resumed after a SIGSTOP answers /healthz before its event loop has noticed that its
+    lease ran out; `active` is asked of the elector's clock at that moment, and no lease is taken."""
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock, health = ManualClock(), HealthRegistry(ManualClock(), ["queues"])
+    control_plane = ScriptedControlPlane([item(1, "a")])
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock, health,
+                             AgentMetrics(), 30.0, 1.0, refused)
+    lease_held = [True]
+    consumer.still_leading = lambda: lease_held[0]
+    await consumer.set_open(True, "")
+    def gauge():
+        return consumer.metrics.active.collect()[0].samples[0].value
+
+    assert health.snapshot()["active"] is True and gauge() == 1
+    lease_held[0] = False  # the renew deadline passed while the process was stopped
+    assert health.snapshot()["active"] is False and gauge() == 0
+    assert not await consumer.step() and control_plane.items  # nothing leased on a stale belief

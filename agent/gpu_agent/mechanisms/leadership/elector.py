@@ -121,6 +121,12 @@ class LeaderElector:
         self.last_renewal = float("-inf")
         self.terms = 0  # how many times this agent began to lead
 
+    def holds_lease(self) -> bool:
+        """Leading, and its last renewal within the renew deadline by the clock now: true only while the
+        rules of the module docstring let it lead, even in the instant after the process resumed from a
+        stop, before `_keep` has run and cleared `leading`."""
+        return self.leading and self.clock.monotonic() < self.last_renewal + self.settings.renew_deadline
+
     @property
     def token(self) -> LeaderToken | None:
         """This leadership's fencing token (what its work Pods carry), or None while not leading."""

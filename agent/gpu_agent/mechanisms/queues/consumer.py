@@ -63,6 +63,9 @@ class QueueConsumer:
         self.leader: LeaderToken | None = None  # the Lease's token while leading through one
         self.fenced_by = ""  # set when a newer term refused ours: no leasing until new_term() (or, leading, a poll)
         self.terms_restarted = 0
+        # With leader election: whether the Lease is still this agent's by the clock now (the elector's
+        # holds_lease), asked before each lease and by /healthz; None without it.
+        self.still_leading: Callable[[], bool] | None = None
         self._next_sweep = float("-inf")
         self.credential = credential
         self.executor = executor
@@ -84,8 +87,8 @@ class QueueConsumer:
 
     @property
     def active(self) -> bool:
-        """Open and not fenced: this agent leases work."""
-        return self.open.is_on and not self.fenced_by
+        """Open, not fenced and (with leader election) still within its lease: this agent leases work."""
+        return self.open.is_on and not self.fenced_by and (self.still_leading is None or self.still_leading())
 
     def _report(self) -> None:
         on = self.active
@@ -94,8 +97,8 @@ class QueueConsumer:
         self.health.set("queues", on or standby, reason, processed=self.processed, failedAttempts=self.failed_attempts,
                         failedItems=self.failed_items, term=self.fence.term if self.fence else 0,
                         **({"notTried": self.not_tried} if self.not_tried else {}))
-        self.health.state("active", on)
-        self.metrics.active.set(1 if on else 0)
+        self.health.state("active", lambda: self.active)
+        self.metrics.active.set_function(lambda: 1 if self.active else 0)
 
     def new_term(self, leader: LeaderToken | None = None) -> None:
         """This agent began to lead (again): its next lease starts a new term. `leader`: the Lease's
@@ -159,7 +162,7 @@ class QueueConsumer:
     async def step(self) -> bool:
         """Lease and run at most one item; False when there was nothing to do."""
         credential = self.credential()
-        if credential is None or self.fenced_by:
+        if credential is None or self.fenced_by or (self.still_leading is not None and not self.still_leading()):
             return False
         fence = await self._term(credential)
         if fence is None:
