@@ -21,6 +21,7 @@ from kubernetes import client, config
 from e2e import cluster
 from e2e.cluster import host_paths, tool
 from e2e.helpers import pod_http_get, wait_until
+from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, RELEASE_PATCH, RELEASE_PATCH_TYPE
 
 
 @pytest.fixture(scope="session")
@@ -127,18 +128,13 @@ def namespace(core, request):
     wait_until(lambda: not core.list_namespaced_pod(name).items, 120, f"the pods of namespace {name} gone", interval=0.5)
 
 
-WORK_ITEM = "gpu-agent.io/work-item"  # the agent's work Pods: label and finalizer
-
-
 def release_work_pods(core: client.CoreV1Api, namespace: str) -> list[str]:
     """Remove the work-item finalizer from every Pod of the namespace that still has it; their names."""
     released = []
     for pod in core.list_namespaced_pod(namespace).items:
-        if WORK_ITEM in (pod.metadata.finalizers or []):
+        if FINALIZER in (pod.metadata.finalizers or []):
             try:
-                core.patch_namespaced_pod(pod.metadata.name, namespace,
-                                          {"metadata": {"$deleteFromPrimitiveList/finalizers": [WORK_ITEM]}},
-                                          _content_type="application/strategic-merge-patch+json")
+                core.patch_namespaced_pod(pod.metadata.name, namespace, RELEASE_PATCH, _content_type=RELEASE_PATCH_TYPE)
                 released.append(pod.metadata.name)
             except client.ApiException as e:
                 if e.status != 404:

@@ -16,6 +16,7 @@ from gpu_agent.foundations.control_plane_client import ControlPlaneClient, Contr
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
+from gpu_agent.mechanisms.queues.pod_executor import LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
 from gpu_agent_hooks.migrate import MigrationError, migrate
 from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
 
@@ -166,7 +167,6 @@ def _bounded(name: str, seconds: float, fn: Any) -> None:
     say(f"cleanup {name}: {outcome[0] if outcome else f'gave up after {seconds:.0f}s'}")
 
 
-WORK_ITEM = "gpu-agent.io/work-item"  # the work Pods' label and finalizer (agent: mechanisms/queues/pod_executor.py)
 
 
 def _ignore_404(call: Any, *args: Any, **kwargs: Any) -> None:
@@ -181,13 +181,11 @@ def delete_work_pods_of(core: client.CoreV1Api, namespace: str, release: str) ->
     """Delete the release's work Pods, each released first: the agent keeps a finalizer on a work Pod until its
     item is acknowledged, and once the release is gone nobody would remove it (the Pod would stay Terminating and
     hold its namespace's deletion). A Pod already gone is fine. Returns how many Pods were listed."""
-    pods = core.list_namespaced_pod(namespace, label_selector=f"{WORK_ITEM}=true,app.kubernetes.io/instance={release}",
+    pods = core.list_namespaced_pod(namespace, label_selector=f"{LABEL}=true,app.kubernetes.io/instance={release}",
                                     _request_timeout=REQUEST_TIMEOUT).items
-    release_patch = {"metadata": {"$deleteFromPrimitiveList/finalizers": [WORK_ITEM]}}
     for pod in pods:
         name = pod.metadata.name
-        _ignore_404(core.patch_namespaced_pod, name, namespace, release_patch,
-                    _content_type="application/strategic-merge-patch+json")
+        _ignore_404(core.patch_namespaced_pod, name, namespace, RELEASE_PATCH, _content_type=RELEASE_PATCH_TYPE)
         _ignore_404(core.delete_namespaced_pod, name, namespace, grace_period_seconds=0)
     return len(pods)
 

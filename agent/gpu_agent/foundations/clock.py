@@ -80,7 +80,6 @@ class ManualClock:
         self._seq = itertools.count()
         self._moved = threading.Condition()
         self.blocked = 0  # threads waiting on this clock now
-        self.waits = 0  # blocking waits begun so far
         self._deadlines: dict[object, float] = {}  # of the blocking waits in progress
 
     def sleep_blocking(self, seconds: float) -> None:
@@ -93,7 +92,6 @@ class ManualClock:
         me = object()
         with self._moved:
             self.blocked += 1
-            self.waits += 1
             self._deadlines[me] = deadline
             try:
                 while not event.is_set() and self._now < deadline:

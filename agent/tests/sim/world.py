@@ -45,7 +45,7 @@ from typing import Any
 from gpu_agent.foundations.control_plane_client import ControlPlaneError, Fence, WorkItem
 from gpu_agent.foundations.fencing import LEADER, LEASE_TRANSITIONS, LEASE_UID
 from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
-from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, LABEL
+from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
 from gpu_agent.roles.control_plane.store import Fenced, Store
 
 EPOCH = 1_800_000_000.0  # wall time at virtual 0
@@ -366,7 +366,7 @@ class FakeCore:
 
     def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any], _request_timeout: float,
                              _content_type: str) -> None:
-        assert body == {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}, body
+        assert (body, _content_type) == (RELEASE_PATCH, RELEASE_PATCH_TYPE), body
         self.api.release_pod(name)
 
     def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int, _request_timeout: float) -> None:

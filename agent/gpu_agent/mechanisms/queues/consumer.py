@@ -83,12 +83,18 @@ class QueueConsumer:
         self.failed_items = 0  # items whose last attempt failed here: failed for good at the control plane
         self.not_tried = ""  # why the last item could not be tried (the infrastructure's fault), until one runs
         self.pause_reason = "waiting for GPUs, registration and credentials"
+        # Asked at each read, never stored: see HealthRegistry.state.
+        self.health.state("active", lambda: self.active)
+        self.metrics.active.set_function(lambda: 1 if self.active else 0)
         self._report()
 
     @property
     def active(self) -> bool:
         """Open, not fenced and (with leader election) still within its lease: this agent leases work."""
-        return self.open.is_on and not self.fenced_by and (self.still_leading is None or self.still_leading())
+        return self.open.is_on and not self.fenced_by and self._within_lease()
+
+    def _within_lease(self) -> bool:
+        return self.still_leading is None or self.still_leading()
 
     def _report(self) -> None:
         on = self.active
@@ -97,8 +103,6 @@ class QueueConsumer:
         self.health.set("queues", on or standby, reason, processed=self.processed, failedAttempts=self.failed_attempts,
                         failedItems=self.failed_items, term=self.fence.term if self.fence else 0,
                         **({"notTried": self.not_tried} if self.not_tried else {}))
-        self.health.state("active", lambda: self.active)
-        self.metrics.active.set_function(lambda: 1 if self.active else 0)
 
     def new_term(self, leader: LeaderToken | None = None) -> None:
         """This agent began to lead (again): its next lease starts a new term. `leader`: the Lease's
@@ -162,7 +166,7 @@ class QueueConsumer:
     async def step(self) -> bool:
         """Lease and run at most one item; False when there was nothing to do."""
         credential = self.credential()
-        if credential is None or self.fenced_by or (self.still_leading is not None and not self.still_leading()):
+        if credential is None or self.fenced_by or not self._within_lease():
             return False
         fence = await self._term(credential)
         if fence is None:

@@ -9,7 +9,8 @@ Three rules keep "one Pod per item" true under schedules nobody plans for:
 - Fencing: every Pod carries the fencing token of the leadership that created it
   (foundations/fencing.py) and the chart's admission policy refuses one whose token is not the
   Lease's now, so a create a deposed leader sent late (stalled in a partition, its process
-  paused) never lands after its successor ran the item. A refusal (403) fails the attempt.
+  paused) never lands after its successor ran the item. A refused create is tried again after
+  FENCED_RETRIES, then the item goes back without counting an attempt (AttemptNotMade).
 - A finalizer (`gpu-agent.io/work-item`) keeps the Pod, and so the record that the item ran,
   until the item is acknowledged: a Pod deleted by someone else (a user, PodGC, a hook) after it
   Succeeded is still found by the redelivery, which acknowledges it instead of running it again.
@@ -48,6 +49,10 @@ from gpu_agent.mechanisms.queues.executor import AttemptNotMade
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
 FINALIZER = "gpu-agent.io/work-item"
+# Removes only this finalizer (a strategic-merge patch): what the agent, the cleanup hook and the e2e
+# teardown send before deleting a work Pod.
+RELEASE_PATCH = {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}
+RELEASE_PATCH_TYPE = "application/strategic-merge-patch+json"
 ITEM_ID = "gpu-agent.io/item-id"  # the control plane's id of the item, for the sweep
 GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
@@ -112,37 +117,36 @@ class PodExecutor:
     async def _create(self, item: WorkItem, name: str, leader: LeaderToken | None) -> str:
         """"executed", or "duplicate" when the Pod of an earlier delivery is there. A create that got no
         answer is sent again: if the first landed, the second's conflict is our own Pod."""
-        refusals = list(FENCED_RETRIES)
-        attempt = 0
-        while attempt < CREATE_ATTEMPTS:
-            attempt += 1
+        fenced_waits = list(FENCED_RETRIES)
+        unanswered = 0
+        while unanswered < CREATE_ATTEMPTS:
             try:
                 await self._api(self.core.create_namespaced_pod, self.namespace, self._pod(item, leader))
                 log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
                 return "executed"
             except Exception as e:  # noqa: BLE001 - an answer decides; no answer: try again
-                status = _status(e)
+                status, refusal = _status(e), fencing_refusal(e) if leader is not None else ""
                 if status == 409:
                     # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
-                    return "duplicate" if attempt == 1 else "executed"
-                if leader is not None and fenced_refusal(e):
-                    if refusals:  # the policy reads the Lease from a cache, which can lag a leadership just begun
-                        attempt -= 1
-                        await self.clock.sleep(refusals.pop(0))
-                        continue
-                    if "no params found" in f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}":
-                        raise AttemptNotMade(
-                            f"creating pod {self.namespace}/{name} was refused: the admission policy fencing work Pods "
-                            f"found no Lease, though this agent leads under {leader}; if that lasts, the API server's "
-                            "policy informer has stopped watching Leases (kubernetes#130887, Kubernetes up to 1.36.2): "
-                            "restart the API server, or set clusterAgent.workPodFencing=false") from None
+                    return "executed" if unanswered else "duplicate"
+                if refusal and fenced_waits:  # the policy reads the Lease from a cache, which can lag a leadership just begun
+                    await self.clock.sleep(fenced_waits.pop(0))
+                    continue
+                if refusal == "no lease":
+                    raise AttemptNotMade(
+                        f"creating pod {self.namespace}/{name} was refused: the admission policy fencing work Pods "
+                        f"found no Lease, though this agent leads under {leader}; if that lasts, the API server's "
+                        "policy informer has stopped watching Leases (kubernetes#130887, Kubernetes up to 1.36.2): "
+                        "restart the API server, or set clusterAgent.workPodFencing=false") from None
+                if refusal:
                     raise AttemptNotMade(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
                                          f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
                 if status is not None:
                     raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {status} "
                                        f"{getattr(e, 'reason', '')}") from None
+                unanswered += 1
                 log.warning("creating pod %s/%s got no answer (%s); attempt %d of %d", self.namespace, name,
-                            type(e).__name__, attempt, CREATE_ATTEMPTS)
+                            type(e).__name__, unanswered, CREATE_ATTEMPTS)
         raise AttemptNotMade(f"creating pod {self.namespace}/{name} got no answer {CREATE_ATTEMPTS} times")
 
     async def _read(self, name: str) -> Any:
@@ -203,9 +207,8 @@ class PodExecutor:
     async def _delete(self, name: str) -> None:
         """Remove the finalizer, then delete: the Pod is gone at once. Either call may fail (the next
         delivery or the cleanup hook tries again); a Pod already gone is fine."""
-        release = {"metadata": {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}}
-        steps = (("releasing", self.core.patch_namespaced_pod, (name, self.namespace, release),
-                  {"_content_type": "application/strategic-merge-patch+json"}),
+        steps = (("releasing", self.core.patch_namespaced_pod, (name, self.namespace, RELEASE_PATCH),
+                  {"_content_type": RELEASE_PATCH_TYPE}),
                  ("deleting", self.core.delete_namespaced_pod, (name, self.namespace), {"grace_period_seconds": 0}))
         for what, call, args, kwargs in steps:
             try:
@@ -241,12 +244,15 @@ class PodExecutor:
         return swept
 
 
-def fenced_refusal(e: BaseException) -> bool:
-    """The chart's admission policy refused a work Pod: its token is not the Lease's (403 "work pod fenced"),
-    or there is no Lease (422 "no params found": nobody leads, or the policy has not seen the new Lease yet).
-    Told by the message, so that a Pod refused for what it asks (422 for a bad limit) still counts an attempt."""
+def fencing_refusal(e: BaseException) -> str:
+    """How the chart's admission policy refused a work Pod: "fenced" (403 "work pod fenced": its token is not
+    the Lease's), "no lease" (422 "no params found": nobody leads, or the policy has not seen the new Lease
+    yet), or "" (not the policy). Told by the message, so that a Pod refused for what it asks (422 for a bad
+    limit) still counts an attempt."""
+    if _status(e) not in (403, 422):
+        return ""
     text = f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}"
-    return _status(e) in (403, 422) and ("work pod fenced" in text or "no params found" in text)
+    return "fenced" if "work pod fenced" in text else "no lease" if "no params found" in text else ""
 
 
 def never_started(pod: Any) -> bool:
