@@ -254,7 +254,7 @@ def test_kubectl_drain_of_the_leaders_node_hands_over_once_and_the_budget_evicts
         for node in workers:
             core.patch_node(node, {"metadata": {"labels": {pool[0]: pool[1]}}})
         pin = f"kubernetes\\.io/hostname={first}"
-        release.install("--set", "clusterAgent.replicas=2", "--set", f"clusterAgent.nodeSelector.{pool[0].replace('.', chr(92) + '.')}={pool[1]}",
+        release.install("--set", "clusterAgent.replicas=2", "--set-string", f"clusterAgent.nodeSelector.{pool[0].replace('.', chr(92) + '.')}={pool[1]}",
                         "--set", f"controlPlane.nodeSelector.{pin}", *WAIT)
         placed = where()
         assert sorted(placed.values()) == workers, f"the soft anti-affinity should spread the agents: {placed}"
