@@ -267,7 +267,7 @@ def fake_gpus(kubeconfig, core, apps):
     # Each node labelled as GPU feature discovery would: the gpu-agent chart's node agents find them by it.
     every = len(core.list_node().items)
     wait_until(lambda: len(fake_gpu_nodes(core, "fg")) == every, 30, f"all {every} node(s) labelled by fake-gpu")
-    node = core.list_node().items[0].metadata.name
+    node = min(n.metadata.name for n in core.list_node().items)  # the control-plane node (gpu-ci-node) on the CI cluster
     yield FakeGPUs(kubeconfig, core, ns, node)
     asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
     core.delete_namespace(ns)
@@ -290,6 +290,14 @@ class FakeGPUs:
     def command(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", self.kubeconfig, "--namespace",
                                self.namespace, *args], capture_output=True, text=True, timeout=60)
+
+    def plugin_pod(self, node: str | None = None):
+        """The fake-gpu DaemonSet's pod on one node (the first node unless named)."""
+        node = node or self.node
+        pods = [p for p in self.core.list_namespaced_pod(self.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items
+                if p.spec.node_name == node and p.metadata.deletion_timestamp is None]
+        assert len(pods) == 1, f"one fake-gpu pod on {node}, found {[p.metadata.name for p in pods]}"
+        return pods[0]
 
     def allocatable(self, node: str | None = None) -> int:
         status = self.core.read_node(node or self.node).status

@@ -64,6 +64,14 @@ def exec_python(api: client.ApiClient, namespace: str, pod: str, code: str) -> s
                   command=["python3", "-c", code], stderr=True, stdin=False, stdout=True, tty=False)
 
 
+def exec_in(api: client.ApiClient, namespace: str, pod: str, container: str, argv: list[str]) -> str:
+    """Run a command in one container of a pod; its stdout and stderr together."""
+    from kubernetes.stream import stream
+
+    return stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace, container=container,
+                  command=argv, stderr=True, stdin=False, stdout=True, tty=False, _request_timeout=60)
+
+
 class Sampler:
     """Calls `probe` every `interval` seconds in a thread and keeps (monotonic time, value)."""
 

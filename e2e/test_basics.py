@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import cluster
 from e2e.cluster import host_paths, tool
-from e2e.helpers import exec_python, pod_http_get, wait_until
+from e2e.helpers import exec_in, exec_python, pod_http_get, wait_until
 from e2e.release import CHART, Release
 
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
@@ -35,7 +35,9 @@ def installed(api, core, apps, kubeconfig, fake_gpus):
     ns = f"e2e-basics-{uuid.uuid4().hex[:5]}"
     name = f"b{uuid.uuid4().hex[:6]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns, labels={"e2e": "true"})))
-    before = core.list_pod_for_all_namespaces(label_selector=f"app.kubernetes.io/instance={name}").items
+    # The bats suite looks cluster-wide: any pod of the chart, whatever its release, before ours exists.
+    before = [f"{p.metadata.namespace}/{p.metadata.name}" for p in
+              core.list_pod_for_all_namespaces(label_selector="app.kubernetes.io/name=gpu-agent").items]
     fake_gpus.set(2)
     helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
     values = {"image": {"tag": "dev", "pullPolicy": "Never"}, "logVerbosity": 6, "gracefulNoGPU": True,
@@ -62,7 +64,8 @@ def installed(api, core, apps, kubeconfig, fake_gpus):
 @pytest.mark.fast
 def test_no_agent_pods_before_install_and_every_component_ready_after(installed):
     release, before, revision = installed
-    assert before == [], "pods of the release existed before it was installed"
+    assert before == [], f"pods of the gpu-agent chart existed before the install: {before}"
+    assert release.pods(f"app.kubernetes.io/instance={release.name}"), "and the release's pods exist after it"
     assert revision.status.value == "deployed"
     for component in ("cluster-agent", "node-agent", "control-plane"):
         pods = release.pods(f"app.kubernetes.io/component={component}")
@@ -118,6 +121,32 @@ def test_version_agrees_across_cli_endpoint_image_labels_and_chart(installed):
         assert labels["org.opencontainers.image.created"] == served["buildDate"]
 
 
+def test_version_executed_in_every_running_container_agrees_with_the_chart_and_the_image(installed, fake_gpus):
+    """NVCA's validation: `--version` executed in each running container (cluster agent, node agents on
+    every node, control plane, and the fake-gpu device plugins), each the same line: the chart's appVersion
+    and the commit and build date the image was stamped with (its /version)."""
+    release, _, _ = installed
+    code, served = pod_http_get(release.core, release.namespace, release.agent_pod(), 8080, "version")
+    assert code == 200, served
+    expected = f"{APP_VERSION} (commit {served['commit']}, built {served['buildDate']})"
+    pods = [(p, "gpu-agent") for p in release.pods(f"app.kubernetes.io/instance={release.name}")]
+    pods += [(p, "fake-gpu") for p in release.core.list_namespaced_pod(
+        fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items]
+    seen = []
+    for pod, command in pods:
+        if pod.status.phase != "Running" or pod.metadata.deletion_timestamp is not None:
+            continue
+        for c in pod.spec.containers:
+            out = exec_in(release.api, pod.metadata.namespace, pod.metadata.name, c.name, [command, "--version"]).strip()
+            assert out == f"{command} {expected}", (pod.metadata.name, c.name, out)
+            seen.append(f"{pod.metadata.name}/{c.name} ({pod.spec.node_name})")
+    nodes = len(release.core.list_node().items)
+    components = {p.metadata.labels.get("app.kubernetes.io/component") for p, command in pods if command == "gpu-agent"}
+    assert components >= {"cluster-agent", "node-agent", "control-plane"}, components
+    assert len([s for s in seen if "fake-gpu" in s]) == nodes, seen
+    print(f"`--version` in {len(seen)} containers on {nodes} node(s): all '{expected}'")
+
+
 def test_sigusr2_dumps_every_threads_stack_and_the_agent_keeps_running(installed):
     release, _, _ = installed
     pod = release.agent_pod()
@@ -144,9 +173,18 @@ def test_metrics_of_both_agents_are_served_in_cluster_through_their_services(ins
         text = scrape(release, service, port)
         families = {f.name: f for f in text_string_to_metric_families(text)}
         assert "gpu_agent_gpus" in families, (service, sorted(families))
-        gpus = [s.value for s in families["gpu_agent_gpus"].samples]
-        assert gpus == [2.0], (service, gpus)  # cluster: allocatable of the node; node agent: its fake count
         assert "gpu_agent_gpu_drops" in families
+        if service == "cluster-agent":  # the cluster's GPUs: the fixture gave the first node 2, the others have 0
+            assert [s.value for s in families["gpu_agent_gpus"].samples] == [2.0], (service, families["gpu_agent_gpus"])
+    # The Service answers from any node's agent: each node agent's own count is read from it, by pod.
+    counts = {}
+    for pod in release.pods("app.kubernetes.io/component=node-agent"):
+        code, text = pod_http_get(release.core, release.namespace, pod.metadata.name, 8081, "metrics")
+        assert code == 200, (pod.metadata.name, code)
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        counts[pod.spec.node_name] = [s.value for s in families["gpu_agent_gpus"].samples]
+    expected = {node: [float(fake_gpus.allocatable(node))] for node in counts}
+    assert counts == expected and counts[fake_gpus.node] == [2.0], (counts, expected)
 
 
 def test_the_image_bytecode_is_current_so_no_module_is_compiled_at_start(installed):

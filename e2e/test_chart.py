@@ -322,8 +322,12 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
 
 
 def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release, fake_gpus, api):
-    fake_gpus.set(1)
-    release.install("--set", "domain.name=gpus", "--set", "domain.expectedNodes=1")
+    """Every node's agent (one GPU each) is a member, numbered 0..N-1; one node losing its GPU turns its
+    member NotReady, and the domain with it."""
+    every = sorted(n.metadata.name for n in release.core.list_node().items)
+    for node in every:
+        fake_gpus.set(1, node=node)
+    release.install("--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(every)}")
     custom = client.CustomObjectsApi(api)
 
     def domain():
@@ -332,12 +336,18 @@ def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release
         except client.ApiException:
             return {}
 
-    wait_until(lambda: (domain().get("status") or {}).get("status") == "Ready", 60, "the chart's GPUDomain Ready")
-    nodes = domain()["status"]["nodes"]
-    assert [(n["name"], n["index"], n["status"]) for n in nodes] == [(fake_gpus.node, 0, "Ready")]
-    assert len(nodes[0]["gpuUUIDs"]) == 1 and nodes[0]["gpuUUIDs"][0].startswith("GPU-")
-    fake_gpus.set(0)  # a node without GPUs is NotReady in the domain, and the domain with it
-    wait_until(lambda: (domain().get("status") or {}).get("status") == "NotReady", 30, "the GPUDomain NotReady")
+    try:
+        wait_until(lambda: (domain().get("status") or {}).get("status") == "Ready", 60, "the chart's GPUDomain Ready")
+        nodes = domain()["status"]["nodes"]
+        assert sorted((n["name"], n["status"]) for n in nodes) == [(node, "Ready") for node in every], nodes
+        assert sorted(n["index"] for n in nodes) == list(range(len(every))), nodes
+        assert all(len(n["gpuUUIDs"]) == 1 and n["gpuUUIDs"][0].startswith("GPU-") for n in nodes), nodes
+        fake_gpus.set(0)  # a node without GPUs is NotReady in the domain, and the domain with it
+        wait_until(lambda: (domain().get("status") or {}).get("status") == "NotReady", 30, "the GPUDomain NotReady")
+        assert [n["status"] for n in domain()["status"]["nodes"] if n["name"] == fake_gpus.node] == ["NotReady"]
+    finally:
+        for node in every:
+            fake_gpus.set(0, node=node)
 
 
 def test_both_charts_render_as_subcharts_of_an_umbrella_chart_with_global_values(tmp_path):

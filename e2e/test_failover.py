@@ -157,8 +157,12 @@ def install(api, core, apps, kubeconfig, namespace, name: str, *extra: str) -> C
     release = Release(api, core, apps, kubeconfig, namespace, name=name)
     volume = persistent_control_plane(core, namespace, release)
     cluster = Cluster(release, volume, WorkPods(core, namespace))
+    # One node agent, on the node with the fake GPUs (the fixture's first node): these tests stop, kill and
+    # force-delete "the" node agent and read "the" member, whatever the cluster's node count.
+    gpu_node = min(n.metadata.name for n in core.list_node().items)  # FakeGPUs.node
     try:
-        release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION, *extra)
+        release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION,
+                        "--set", f"nodeAgent.nodeSelector.kubernetes\\.io/hostname={gpu_node}", *extra)
         wait_until(lambda: len(cluster.leasing()) == 1, 120, "one cluster agent leasing")
     except BaseException:
         teardown(cluster)  # the release's cluster-scoped objects must not outlive the test

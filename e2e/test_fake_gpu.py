@@ -61,7 +61,8 @@ def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, ap
     apply(api, namespace, "node-agent.yaml.j2", state_dir=host_paths()["stateDir"])
     wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
         apps.read_namespaced_daemon_set("node-agent", namespace)), 60, "node agent ready")
-    agent = core.list_namespaced_pod(namespace, label_selector="app=node-agent").items[0].metadata.name
+    agent = next(p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector="app=node-agent").items
+                 if p.spec.node_name == fake_gpus.node)  # the node agent beside the GPUs the fixture set
     apply(api, namespace, "gpu-pod.yaml.j2", name="all", gpus=3, sleep=60)  # gets every advertised device
     advertised = sorted(line.split("UUID: ")[1].rstrip(")") for line in uuid_lines(pod_log(core, namespace, "all")))
     code, health = pod_http_get(core, namespace, agent, 8081, "healthz")
@@ -73,7 +74,7 @@ def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, ap
 @pytest.mark.disruptive
 def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_gpus, core):
     fake_gpus.set(3)
-    pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]
+    pod = fake_gpus.plugin_pod()
     restarted_at = time.time()
     restart_kubelet()
 
@@ -108,7 +109,7 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     # An edit that bypasses the command is refused by the DaemonSet itself.
     core.patch_namespaced_config_map(fake_gpus.layout_configmap, fake_gpus.namespace,
                                      {"data": {fake_gpus.node: '{"count": "lots"}'}})
-    pod = core.list_namespaced_pod(fake_gpus.namespace, label_selector="app.kubernetes.io/name=fake-gpu").items[0]
+    pod = fake_gpus.plugin_pod()
     wait_until(lambda: "refusing layout" in core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace), 10,
                "the DaemonSet to refuse the layout")
     assert fake_gpus.allocatable() == 2

@@ -1,8 +1,8 @@
 """A cluster of several nodes (`make cluster-up NODES=3`): one pod per node, traffic between
 nodes, fake GPUs per node, and a GPUDomain that loses a node and gets it back.
 
-Marked `multinode`: `.ci/run` runs them on a 3-node CI cluster of their own (the rest of the suite
-runs on one node); on a cluster with fewer nodes they skip, saying so. The node faults (stop,
+Marked `multinode`: they run in the one stage of `make e2e` with the rest of the suite (a 3-node CI
+cluster); on a cluster with fewer nodes they skip, saying so. The node faults (stop,
 partition) exist on the CI cluster only (ci/scripts/node.sh), as do the host's firewall counters.
 """
 
@@ -311,3 +311,144 @@ def test_kubectl_drain_of_the_leaders_node_hands_over_once_and_the_budget_evicts
 def pdb_allowed(api, namespace: str, release: Release) -> int:
     pdb = client.PolicyV1Api(api).read_namespaced_pod_disruption_budget(f"{release.fullname}-cluster-agent", namespace)
     return (pdb.status.disruptions_allowed if pdb.status else None) or 0
+
+
+def node_uid(core, node: str) -> str | None:
+    try:
+        return core.read_node(node).metadata.uid
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+@pytest.mark.disruptive
+@pytest.mark.parametrize("loss", ["deleted", "force-lost"])
+def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_leaves_the_domain_and_comes_back(
+        api, core, apps, kubeconfig, namespace, fake_gpus, nodes, loss):
+    """The bats failover group's whole-node cases. A worker carries the chart's node agent, its domain member
+    and a work item's running Pod (the item asks for 2 GPUs: only that worker has 2). `deleted`: its Node
+    object is deleted from the API while it runs (`kubectl delete node`); `force-lost`: its processes are
+    killed (node-stop) and its Node deleted. The member leaves the domain (force-lost: NotReady within the
+    heartbeat TTL + 1 s first), the domain's indices stay unique in every sample, the item is done with its
+    Pod run once (the API server's watch), and the node comes back (node-start re-registers it) with its
+    member; a new item runs there."""
+    if provider() != "ci":
+        pytest.skip("losing a whole node needs the CI cluster (ci/scripts/node.sh)")
+    from gpu_agent.mechanisms.queues.pod_executor import pod_name
+
+    first, victim = nodes[0], nodes[-1]
+    for node in nodes:
+        fake_gpus.set(2 if node == victim else 1, node=node)
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"lost{uuid.uuid4().hex[:5]}")
+    pin = f"kubernetes\\.io/hostname={first}"  # the cluster agent and control plane stay on a node that lives
+    custom = client.CustomObjectsApi(api)
+    kubectl = [tool("kubectl"), "--kubeconfig", str(kubeconfig)]
+    ttl = 3
+
+    def status():
+        try:
+            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus").get("status") or {}
+        except client.ApiException:
+            return {}
+
+    def member(node):
+        return next((m for m in status().get("nodes", []) if m["name"] == node), {})
+
+    def work(key: str, seconds: int) -> str:
+        payload = {"gpus": 2, "command": ["sh", "-c", f"fake-gpu smi -L; sleep {seconds}"]}
+        release.control_plane(f"c.enqueue(t, {key!r}, {payload!r})\n")
+        return pod_name(key)
+
+    def item_state(key: str) -> str | None:
+        out = release.control_plane("import json; print(json.dumps(c.list_items(t)))")
+        return {i["idempotencyKey"]: i["state"] for i in json.loads(out.strip().splitlines()[-1])}.get(key)
+
+    def running_on_victim(name: str) -> bool:
+        try:
+            pod = core.read_namespaced_pod(name, namespace)
+        except client.ApiException:
+            return False
+        return pod.spec.node_name == victim and any(c.state.running for c in pod.status.container_statuses or [])
+
+    def back_in_service() -> bool:
+        """The node Ready at the API server, labelled by its fake-gpu pod, its GPUs allocatable again."""
+        return node_uid(core, victim) is not None and node_ready(core, victim) and \
+            victim in {n.metadata.name for n in fake_gpu_nodes_of(core)} and fake_gpus.allocatable(victim) == 2
+
+    old_uid, lost_it = node_uid(core, victim), False
+    try:
+        release.install("--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(nodes)}",
+                        "--set", "domain.heartbeatInterval=1", "--set", f"domain.heartbeatTTL={ttl}",
+                        "--set", f"clusterAgent.nodeSelector.{pin}", "--set", f"controlPlane.nodeSelector.{pin}")
+        wait_until(lambda: status().get("status") == "Ready" and len(status().get("nodes", [])) == len(nodes), 120,
+                   f"the GPUDomain Ready with {len(nodes)} members")
+        pods = WorkPods(core, namespace)
+        running = work("on-the-lost-node", 600)
+        wait_until(lambda: running_on_victim(running), 90, f"the work Pod running on {victim}")
+
+        def indices():
+            members = status().get("nodes", [])
+            return [m.get("index") for m in members]
+
+        with Sampler(indices, 0.25) as sampled:
+            started = time.monotonic()
+            lost_it = True
+            if loss == "force-lost":
+                node_fault("stop", victim)
+            r = subprocess.run([*kubectl, "delete", "node", victim, "--wait=false"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            figures = {}
+            if loss == "force-lost":
+                wait_until(lambda: member(victim).get("status") in ("NotReady", None) and status().get("status") == "NotReady",
+                           ttl + 1 + 2, f"{victim}'s member and the domain NotReady after the node died")
+                figures["member NotReady"] = time.monotonic() - started
+            wait_until(lambda: not member(victim) and len(status().get("nodes", [])) == len(nodes) - 1
+                       and status().get("status") == "NotReady", 150, f"{victim}'s member gone from the domain")
+            figures["member removed"] = time.monotonic() - started
+            wait_until(lambda: item_state("on-the-lost-node") == "done", 120, "the interrupted item done (a run, not lost)")
+            figures["item done"] = time.monotonic() - started
+
+            # Back: a deleted node's kubelet does not register again by itself; it boots (node-start) and does.
+            if loss == "deleted":
+                node_fault("stop", victim)
+            restarted = time.monotonic()
+            node_fault("start", victim)
+            wait_until(back_in_service, 180, f"{victim} registered again, labelled and its GPUs allocatable")
+            lost_it = False
+            figures["node back"] = time.monotonic() - restarted
+            wait_until(lambda: member(victim).get("status") == "Ready" and status().get("status") == "Ready"
+                       and len(status().get("nodes", [])) == len(nodes), 120, f"{victim}'s member back, the domain Ready")
+            figures["member back"] = time.monotonic() - restarted
+        assert node_uid(core, victim) != old_uid, "the node registered as a new object"
+        fresh = work("after-the-node-came-back", 1)
+        wait_until(lambda: item_state("after-the-node-came-back") == "done", 120, "a new item done on the node that came back")
+        pods.stop()
+        runs, executions = pods.runs(), pods.executions()
+        samples = [v for _, v in sampled.samples if isinstance(v, list)]
+        print(f"worker {victim} {loss}: " + ", ".join(f"{k} after {v:.1f} s" for k, v in figures.items()))
+        print(f"{len(samples)} samples of the domain's indices, fewest members {min(map(len, samples), default=-1)}; "
+              f"work Pods run: {runs}")
+        assert len(samples) >= 40, len(samples)
+        duplicated = [s for s in samples if len(s) != len(set(s))]
+        assert not duplicated, f"a sample of the domain held one index twice: {duplicated[:3]}"
+        assert pods.complete(), pods.gaps
+        assert runs.get(running) == 1 and executions.get(running) == 1, (running, runs, executions)
+        assert runs.get(fresh) == 1 and executions.get(fresh) == 1, (fresh, runs, executions)
+        if loss == "force-lost":
+            assert figures["member NotReady"] <= ttl + 1 + 1, figures
+    finally:
+        if lost_it or not back_in_service():
+            node_fault("stop", victim)
+            node_fault("start", victim)
+        wait_until(back_in_service, 180, f"{victim} back in service (for the tests after this one)")
+        release.uninstall_if_installed()
+        for node in nodes:
+            fake_gpus.set(0, node=node)
+
+
+def fake_gpu_nodes_of(core) -> list:
+    """Nodes labelled by the session's fake-gpu release (conftest's FakeGPUs installs it as `fg`)."""
+    from e2e.conftest import fake_gpu_nodes
+
+    return fake_gpu_nodes(core, "fg")

@@ -175,3 +175,70 @@ def test_readiness_is_held_through_credential_renewals(release_at_zero, fake_gpu
     print(f"\nrenewals {renewals()}, /healthz samples {len(codes)}: {sorted(set(codes))}")
     assert len(codes) >= 50
     assert set(codes) == {200}, "readiness dropped during a renewal"
+
+
+def klog_wall(line: str) -> float:
+    """A klog line's time as seconds since the epoch (klog writes local time; pods and this host share the
+    machine's clock and time zone on the CI cluster)."""
+    m = re.match(r"^[IWEF](\d{2})(\d{2}) (\d{2}:\d{2}:\d{2}\.\d{6})", line)
+    assert m, line
+    now = time.localtime()
+    stamp = time.strptime(f"{now.tm_year}-{m.group(1)}-{m.group(2)} {m.group(3)[:8]}", "%Y-%m-%d %H:%M:%S")
+    return time.mktime(stamp) + float("0" + m.group(3)[8:])
+
+
+def test_a_renewal_completes_while_readiness_stays_503_and_200_comes_only_from_registration_holding_the_gate_in_turn(
+        release_at_zero, fake_gpus):
+    """NVCA's validation, as it ran: credential renewal shortened (5 s), a registration outage on a GPU change.
+    Read from the cluster agent's own log at -v 2 (the level that logs the gate): renewals complete while
+    /healthz stays 503, /healthz turns 200 only after the recovery registration succeeds, and renewal and
+    registration hold the one gate in turn, never together (every `acquired` is followed by its own
+    `released` before the next `acquired`)."""
+    if cluster.provider() != "ci":
+        pytest.skip("compares the agent's log times with this host's clock: the CI cluster shares the machine")
+    r = release_at_zero
+    r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "clusterAgent.credentialRenewInterval=5", "--set", "clusterAgent.registrationRetryInitial=2",
+              "--set", "clusterAgent.registrationRetryMax=4", "--set", "clusterAgent.reregistrationInterval=3600")
+    wait_until(r.all_running, 90, "every release pod Running")
+    fake_gpus.set(2)
+    wait_until(lambda: service_healthz(r) == 200, 30, "Ready on 2 GPUs")
+    outage = 5  # refused registrations: about 2 + 4 + 4 + 4 + 4 s of backoff, several renewals long
+    r.control_plane(f"c.set_fault(t, mode='status', status=503, count={outage}, path='/v1/register')")
+    with Sampler(lambda: service_healthz(r), 0.2) as health:
+        changed = time.time()
+        fake_gpus.set(3)  # a new GPU generation: registered again, through the outage
+        wait_until(lambda: any(v == 503 for _, v in health.samples), 15, "503 after the GPU change")
+        wait_until(lambda: health.samples[-1][1] == 200, 90, "200 again after the outage")
+    pod = r.agent_pod()
+    lines = [ln for ln in r.core.read_namespaced_pod_log(pod, r.namespace).splitlines() if ln[:1] in "IWEF"]
+    window = [(klog_wall(ln), ln) for ln in lines if klog_wall(ln) >= changed - 0.5]
+    renewed = [t for t, ln in window if "credential renewed" in ln]
+    registered = [t for t, ln in window if "registered 3 GPUs with the control plane" in ln]
+    failed = [t for t, ln in window if "registration attempt" in ln and "failed" in ln]
+    gate = [(t, ln.split("] gate ", 1)[1].split(" (")[0]) for t, ln in window if "] gate " in ln]
+    codes = [v for _, v in health.samples]
+    print(f"\nGPU change at +0 s: {len(failed)} refused registrations, renewals completed at "
+          f"{[round(t - changed, 1) for t in renewed]} s, registered at {[round(t - changed, 1) for t in registered]} s; "
+          f"/healthz {len(codes)} samples, 503 x {codes.count(503)}; gate events {len(gate)}")
+    assert len(codes) >= 30, len(codes)
+    assert len(failed) == outage and len(registered) == 1, (failed, registered)
+    during = [t for t in renewed if t < registered[0]]
+    assert during, f"no renewal completed during the outage: renewed {renewed}, registered {registered}"
+    # Readiness was 503 while those renewals completed, and turned 200 only after the registration.
+    first_503 = next(i for i, (_, v) in enumerate(health.samples) if v == 503)
+    first_200 = next(t for t, v in health.samples[first_503:] if v == 200) + (time.time() - time.monotonic())  # sample times are monotonic
+    assert first_200 >= registered[0] - 0.05, (first_200, registered[0])
+    assert all(first_200 > t for t in during), (first_200, during)
+    # The gate: strictly alternating acquired/released by the same holder; both kinds held it.
+    held, holders = None, set()
+    for _, event in gate:
+        action, _, who = event.partition(" by ")
+        if action == "acquired":
+            assert held is None, f"{who} acquired the gate while {held} held it: {gate}"
+            held = who
+            holders.add(who)
+        elif action == "released":
+            assert held == who, f"{who} released a gate held by {held}: {gate}"
+            held = None
+    assert {"renew", "recovery"} <= holders, holders

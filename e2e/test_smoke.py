@@ -61,13 +61,17 @@ def test_recreate_rollout_sampled_every_250ms_never_shows_two_pods(api, apps, co
     assert [first] in samples and any(s and s != [first] for s in samples)  # both pods seen, never together
 
 
-def test_daemonset_runs_on_the_node(api, apps, core, namespace):
+def test_daemonset_runs_on_every_node(api, apps, core, namespace):
+    nodes = sorted(n.metadata.name for n in core.list_node().items)
     apply(api, namespace, "daemonset.yaml.j2", name="daemon")
-    wait_until(lambda: (lambda d: d.status.desired_number_scheduled >= 1
+    wait_until(lambda: (lambda d: d.status.desired_number_scheduled == len(nodes)
                         and d.status.number_ready == d.status.desired_number_scheduled)(
-        apps.read_namespaced_daemon_set("daemon", namespace)), 60, "DaemonSet ready")
-    pod = core.list_namespaced_pod(namespace, label_selector="app=daemon").items[0]
-    wait_until(lambda: "daemon up" in core.read_namespaced_pod_log(pod.metadata.name, namespace), 30, "daemon log")
+        apps.read_namespaced_daemon_set("daemon", namespace)), 60, f"DaemonSet ready on {len(nodes)} node(s)")
+    pods = core.list_namespaced_pod(namespace, label_selector="app=daemon").items
+    assert sorted(p.spec.node_name for p in pods) == nodes, "one pod on every node"
+    for pod in pods:
+        wait_until(lambda p=pod: "daemon up" in core.read_namespaced_pod_log(p.metadata.name, namespace), 30,
+                   f"daemon log on {pod.spec.node_name}")
 
 
 def test_pod_resolves_the_api_and_calls_it_with_its_token_within_rbac(api, core, namespace):

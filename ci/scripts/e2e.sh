@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
-#   ci        two stages, each on a cluster of its own, brought up (idempotent), images built and
-#             imported, tests run, torn down, the host checked to be exactly as before:
-#               1. every test not marked multinode, on E2E_NODES nodes (default 1)
-#               2. the multinode tests (e2e/test_nodes.py), on 3 nodes, when the selection has any
-#             KEEP_CLUSTER=1: one stage on the running cluster (NODES nodes), left running after
+#   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 3: the control-plane node
+#             and two workers) brought up (idempotent), images built and imported, tests run, torn
+#             down, the host checked to be exactly as before. E2E_NODES=1 for a quick local run (the
+#             tests that need several nodes skip, saying so).
+#             KEEP_CLUSTER=1: the running cluster (NODES nodes, default E2E_NODES), left running after
 #   existing  the current KUBECONFIG; images must already be loadable by its nodes
 #   kind|k3d  a cluster made by pytest-kind-ng / the k3d CLI (need Docker; not on CI machines)
 set -euo pipefail
@@ -32,7 +32,7 @@ cluster_up() {  # cluster_up NODES
 case $cluster in
   ci)
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
-      cluster_up "$NODES"
+      cluster_up "${NODES:-${E2E_NODES:-3}}"
       run_suite suite "${@:2}"
       exit $rc
     fi
@@ -51,21 +51,8 @@ case $cluster in
       log "teardown check passed: host state identical to before cluster-up"
     }
     trap 'code=$?; down_and_check || code=1; rm -f "$before" "$after"; exit $code' EXIT
-    # A marker expression of the caller's (-m fast) is combined with each stage's, not replaced.
-    marks="" args=()
-    set -- "${@:2}"
-    while (($#)); do
-      if [[ $1 == -m ]]; then marks="($2) and "; shift 2; else args+=("$1"); shift; fi
-    done
-    cluster_up "${E2E_NODES:-1}"
-    run_suite "suite (${E2E_NODES:-1} node(s))" -m "${marks}not multinode" ${args[@]+"${args[@]}"}
-    if "$pytest" -p no:cacheprovider -q --collect-only -m "${marks}multinode" "$repo/e2e" ${args[@]+"${args[@]}"} >/dev/null 2>&1; then
-      down_and_check || rc=1
-      cluster_up 3
-      run_suite "multinode (3 nodes)" -m "${marks}multinode" ${args[@]+"${args[@]}"}
-    else
-      log "no multinode test selected: no 3-node stage"
-    fi
+    cluster_up "${E2E_NODES:-3}"
+    run_suite "suite (${E2E_NODES:-3} node(s))" "${@:2}"
     ;;
   existing|kind|k3d)
     run_suite suite "${@:2}"

@@ -6,6 +6,7 @@ $FAKE_GPU_STATE_FILE, else .run/fake-gpus.json:
     fake-gpu set --count 4 [--product NAME] [--memory-mib N] [--clique NAME]
     fake-gpu cycle --from 0 --to 4 --times 3 [--interval 2]
     fake-gpu status
+    fake-gpu --version
 
 On a cluster with charts/fake-gpu installed, name the node (KUBECONFIG as usual):
 
@@ -32,6 +33,7 @@ from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, Layou
 from fake_gpu.layout_source import LEGACY_CONFIGMAP
 from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.version import version_info
 
 DEFAULT_NAMESPACE = os.environ.get("FAKE_GPU_NAMESPACE", "gpu-agent")
 
@@ -57,6 +59,10 @@ def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fake-gpu", description="fake GPUs that arrive and leave at runtime")
+    # The same build identity as `gpu-agent --version`: one image carries both commands.
+    v = version_info()
+    parser.add_argument("--version", action="version",
+                        version=f"fake-gpu {v['version']} (commit {v['commit']}, built {v['buildDate']})")
     parser.add_argument("--state-file", type=Path, default=None, help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the fake-gpu install (cluster mode; default {DEFAULT_NAMESPACE!r}, env FAKE_GPU_NAMESPACE)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")
