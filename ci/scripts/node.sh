@@ -13,7 +13,8 @@
 # runs here): a network namespace joined to the host bridge $NODES_BRIDGE by a veth pair, with its
 # own pod bridge and pod CIDR (10.244.N.0/24, routed by the host); a mount namespace, held open by
 # a sleeping "holder" process, in which /var/lib/kubelet is the node's own folder (kubelet fixes
-# the device-plugin folder there, whatever its root dir); and a cgroup root gpuci-wN so that its
+# the device-plugin folder there, whatever its root dir), and so are /var/log/pods and
+# /var/log/containers (each kubelet deletes the pod logs of pods it does not run); and a cgroup root gpuci-wN so that its
 # pods never share the kubepods tree of another node. Every daemon of the node is entered into
 # the holder's namespaces with nsenter, so it sees exactly what the node sees.
 set -euo pipefail
@@ -63,10 +64,14 @@ network_up() {
 
 holder_up() {
   running "$w-holder" && return 0
-  mkdir -p "$dir/var-lib-kubelet" /var/lib/kubelet
-  # slave: the host's mounts reach the node, the node's (pod volumes, snapshots) never reach the host
+  mkdir -p "$dir/var-lib-kubelet" /var/lib/kubelet "$dir/var-log-pods" /var/log/pods "$dir/var-log-containers" /var/log/containers
+  # slave: the host's mounts reach the node, the node's (pod volumes, snapshots) never reach the host.
+  # The pod logs are the node's own as well: a kubelet's log GC removes every folder of /var/log/pods whose
+  # pod it does not run, so on a shared folder each node deleted the others' logs (kubectl logs then lost
+  # every line written before that minute's sweep).
   start "$w-holder" unshare --mount --propagation slave -- nsenter --net="/run/netns/$netns" -- \
-    bash -c "mount --bind '$dir/var-lib-kubelet' /var/lib/kubelet && exec -a gpuci-node-holder sleep infinity"
+    bash -c "mount --bind '$dir/var-lib-kubelet' /var/lib/kubelet && mount --bind '$dir/var-log-pods' /var/log/pods \
+      && mount --bind '$dir/var-log-containers' /var/log/containers && exec -a gpuci-node-holder sleep infinity"
   wait_for 10 "$w's mount namespace" grep -q " /var/lib/kubelet " "/proc/$(cat "$PIDS/$w-holder.pid")/mountinfo"
 }
 
