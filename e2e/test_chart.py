@@ -17,13 +17,14 @@ from e2e.cluster import tool
 from e2e.helpers import pod_http_get, wait_until
 from e2e.release import APP_VERSION, BASE, CA, CHART, Release, helm
 
+
 def render(*sets: str) -> list[dict]:
     out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
 def cluster_agent_deployment(docs):
-    return [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent")][0]
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent"))
 
 
 def test_helm_lint_and_rendered_manifests_pass_the_api_servers_validation(kubeconfig, namespace):
@@ -84,7 +85,7 @@ def test_rendered_strategy_follows_the_readiness_model():
 
 def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_selector_wins():
     def node_agent(*sets):
-        return [d for d in render(*sets) if d["kind"] == "DaemonSet"][0]["spec"]["template"]["spec"]
+        return next(d for d in render(*sets) if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
 
     spec = node_agent()
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -125,8 +126,8 @@ def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_ren
     assert binding["spec"]["matchResources"] == {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ns"}},
         "objectSelector": {"matchLabels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "t"}}}
-    role = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent")][0]
-    assert "patch" in [r for r in role["rules"] if r["resources"] == ["pods"]][0]["verbs"]  # the finalizer's release
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent"))
+    assert "patch" in next(r for r in role["rules"] if r["resources"] == ["pods"])["verbs"]  # the finalizer's release
     assert fencing("--set", "clusterAgent.workPodFencing=false")[:2] == ([], [])
     assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
 
@@ -475,7 +476,7 @@ def test_monitors_and_the_control_planes_claim_render_only_when_asked():
         assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in target["spec"]["ports"]]
     (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     (cp,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
-    data = [v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"][0]
+    data = next(v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
     assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 

@@ -16,10 +16,26 @@ import pytest
 from kubernetes import client
 
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (APP_VERSION, CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless,
-                         longest_not_ready, lost_and_doubled, operation, persistent_control_plane, remove_volume)
-from gpu_agent_hooks.cli import apply_crds
+from e2e.release import (
+    APP_VERSION,
+    CA,
+    CHART,
+    WAIT,
+    Active,
+    Release,
+    WorkPods,
+    enqueue,
+    helm,
+    items,
+    leaderless,
+    longest_not_ready,
+    lost_and_doubled,
+    operation,
+    persistent_control_plane,
+    remove_volume,
+)
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
+from gpu_agent_hooks.cli import apply_crds
 
 CRDS = ("gpudomains.gpu-agent.io", "gpudomainmembers.gpu-agent.io")
 GROUP = "gpu-agent.io"

@@ -33,8 +33,22 @@ from kubernetes import client
 
 from e2e.cluster import tool
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, longest_leaderless, lost_and_doubled,
-                         operation, persistent_control_plane, remove_volume)
+from e2e.release import (
+    CA,
+    CHART,
+    WAIT,
+    Active,
+    Release,
+    WorkPods,
+    enqueue,
+    helm,
+    items,
+    longest_leaderless,
+    lost_and_doubled,
+    operation,
+    persistent_control_plane,
+    remove_volume,
+)
 
 TOKENS_SECRET = "users-tokens"
 # value set -> (this chart's values, the last stable release's nearest equivalent)

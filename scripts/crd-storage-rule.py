@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "hooks"), str(REPO / "ci" / "tools")]
 
 import releases  # noqa: E402
+
 from gpu_agent_hooks.skew import SkewError, check_storage_follows_previous_release  # noqa: E402
 
 CRD_DIRS = ("charts/gpu-agent/crds", "charts/gpu-agent/files/crds")

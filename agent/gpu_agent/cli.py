@@ -97,7 +97,7 @@ def _queue(args: argparse.Namespace, cfg) -> int:  # type: ignore[no-untyped-def
         print(f"{'ID':>6}  {'KEY':<32} {'STATE':<7} {'DELIVERIES':>10} {'FAILED':>6}  LAST ERROR")
         for i in items:
             error = " ".join(str(i.get("lastError") or "").split())  # one line per item
-            print(f"{i.get('id', '?'):>6}  {str(i.get('idempotencyKey', '?')):<32} {str(i.get('state', '?')):<7} "
+            print(f"{i.get('id', '?'):>6}  {i.get('idempotencyKey', '?')!s:<32} {i.get('state', '?')!s:<7} "
                   f"{i.get('deliveries', '?'):>10} {i.get('failedAttempts', 0):>6}  {error[:120]}")
         print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         return 0

@@ -27,7 +27,8 @@ class MigrationError(Exception):
 
 
 def storage_version(crd: dict[str, Any]) -> str:
-    return [v["name"] for v in crd["spec"]["versions"] if v.get("storage")][0]
+    name: str = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+    return name
 
 
 def _status(e: Exception) -> int | None:

@@ -136,7 +136,7 @@ class Setting:
                 raise bad()
             return text.rstrip("/")
         if self.kind == "address":
-            host, sep, port = text.rpartition(":")
+            _host, sep, port = text.rpartition(":")
             if not sep or not port.isdigit() or int(port) > 65535:
                 raise bad()
         return text

@@ -103,7 +103,7 @@ async def run(cfg: Config, stop: asyncio.Event) -> None:
     registration_token = _token(state / "registration-token")
     admin_token = _token(state / "admin-token")
     fake_file = Path(cfg.fakeGpuStateFile)
-    if cfg.gpuSource == "fake" and not fake_file.exists():
+    if cfg.gpuSource == "fake" and not fake_file.exists():  # noqa: ASYNC240 - once, before anything else runs
         fake_state.write_atomic(fake_file, fake_state.render(Inventory(), node="local"))
         log.info("created %s with 0 GPUs", fake_file)
     server = build_server(cfg.replace(registrationToken=registration_token, adminToken=admin_token),

@@ -68,10 +68,9 @@ class NodeAgent:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+            from gpu_agent.mechanisms.domain.membership import DomainMembership
             from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
             from gpu_agent.mechanisms.domain.writer import DomainWriter
-
-            from gpu_agent.mechanisms.domain.membership import DomainMembership
 
             api = api_client(cfg.kubeconfig)
 
@@ -88,15 +87,15 @@ class NodeAgent:
                                           clock=self.clock)
                 named = domain == cfg.domainName
                 peers = (cfg.peersFile if named else f"{cfg.peersFile}.{domain}") if cfg.peersFile else ""
-                return DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp, Path(peers) if peers else None,
+                return DomainReconciler(writer, self.health, node=cfg.nodeName, ip=cfg.nodeIp, peers_file=Path(peers) if peers else None,
                                         resync_seconds=resync, health_component="domain" if named else None,
                                         clock=self.clock)
 
-            self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, cfg.domainName, cfg.joinMatchingDomains,
-                                           reconciler_for, leave_timeout=cfg.shutdownTimeout)
+            self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, named=cfg.domainName, join_matching=cfg.joinMatchingDomains,
+                                           make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout)
         self.metrics = NodeMetrics()
-        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
-                                        self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,
+        self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
+                                        on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)

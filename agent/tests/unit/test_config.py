@@ -83,5 +83,5 @@ def test_cli_exits_2_with_a_clear_message():
 def test_feature_gates_parse_and_unknown_gates_are_refused():
     assert parse([]).featureGates == {"LongPollLeases": True}
     assert parse(["--feature-gates", "LongPollLeases=false"]).featureGates == {"LongPollLeases": False}
-    with pytest.raises(ConfigError, match="featureGates.*LongPollLeases"):
+    with pytest.raises(ConfigError, match=r"featureGates.*LongPollLeases"):
         parse(["--feature-gates", "Warp=true"])

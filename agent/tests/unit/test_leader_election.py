@@ -82,6 +82,22 @@ class MemoryLease:
         return self.record
 
 
+def callbacks(name, changed, stopped=None):
+    """The elector's three callbacks, each reported to `changed(leading, reason)` as the cluster agent
+    words it; `stopped(why)` hears only on_stopped_leading."""
+    async def started_leading():
+        await changed(True, f"leader: {name}")
+
+    async def stopped_leading(why):
+        if stopped is not None:
+            stopped(why)
+        await changed(False, f"standby: lost the lease ({why})")
+
+    async def new_leader(identity):
+        await changed(False, f"standby: the leader is {identity or '(nobody yet)'}")
+    return {"on_started_leading": started_leading, "on_stopped_leading": stopped_leading, "on_new_leader": new_leader}
+
+
 async def inline(fn, *args):
     result = fn(*args)
     return await result if asyncio.isfuture(result) else result
@@ -91,18 +107,21 @@ class Agent:
     def __init__(self, name, lease, clock, settings=SETTINGS):
         self.name = name
         self.changes = []  # (time, leading, reason): recorded, asserted by the test
+        self.stops = []  # when on_stopped_leading was called
         self.clock = clock
 
         async def changed(leading, reason):
             self.changes.append((clock.monotonic(), leading, reason))
-        self.elector = LeaderElector(lease.for_(name), name, settings, clock, random.Random(7), changed, inline)
+        self.elector = LeaderElector(lease.for_(name), identity=name, settings=settings, clock=clock, rng=random.Random(7),
+                                     **callbacks(name, changed, lambda why: self.stops.append(clock.monotonic())),
+                                     run_blocking=inline)
         self.task = asyncio.ensure_future(self.elector.run())
 
     def leading_since(self):
         return [t for t, leading, _ in self.changes if leading]
 
     def stopped_at(self):
-        return [t for t, leading, reason in self.changes if not leading and "lost" in reason]
+        return self.stops
 
 
 async def run_for(clock, seconds, step=0.5):
@@ -128,7 +147,7 @@ async def leader_and_standby(settle: float, watchable=False):
 
 
 async def test_one_leader_and_a_standby_that_names_it():
-    clock, lease, a, b = await leader_and_standby(30)
+    _clock, lease, a, b = await leader_and_standby(30)
     assert a.elector.leading and not b.elector.leading
     assert b.changes == [(b.changes[0][0], False, "standby: the leader is agent-a")]
     assert lease.record.holder == "agent-a" and lease.record.transitions == 0
@@ -155,7 +174,8 @@ async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once(
 
     async def changed(leading, reason):
         changes.append((leading, reason))
-    elector = LeaderElector(b_view, "agent-b", SETTINGS, clock, random.Random(7), changed, inline)
+    elector = LeaderElector(b_view, identity="agent-b", settings=SETTINGS, clock=clock, rng=random.Random(7),
+                            **callbacks("agent-b", changed), run_blocking=inline)
     task = asyncio.ensure_future(elector.run())
     await clock.advance(0.1)
     assert changes == [(False, "standby: the leader is agent-a")]
@@ -201,7 +221,8 @@ async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
     async def changed(leading, reason):
         changes.append((clock.monotonic(), leading))
     settings = ElectionSettings(1.5, 1.0, 0.2)
-    elector = LeaderElector(lease.for_("a"), "a", settings, clock, random.Random(1), changed, hanging)
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=settings, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=hanging)
     task = asyncio.ensure_future(elector.run())
     await clock.advance(0.1)
     assert changes == [(changes[0][0], True)]
@@ -237,7 +258,7 @@ async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_att
     taken = clock.monotonic()
     lease.cut_off.clear()
     await run_for(clock, SETTINGS.retry_period + 0.5, step=0.1)
-    stopped, lost, reason = next(c for c in a.changes if not c[1])
+    stopped, _lost, reason = next(c for c in a.changes if not c[1])
     assert reason == "standby: lost the lease (the lease is held by agent-b)" and a.changes[-1][2] == "standby: the leader is agent-b"
     assert stopped - taken <= SETTINGS.retry_period + 0.2 < SETTINGS.renew_deadline
     a.task.cancel()
@@ -285,7 +306,8 @@ async def test_one_attempt_takes_at_most_its_limit_when_the_read_is_slow_and_the
 
     async def changed(leading, reason):
         pass
-    elector = LeaderElector(lease.for_("a"), "a", SETTINGS, clock, random.Random(1), changed, slowly)
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=slowly)
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert not await elector.try_acquire_or_renew(1.0)
@@ -307,7 +329,8 @@ async def test_a_standby_dates_another_holders_lease_from_the_answer_not_from_th
 
     async def changed(leading, reason):
         pass
-    b = LeaderElector(lease.for_("b"), "b", SETTINGS, clock, random.Random(1), changed, slow_read)
+    b = LeaderElector(lease.for_("b"), identity="b", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                      **callbacks("b", changed), run_blocking=slow_read)
     began = clock.monotonic()
     assert not await b.try_acquire_or_renew(2.0)
     delay["get"] = 0.0
@@ -322,7 +345,9 @@ def test_holds_lease_is_false_past_the_renew_deadline_even_before_the_elector_ha
     from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 
     clock = ManualClock()
-    elector = LeaderElector(None, "a", ElectionSettings(15, 10, 2), clock, __import__("random").Random(0), None)
+    elector = LeaderElector(None, identity="a", settings=ElectionSettings(15, 10, 2), clock=clock,
+                            rng=__import__("random").Random(0), on_started_leading=None, on_stopped_leading=None,
+                            on_new_leader=None)
     elector.leading, elector.last_renewal = True, clock.monotonic()
     assert elector.holds_lease()
     clock.advance_blocking(10.0)  # a stopped process: no coroutine ran meanwhile, `leading` is still True

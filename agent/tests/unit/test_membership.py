@@ -45,7 +45,7 @@ async def settle():
 
 async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_they_stop_matching():
     events = []
-    membership = DomainMembership(None, "ns", "n1", "", True, lambda name: RecordingReconciler(name, events))
+    membership = DomainMembership(None, "ns", "n1", named="", join_matching=True, make_reconciler=lambda name: RecordingReconciler(name, events))
     membership.join_matching = False  # no watch threads: the test feeds what they would see
     membership.set_gpus(["GPU-1"], True, "rack-a")
     task = asyncio.ensure_future(membership.run())

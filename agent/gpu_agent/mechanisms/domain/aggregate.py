@@ -25,6 +25,7 @@ the TTL, and a returning one Ready at its next heartbeat.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import random
 import threading
@@ -33,12 +34,11 @@ from typing import Any
 
 from kubernetes import client
 
+from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, in_clique, lowest_free_index, overall, status_entry
-from gpu_agent.foundations.backoff import Backoff
-from gpu_agent.mechanisms.domain.entries import has_entry
+from gpu_agent.mechanisms.domain.entries import Entry, has_entry, in_clique, lowest_free_index, overall, status_entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
@@ -58,7 +58,7 @@ class MemberWriter(DomainView):
     # means something removed it, and the member is applied again.
     REAPPLY_AFTER = 5.0
 
-    def __init__(self, api: client.ApiClient, namespace: str, domain: str, rng: random.Random | None = None,
+    def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, rng: random.Random | None = None,
                  clock: Clock | None = None, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
@@ -106,7 +106,7 @@ class MemberWriter(DomainView):
             body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
                                                     "uid": self.owner["uid"]}]
         if self.heartbeat_interval > 0:
-            body["spec"]["heartbeat"] = dt.datetime.fromtimestamp(self.clock.wall(), dt.timezone.utc).strftime(
+            body["spec"]["heartbeat"] = dt.datetime.fromtimestamp(self.clock.wall(), dt.UTC).strftime(
                 "%Y-%m-%dT%H:%M:%S.%fZ")
             body["spec"]["heartbeatIntervalSeconds"] = self.heartbeat_interval
         self.stats.calls += 1
@@ -220,8 +220,9 @@ class HeartbeatTracker:
 class Aggregator:
     """Folds a domain's members into its status; one per domain (the cluster agent runs it)."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1,
-                 heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
+                 heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
+                 rng: random.Random | None = None) -> None:
         self.api = api
         self.clock = clock or SystemClock()
         self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, self.clock.monotonic)
@@ -233,7 +234,7 @@ class Aggregator:
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random(), self.clock)
+        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock)
         self.writes = 0
 
     def _spec(self, member: Any) -> dict[str, Any] | None:
@@ -293,7 +294,7 @@ class Aggregator:
             with self._lock:
                 members = dict(self.members)
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            if self.writer.update(lambda obj: fold(obj, members, silent), f"fold {len(members)} members",
+            if self.writer.update(functools.partial(fold, members=members, silent=silent), f"fold {len(members)} members",
                                   self._stop.is_set, None):
                 self.writes += 1
 
@@ -316,8 +317,9 @@ class EveryDomainAggregator:
     MAX_INTERVAL = 1.0
 
     def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0,
-                 interval: float = 0.1, clock: Clock | None = None) -> None:
+                 interval: float = 0.1, clock: Clock | None = None, rng: random.Random | None = None) -> None:
         self.api = api
+        self._seed = (rng or random.Random()).getrandbits(64)  # each domain's writer draws from its own source
         self.clock = clock or SystemClock()
         self.namespace = namespace
         self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
@@ -335,7 +337,9 @@ class EveryDomainAggregator:
             for agg in self.aggregators.values():
                 agg.interval = interval
             for name in sorted(names - set(self.aggregators)):
-                agg = Aggregator(self.api, self.namespace, name, interval, self.heartbeat_ttl_intervals, self.clock)
+                agg = Aggregator(self.api, self.namespace, name, interval=interval,
+                                 heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
+                                 rng=random.Random(f"{self._seed}/{name}"))
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)

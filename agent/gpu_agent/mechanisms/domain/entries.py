@@ -48,8 +48,8 @@ def nodes_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
 def lowest_free_index(nodes: list[dict[str, Any]], me: str) -> int:
     """This node's index: its current one if it has one, else the lowest not in use (gaps fill)."""
     for n in nodes:
-        if n.get("name") == me and isinstance(n.get("index"), int):
-            return n["index"]
+        if n.get("name") == me and isinstance(index := n.get("index"), int):
+            return index
     used = {n.get("index") for n in nodes if n.get("name") != me}
     index = 0
     while index in used:
@@ -70,7 +70,7 @@ def with_entry(obj: dict[str, Any], entry: Entry) -> dict[str, Any] | None:
     current = next((n for n in nodes if n.get("name") == entry.name), None)
     expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
     others = [n for n in nodes if n.get("name") != entry.name]
-    new_nodes = sorted(others + [wanted], key=lambda n: (n.get("clique") or "", n["index"]))
+    new_nodes = sorted([*others, wanted], key=lambda n: (n.get("clique") or "", n["index"]))
     status, ready = overall(new_nodes, expected)
     old_status = (obj.get("status") or {})
     if current == wanted and old_status.get("status") == status and old_status.get("readyNodes") == ready:

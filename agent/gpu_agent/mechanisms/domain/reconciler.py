@@ -23,8 +23,8 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+from gpu_agent.mechanisms.domain.entries import Entry, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
 
 log = get_logger(__name__)
@@ -42,7 +42,7 @@ def render_peers(namespace: str, name: str, obj: dict[str, Any], clique: str = "
 
 
 class DomainReconciler:
-    def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
+    def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, *, node: str, ip: str, peers_file: Path | None,
                  resync_seconds: float = 60.0, health_component: str | None = "domain", clock: Clock | None = None) -> None:
         self.writer = writer
         self.clock = clock or SystemClock()
@@ -132,7 +132,7 @@ class DomainReconciler:
                     self.trigger("resync")
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
-                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda: self.generation != generation)
+                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda generation=generation: self.generation != generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self._health(True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "

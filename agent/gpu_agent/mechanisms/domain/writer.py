@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
+from typing import Any, cast
 
 from kubernetes import client
 
@@ -89,13 +89,14 @@ class DomainWriter(DomainView):
     clock: Clock = field(default_factory=SystemClock)  # its retries wait on it
     stats: WriteStats = field(default_factory=WriteStats)
     cached: dict[str, Any] | None = None
+    custom_api: InitVar[client.CustomObjectsApi | None] = None  # the API client's unless handed one (tests)
 
-    def __post_init__(self) -> None:
-        self.custom = client.CustomObjectsApi(self.api)
+    def __post_init__(self, custom_api: client.CustomObjectsApi | None) -> None:
+        self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(self.api)
 
     def read(self) -> dict[str, Any]:
         self.stats.calls += 1
-        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT)
+        obj = cast("dict[str, Any]", self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT))
         self.observe(obj)
         return obj
 
@@ -114,8 +115,8 @@ class DomainWriter(DomainView):
                 if new is None:
                     return True  # already so in the newest view we have
                 self.stats.calls += 1
-                written = self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL,
-                                                                              self.name, new, _request_timeout=REQUEST_TIMEOUT)
+                written = cast("dict[str, Any]", self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL,
+                                                                              self.name, new, _request_timeout=REQUEST_TIMEOUT))
                 self.stats.writes += 1
                 self.cached = written
                 log.v(3, "domain update: %s in %s (attempt %d)", what, self.where, attempt)

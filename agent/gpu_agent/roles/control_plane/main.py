@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
