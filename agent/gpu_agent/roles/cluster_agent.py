@@ -30,15 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
+from gpu_agent.foundations.config import VERBOSITY, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.randomness import RandomSources
+from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.executor import Executor, RecordingExecutor
@@ -104,7 +105,45 @@ SETTINGS = [
 ]
 
 
-def make_executor(cfg: Config, clock: Clock) -> Executor:
+class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
+    """The settings above, typed (`Config.problems` holds the two to each other)."""
+    listenAddress: str
+    controlPlaneUrl: str
+    controlPlaneToken: Secret
+    controlPlaneTokenFile: str
+    clusterId: str
+    registrationRetryInitial: float
+    registrationRetryMax: float
+    registrationRetryJitter: float
+    reregistrationInterval: float
+    credentialRenewInterval: float
+    requestTimeout: float
+    leaseSeconds: float
+    queuePollInterval: float
+    queueLongPoll: float
+    executor: str
+    executorJournal: str
+    executorWorkSeconds: float
+    workNamespace: str
+    workImage: str
+    releaseName: str
+    domainName: str
+    domainNamespace: str
+    foldAllDomains: bool
+    domainHeartbeatTtl: float
+    featureGates: dict[str, bool]
+    kubeconfig: str
+    identity: str
+    leaderElection: bool
+    leaderElectionLeaseName: str
+    leaderElectionNamespace: str
+    leaderElectionOwner: str
+    leaderElectionLeaseDuration: float
+    leaderElectionRenewDeadline: float
+    leaderElectionRetryPeriod: float
+
+
+def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
         from kubernetes import client
@@ -118,7 +157,7 @@ def make_executor(cfg: Config, clock: Clock) -> Executor:
 
 
 class ClusterAgent:
-    def __init__(self, cfg: Config, clock: Clock | None = None, rng: random.Random | None = None) -> None:
+    def __init__(self, cfg: ClusterAgentConfig, clock: Clock | None = None, rng: random.Random | None = None) -> None:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
@@ -140,7 +179,7 @@ class ClusterAgent:
         self.queue = self._queue()
         self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health,
                                         poll_interval=cfg.gpuPollInterval, on_change=self._gpus_changed,
-                                        loss_debounce=cfg.gpuLossDebounce,
+                                        loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         self.elector: LeaderElector | None = None
         self.aggregator: Aggregator | EveryDomainAggregator | None = None

@@ -294,8 +294,8 @@ class Aggregator:
             with self._lock:
                 members = dict(self.members)
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            if self.writer.update(functools.partial(fold, members=members, silent=silent), f"fold {len(members)} members",
-                                  self._stop.is_set, None):
+            change = functools.partial(fold, members=members, silent=silent)
+            if self.writer.update(change, f"fold {len(members)} members", self._stop.is_set, None):
                 self.writes += 1
 
     def stop(self) -> None:

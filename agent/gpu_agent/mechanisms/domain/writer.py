@@ -96,7 +96,8 @@ class DomainWriter(DomainView):
 
     def read(self) -> dict[str, Any]:
         self.stats.calls += 1
-        obj = cast("dict[str, Any]", self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT))
+        obj = cast("dict[str, Any]", self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT))
         self.observe(obj)
         return obj
 
@@ -115,8 +116,8 @@ class DomainWriter(DomainView):
                 if new is None:
                     return True  # already so in the newest view we have
                 self.stats.calls += 1
-                written = cast("dict[str, Any]", self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL,
-                                                                              self.name, new, _request_timeout=REQUEST_TIMEOUT))
+                written = cast("dict[str, Any]", self.custom.replace_namespaced_custom_object_status(
+                    GROUP, VERSION, self.namespace, PLURAL, self.name, new, _request_timeout=REQUEST_TIMEOUT))
                 self.stats.writes += 1
                 self.cached = written
                 log.v(3, "domain update: %s in %s (attempt %d)", what, self.where, attempt)
