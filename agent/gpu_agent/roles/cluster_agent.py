@@ -273,7 +273,8 @@ class ClusterAgent:
 
         api = api_client(self.cfg.kubeconfig)
         if self.cfg.foldAllDomains:  # the named domain is one of them
-            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace, self.cfg.domainHeartbeatTtl,
+            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace,
+                                                    heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl,
                                                     clock=self.clock, rng=self.random.for_("domains"))
             log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
         else:
