@@ -63,7 +63,8 @@ async def test_a_failing_item_goes_back_with_its_reason_and_the_next_item_runs_a
 
     clock = ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
-                             health=HealthRegistry(clock, ["queues"]), metrics=metrics, lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             health=HealthRegistry(clock, ["queues"]), metrics=metrics,
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     assert await consumer.step() and await consumer.step()
     assert control_plane.released == [("poison", "creating pod ns/gpu-work-poison failed: 422 Unprocessable Entity")]
@@ -108,7 +109,8 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
 
     clock = ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Blocking(), clock=clock,
-                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     first = asyncio.ensure_future(consumer.step())
     for _ in range(500):  # poll to a deadline: the long item is running
@@ -151,7 +153,8 @@ async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_d
 
     clock = ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
-                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     stepping = asyncio.ensure_future(consumer.step())
     for _ in range(100):  # the retry waits on the injected clock
@@ -186,7 +189,8 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
 
     control_plane, clock = LateTerm([item(1, "a")]), ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock=clock,
-                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     consumer.new_term(LeaderToken("gpu-agent", "uid", 4))
     await consumer.set_open(True, "")
     assert not await consumer.step()  # fenced under term 1
@@ -197,7 +201,8 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
     # Without a Lease (no leader election) nothing says this agent should lead: fenced for good.
     terms = iter([1])
     alone = QueueConsumer(LateTerm([item(2, "b")]), lambda: Secret("credential-0123456789"), Executor(), clock=clock,
-                          health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                          health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                          lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     alone.new_term()
     await alone.set_open(True, "")
     assert not await alone.step() and not alone.active and not await alone.step()
@@ -218,7 +223,8 @@ async def test_an_attempt_the_infrastructure_prevented_goes_back_without_countin
 
     control_plane, clock = ScriptedControlPlane([item(1, "a")]), ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Outage(), clock=clock,
-                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     stepping = asyncio.ensure_future(consumer.step())
     await clock.settle()
@@ -241,7 +247,8 @@ async def test_an_item_whose_last_attempt_failed_is_counted_in_healthz_and_the_m
     clock, metrics = ManualClock(), AgentMetrics()
     health = HealthRegistry(clock, ["queues"])
     consumer = QueueConsumer(LastAttempt([item(1, "poison", poison=True)]), lambda: Secret("credential-0123456789"),
-                             Executor(), clock=clock, health=health, metrics=metrics, lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+                             Executor(), clock=clock, health=health, metrics=metrics,
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     assert await consumer.step()
     details = health.get("queues").details

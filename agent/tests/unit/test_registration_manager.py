@@ -83,7 +83,8 @@ class Harness:
         self.manager = RegistrationManager(
             self.cp, Secret("registration-token-xyz"),
             settings=RegistrationSettings("c1", initial, cap, jitter, reregister, renew),
-            clock=self.clock, rng=rng, health=self.health, metrics=self.metrics, gate=Gate(self.clock), on_readiness=self._on_ready, offload=inline)
+            clock=self.clock, rng=rng, health=self.health, metrics=self.metrics,
+            gate=Gate(self.clock), on_readiness=self._on_ready, offload=inline)
 
     async def _on_ready(self, ready, reason):
         self.transitions.append((self.clock.monotonic() - 1000.0, ready, reason))

@@ -237,11 +237,12 @@ class Aggregator:
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None) -> None:
+        """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
         self.api = api
         self.clock = clock or SystemClock()
         self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, self.clock.monotonic)
-        self.custom = client.CustomObjectsApi(api)
+        self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
         self.interval = interval
@@ -249,7 +250,8 @@ class Aggregator:
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock)
+        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock,
+                                   custom_api=custom_api)
         self.writes = 0
 
     def _spec(self, member: Any) -> MemberSpec | None:
