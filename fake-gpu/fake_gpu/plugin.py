@@ -68,7 +68,7 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  #
     def GetDevicePluginOptions(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method names
         return api_pb2.DevicePluginOptions()
 
-    def ListAndWatch(self, request: Message, context: grpc.ServicerContext) -> Iterator[Message]:  # noqa: N802
+    def ListAndWatch(self, request: Message, context: grpc.ServicerContext) -> Iterator[Message]:  # noqa: N802 - gRPC method name
         version, inventory = -1, None
         while not self.stopping.is_set() and context.is_active():
             new_version, inventory = self.devices.wait_newer(version, timeout=1.0)
@@ -78,7 +78,7 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  #
             log.info("advertising %d fake GPUs to kubelet", inventory.count)
             yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=g.uuid, health="Healthy") for g in inventory.gpus])
 
-    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         known = self.devices.get().uuids
         responses = []
         for req in request.container_requests:
@@ -92,10 +92,10 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  #
                 mounts=[api_pb2.Mount(container_path=STATE_IN_CONTAINER, host_path=self.host_state_file, read_only=True)]))
         return api_pb2.AllocateResponse(container_responses=responses)
 
-    def GetPreferredAllocation(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def GetPreferredAllocation(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         return api_pb2.PreferredAllocationResponse()
 
-    def PreStartContainer(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def PreStartContainer(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         return api_pb2.PreStartContainerResponse()
 
 

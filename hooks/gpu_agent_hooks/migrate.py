@@ -63,7 +63,7 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
                 try:
                     obj = custom.get_namespaced_custom_object(group, storage, namespace, plural, obj_name,
                                                              _request_timeout=REQUEST_TIMEOUT)
-                except Exception as again:  # noqa: BLE001
+                except Exception as again:  # noqa: BLE001 - as above
                     if _status(again) == 404:
                         gone += 1
                         break

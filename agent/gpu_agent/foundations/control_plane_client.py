@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, ClassVar, TypeVar, overload
 
 import requests
@@ -94,7 +95,29 @@ class WorkItem:
     fence: Fence | None = None  # the term it was leased under; its ack, renewal and release name it
 
 
+class Released(StrEnum):
+    """What releasing an item did."""
+    RELEASED = "released"
+    RETRYING = "retrying"  # an attempt failed: the item comes back after a backoff
+    FAILED = "failed"  # its last attempt failed: failed for good
+
+
+class ItemState(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+
+
 _T = TypeVar("_T")
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _one_of(kind: type[_E], value: str, name: str, where: str) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ProtocolError(f"{where}: field {name!r} is not one of {', '.join(kind)}") from None
 
 
 @overload
@@ -220,23 +243,20 @@ class ControlPlaneClient:
         self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
                    self._lease_ref(item, leaseSeconds=lease_seconds))
 
-    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> str:
+    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> Released:
         """Give the item back; with `error` (why its execution failed) the control plane counts a failed
         attempt and holds the item back for a backoff, or fails it after its last attempt. The answer:
-        "released", "retrying" or "failed" (no attempt left: the item is failed for good)."""
+        RELEASED, RETRYING or FAILED (no attempt left: the item is failed for good)."""
         where = f"POST /v1/queue/items/{item.item_id}/release"
         extra = {"error": error[:4000]} if error else {}
         _, doc = self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
-        return str(_field(doc, "result", str, where))
+        return _one_of(Released, _field(doc, "result", str, where), "result", where)
 
-    def item_state(self, credential: Secret, item_id: int) -> str:
-        """"queued", "leased", "done" or "failed" (Rejected, status 404: no such item)."""
+    def item_state(self, credential: Secret, item_id: int) -> ItemState:
+        """The item's state (Rejected, status 404: no such item)."""
         where = f"GET /v1/queue/items/{item_id}"
         _, doc = self._call("GET", f"/v1/queue/items/{item_id}", credential)
-        state: str = _field(doc, "state", str, where)
-        if state not in ("queued", "leased", "done", "failed"):
-            raise ProtocolError(f"{where}: field 'state' is not one of queued, leased, done, failed")
-        return state
+        return _one_of(ItemState, _field(doc, "state", str, where), "state", where)
 
     def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
         return self._objects("/v1/queue/deliveries", "deliveries", admin_token)

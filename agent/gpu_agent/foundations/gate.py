@@ -33,7 +33,7 @@ class Gate:
 
     @contextlib.asynccontextmanager
     # `timeout` is measured on the injected clock, which asyncio.timeout cannot use.
-    async def hold(self, purpose: str, timeout: float | None = None) -> AsyncIterator[None]:  # noqa: ASYNC109
+    async def hold(self, purpose: str, timeout: float | None = None) -> AsyncIterator[None]:  # noqa: ASYNC109 - see above
         started = self._clock.monotonic()
         try:
             if timeout is None:

@@ -429,3 +429,24 @@ def test_each_kind_of_failure_is_its_own_type_and_only_the_unanswered_are_recove
                      Unauthorized: ("unauthorized", False), Fenced: ("fenced", False), Rejected: ("rejected", False)}
     assert all(issubclass(cls, ControlPlaneError) for cls in kinds)
     assert Rejected("GET /v1/queue/items/9: 404 no item 9", 404).status == 404
+
+
+def test_a_release_and_a_state_are_answered_as_enums_and_a_value_outside_them_is_a_protocol_error(cp):
+    from gpu_agent.foundations.control_plane_client import ItemState, ProtocolError, Released
+
+    _, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    item = client.lease(cred, 30)
+    assert client.item_state(cred, item.item_id) is ItemState.LEASED
+    assert client.release(cred, item) is Released.RELEASED
+
+    class OneAnswer(requests.Session):
+        """A control plane that answers a state it does not have."""
+
+        def request(self, method, url, **kwargs):
+            answer = requests.Response()
+            answer.status_code, answer._content = 200, b'{"id": 1, "state": "lost"}'
+            return answer
+    with pytest.raises(ProtocolError, match="field 'state' is not one of queued, leased, done, failed"):
+        ControlPlaneClient("http://cp.invalid", session=OneAnswer()).item_state(cred, 1)

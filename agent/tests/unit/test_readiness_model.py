@@ -22,7 +22,7 @@ def agent(tmp_path, leader_election=True):
 def state(a):
     snap = a.health.snapshot()
     metrics = a.metrics.render().decode()
-    gauge = lambda name: float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")))  # noqa: E731
+    gauge = lambda name: float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")))  # noqa: E731 - a one-line reader, local to the helper
     return (snap["status"], snap["active"], snap["components"]["queues"]["ready"],
             gauge("gpu_agent_ready"), gauge("gpu_agent_active"))
 

@@ -43,6 +43,7 @@ from gpu_agent.foundations.control_plane_client import (
     ControlPlaneError,
     Fence,
     Fenced,
+    Released,
     Unauthorized,
     WorkItem,
 )
@@ -224,7 +225,7 @@ class QueueConsumer:
             self.metrics.items.labels("failed").inc()
             self.failed_attempts += 1
             answer = await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
-            if answer == "failed":
+            if answer == Released.FAILED:
                 log.error("item %d (key %s) failed for good: no attempt left (`gpu-agent queue list` shows why)",
                           item.item_id, item.idempotency_key)
                 self.failed_items += 1

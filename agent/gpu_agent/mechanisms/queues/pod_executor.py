@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
@@ -235,7 +235,7 @@ class PodExecutor:
         swept = 0
         for pod in pods:
             item_id = (pod.metadata.annotations or {}).get(ITEM_ID, "")
-            if not item_id.isdigit() or await item_state(int(item_id)) not in ("done", "failed"):
+            if not item_id.isdigit() or await item_state(int(item_id)) not in (ItemState.DONE, ItemState.FAILED):
                 continue
             log.info("work pod %s/%s belongs to item %s, which is finished; deleting it", self.namespace,
                      pod.metadata.name, item_id)
