@@ -172,15 +172,15 @@ class ClusterAgent:
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
-        # The parts, in the order of the module docstring's picture (the elector and the aggregator are
-        # made when they start: both need the Kubernetes API).
-        self.executor = make_executor(cfg, self.clock)
-        self.registration = self._registration()
-        self.queue = self._queue()
+        # The parts, as the module docstring draws them (the elector and the aggregator are made when
+        # they start: both need the Kubernetes API).
         self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health,
                                         poll_interval=cfg.gpuPollInterval, on_change=self._gpus_changed,
                                         loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
+        self.registration = self._registration()
+        self.executor = make_executor(cfg, self.clock)
+        self.queue = self._queue()
         self.elector: LeaderElector | None = None
         self.aggregator: Aggregator | EveryDomainAggregator | None = None
         host, _, port = cfg.listenAddress.rpartition(":")

@@ -161,6 +161,6 @@ class InventoryMonitor:
         while True:
             try:
                 await self.poll_once()
-            except Exception as e:
+            except Exception as e:  # the monitor must outlive any one bad read
                 log.error("GPU inventory poll failed unexpectedly: %s", e, exc_info=True)
             await self.clock.sleep(self.poll_interval)

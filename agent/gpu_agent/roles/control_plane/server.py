@@ -288,7 +288,7 @@ class ControlPlane:
         except Refused as e:
             status = e.status
             return http.error(start_response, e.status, str(e), e.headers)
-        except Exception:
+        except Exception:  # a bug, not the client's doing: logged, answered 500
             log.error("%s %s failed", method, quote(path), exc_info=True)
             return http.error(start_response, 500, "internal error")
         finally:
