@@ -123,7 +123,9 @@ def delete_stale_lease(api: client.ApiClient, namespace: str, name: str) -> None
 
 
 def elects(dep: client.V1Deployment) -> bool:
-    """Whether the deployed cluster agent takes part in leader election (0.2.0 on)."""
+    """Whether the deployed cluster agent takes part in leader election (0.2.0 on). Every chart since 0.2 passes
+    `--leader-election=true` as a flag, also since its other settings moved into the agent's config file (the
+    ConfigMap): keep it a flag, or this cannot tell an agent that elects."""
     pod = dep.spec.template.spec if dep.spec else None
     return any("--leader-election=true" in (c.args or []) for c in (pod.containers if pod else []))
 
