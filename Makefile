@@ -30,9 +30,12 @@ run: setup
 ## test: every test (lint, unit, integration, then the e2e suite on the CI cluster; needs root)
 test: lint test-unit test-integration e2e
 
+## lint: the layers (import-linter), ruff over every Python file and mypy --strict over the three packages (both
+## configured in pyproject.toml)
 lint: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pyflakes agent fake-gpu/fake_gpu/*.py fake-gpu/tests hooks e2e ci/tools scripts/*.py
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test-unit: setup
 	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests

@@ -17,13 +17,20 @@ from e2e.cluster import tool
 from e2e.helpers import pod_http_get, wait_until
 from e2e.release import APP_VERSION, BASE, CA, CHART, Release, helm
 
+
 def render(*sets: str) -> list[dict]:
     out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
 def cluster_agent_deployment(docs):
-    return [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent")][0]
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent"))
+
+
+def agent_config(docs, agent):
+    """The settings in an agent's ConfigMap (what `--config` reads)."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"t-gpu-agent-{agent}"]
+    return yaml.safe_load(cm["data"]["config.yaml"])
 
 
 def test_helm_lint_and_rendered_manifests_pass_the_api_servers_validation(kubeconfig, namespace):
@@ -84,7 +91,7 @@ def test_rendered_strategy_follows_the_readiness_model():
 
 def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_selector_wins():
     def node_agent(*sets):
-        return [d for d in render(*sets) if d["kind"] == "DaemonSet"][0]["spec"]["template"]["spec"]
+        return next(d for d in render(*sets) if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
 
     spec = node_agent()
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
@@ -117,18 +124,71 @@ def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_ren
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
     assert "'gpu-agent.io/leader' in object.metadata.annotations" in policy["spec"]["matchConditions"][0]["expression"]
     assert [v["reason"] for v in policy["spec"]["validations"]] == ["Forbidden"]
-    args = cluster_agent_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["args"]
-    lease = [a.split("=", 1)[1] for a in args if a.startswith("--leader-election-lease-name=")]
+    lease = agent_config(docs, "cluster-agent")["leaderElectionLeaseName"]
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert binding["spec"]["paramRef"] == {"name": lease[0], "namespace": "ns", "parameterNotFoundAction": "Deny"}
+    assert binding["spec"]["paramRef"] == {"name": lease, "namespace": "ns", "parameterNotFoundAction": "Deny"}
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert binding["spec"]["matchResources"] == {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ns"}},
         "objectSelector": {"matchLabels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "t"}}}
-    role = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent")][0]
-    assert "patch" in [r for r in role["rules"] if r["resources"] == ["pods"]][0]["verbs"]  # the finalizer's release
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent"))
+    assert "patch" in next(r for r in role["rules"] if r["resources"] == ["pods"])["verbs"]  # the finalizer's release
     assert fencing("--set", "clusterAgent.workPodFencing=false")[:2] == ([], [])
     assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
+
+
+def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_user_set_reach_the_config():
+    def agents(*sets):
+        docs = render(*sets)
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        return ([cluster_agent_deployment(docs), ds], [agent_config(docs, "cluster-agent"), agent_config(docs, "node-agent")])
+
+    (ca, na), (ca_config, na_config) = agents()
+    container = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in (ca, na)}
+    # The hooks (and 0.2's) tell an agent that elects by its --leader-election=true; the rest is in the ConfigMap.
+    assert container["t-gpu-agent-cluster-agent"]["args"] == [
+        "cluster-agent", "--config=/etc/gpu-agent/config.yaml", "--leader-election=true"]
+    assert container["t-gpu-agent-node-agent"]["args"] == ["node-agent", "--config=/etc/gpu-agent/config.yaml"]
+    for d in (ca, na):
+        mounts = d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "config", "mountPath": "/etc/gpu-agent", "readOnly": True} in mounts
+    # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
+    assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
+                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile",
+                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"}
+    assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
+    assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
+
+    (ca2, na2), (ca2_config, na2_config) = agents(
+        "--set", "clusterAgent.registrationRetryMax=40", "--set", "clusterAgent.config.leaseSeconds=60",
+        "--set", "logVerbosity=2", "--set", "domain.name=d1", "--set", "domain.heartbeatInterval=1")
+    assert ca2_config["registrationRetryMax"] == 40 and ca2_config["leaseSeconds"] == 60 and ca2_config["verbosity"] == 2
+    assert na2_config["domainHeartbeatInterval"] == 1 and na2_config["verbosity"] == 2
+    rendered = yaml.safe_dump_all([ca2, na2])
+    assert "registration-retry-max" not in rendered and "lease-seconds" not in rendered and "-v=" not in rendered
+    assert "registrationRetryInitial" not in ca2_config and "domainHeartbeatTtl" not in ca2_config  # set nowhere
+    assert "reregistration" not in yaml.safe_dump_all(render("--set", "clusterAgent.registrationRetryMax=40"))
+    # A changed setting rolls the pods (a new pod template), an unchanged one does not.
+    checksum = [d["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for d in (ca, na, ca2, na2)]
+    assert checksum[0] != checksum[2] and checksum[1] != checksum[3]
+    assert checksum[:2] == [d["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for d in agents()[0]]
+
+
+CONFIG_REFUSED = [
+    (["--set", "logVerbosity=2", "--set", "clusterAgent.config.verbosity=3"], "clusterAgent.config.verbosity (3) and logVerbosity (2)"),
+    (["--set", "clusterAgent.config.listenAddress=0.0.0.0:1"], "listenAddress"),
+    (["--set", "nodeAgent.config.noSuchSetting=1"], "noSuchSetting"),
+    (["--set", "clusterAgent.config.leaseSeconds=0"], "leaseSeconds"),
+    (["--set", "clusterAgent.leaderElection.leaseDuration=5", "--set", "clusterAgent.config.leaderElectionRenewDeadline=6"],
+     "retryPeriod < renewDeadline < leaseDuration"),
+]
+
+
+@pytest.mark.parametrize("sets,named", CONFIG_REFUSED, ids=[n[:40] for _, n in CONFIG_REFUSED])
+def test_a_config_setting_the_chart_wires_or_a_conflicting_one_is_refused_naming_it(sets, named):
+    r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr
 
 
 def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
@@ -374,7 +434,8 @@ def test_pull_secrets_pod_metadata_and_extra_env_reach_every_workload():
     assert len(pods) >= 6
     assert all(t["spec"].get("imagePullSecrets") == [{"name": "regcred"}] for t in pods.values()), "a workload lacks the pull secret"
     by_suffix = {name.rsplit("-gpu-agent-", 1)[1]: t for name, t in pods.items()}
-    assert by_suffix["cluster-agent"]["metadata"]["annotations"] == {"a": "b"}
+    assert by_suffix["cluster-agent"]["metadata"]["annotations"] == {
+        "a": "b", "checksum/config": by_suffix["cluster-agent"]["metadata"]["annotations"]["checksum/config"]}
     assert by_suffix["node-agent"]["metadata"]["labels"]["team"] == "gpu"
     assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in by_suffix["control-plane"]["spec"]["containers"][0]["env"]
 
@@ -485,7 +546,7 @@ def test_monitors_and_the_control_planes_claim_render_only_when_asked():
         assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in target["spec"]["ports"]]
     (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
     (cp,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
-    data = [v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data"][0]
+    data = next(v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
     assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 

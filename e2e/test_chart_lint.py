@@ -40,10 +40,8 @@ MATRIX = {
         "--set", "clusterAgent.extraVolumes[0].name=ca", "--set", "clusterAgent.extraVolumes[0].configMap.name=ca",
         "--set", "clusterAgent.extraVolumeMounts[0].name=ca", "--set", "clusterAgent.extraVolumeMounts[0].mountPath=/etc/ssl/custom",
         "--set", "fullnameOverride=gpu-agent"]),
-    "gpu-agent high availability (disruption budget, critical-priority quota)": (CHART, EXTERNAL_CP + [
-        "--set", "clusterAgent.replicas=2", "--set", "nodeAgent.priorityQuota.enabled=true"]),
-    "gpu-agent without node agents or skew check": (CHART, EXTERNAL_CP + [
-        "--set", "nodeAgent.enabled=false", "--set", "hooks.skewCheck=false"]),
+    "gpu-agent high availability (disruption budget, critical-priority quota)": (CHART, [*EXTERNAL_CP, "--set", "clusterAgent.replicas=2", "--set", "nodeAgent.priorityQuota.enabled=true"]),
+    "gpu-agent without node agents or skew check": (CHART, [*EXTERNAL_CP, "--set", "nodeAgent.enabled=false", "--set", "hooks.skewCheck=false"]),
     "fake-gpu defaults": (FAKE_GPU_CHART, []),
     "fake-gpu with a default count": (FAKE_GPU_CHART, ["--set", "defaultCount=4", "--set", "maxCount=8"]),
 }
@@ -70,7 +68,7 @@ def schemas(tmp_path_factory) -> Path:
             ref = node.get("$ref")  # (a property may be named "$ref" too: then it is a dict)
             if isinstance(ref, str) and "#/$defs/" in ref:
                 name = ref.rsplit("/", 1)[1]
-                return {} if name in path else inline(defs[name], path + (name,))
+                return {} if name in path else inline(defs[name], (*path, name))
             return {k: inline(v, path) for k, v in node.items() if k != "$schema"}
         if isinstance(node, list):
             return [inline(v, path) for v in node]
@@ -85,7 +83,7 @@ def schemas(tmp_path_factory) -> Path:
         name = f"{kind.lower()}{suffix}.json"
         if kind == "GPUDomain":
             crd = yaml.safe_load((CHART / "crds" / "gpudomain.yaml").read_text())
-            version = [v for v in crd["spec"]["versions"] if v["name"] == group_version[1]][0]
+            version = next(v for v in crd["spec"]["versions"] if v["name"] == group_version[1])
             schema = version["schema"]["openAPIV3Schema"]
             schema.setdefault("properties", {}).update({"apiVersion": {"type": "string"}, "kind": {"type": "string"},
                                                         "metadata": {"type": "object"}})

@@ -216,7 +216,7 @@ def test_two_racks_number_their_nodes_per_clique_and_a_node_moved_to_the_other_r
         assert by_rack == {"rack-a": [0, 1, 2], "rack-b": [0, 1, 2]}, layout()[0]
         assert layout()[1]["cliques"] == [{"id": "rack-a", "nodes": 3, "readyNodes": 3},
                                           {"id": "rack-b", "nodes": 3, "readyNodes": 3}]
-        for rack, nodes in racks.items():
+        for nodes in racks.values():
             for node in nodes:
                 wait_until(lambda node=node, nodes=nodes: peers_of(agents[node]) == nodes, 15, f"{node}'s peers: its rack")
         started = time.monotonic()

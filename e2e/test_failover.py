@@ -464,10 +464,10 @@ def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeco
                     try:
                         # The Lease first (one quick read; probing the stopped pod costs its timeout), then the new
                         # leader's own /healthz.
-                        successor = wait_until(lambda: (lambda h: h if h not in (None, leader) else None)(cluster.leader()),
+                        successor = wait_until(lambda leader=leader: (lambda h: h if h not in (None, leader) else None)(cluster.leader()),
                                                LEASE + RENEW + 30, "another holder of the Lease", interval=0.1)
                         took_lease = time.monotonic() - started
-                        wait_until(lambda: successor in cluster.leasing(), 30, "the new holder leasing", interval=0.2)
+                        wait_until(lambda successor=successor: successor in cluster.leasing(), 30, "the new holder leasing", interval=0.2)
                         print(f"\npaused leader: the Lease changed hands {took_lease:.1f} s after SIGSTOP, the new "
                               f"holder leased {time.monotonic() - started:.1f} s after")
                     finally:
@@ -477,7 +477,7 @@ def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeco
                             pass  # its liveness probe failed meanwhile and the kubelet killed it: a restart
                 elif what == "cut leader off the API server":
                     leader = the_leader(cluster)
-                    cut_off_api_server(cluster, leader, LEASE + RENEW + 30, lambda: any(p != leader for p in cluster.leasing()))
+                    cut_off_api_server(cluster, leader, LEASE + RENEW + 30, lambda leader=leader: any(p != leader for p in cluster.leasing()))
                 elif what == "poison item":  # never schedulable: failed after its attempts, nothing behind it waits
                     key = f"chaos-poison-{i}"
                     cluster.release.control_plane(f"c.enqueue(t, {key!r}, {{'gpus': 64}})\n")

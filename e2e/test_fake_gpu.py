@@ -12,6 +12,7 @@ from kubernetes import client
 from e2e.cluster import host_paths, restart_kubelet
 from e2e.helpers import apply, pod_http_get, wait_until
 
+
 def pod_log(core, ns, name, timeout=60):
     wait_until(lambda: core.read_namespaced_pod(name, ns).status.phase in ("Succeeded", "Failed", "Running"), timeout,
                f"pod {name} to run")
@@ -86,7 +87,7 @@ def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_g
 
     def heartbeat_after_restart():
         node = core.read_node(fake_gpus.node)
-        ready = [c for c in node.status.conditions if c.type == "Ready"][0]
+        ready = next(c for c in node.status.conditions if c.type == "Ready")
         return ready.status == "True" and ready.last_heartbeat_time.timestamp() > restarted_at
 
     wait_until(lambda: "registration 2" in plugin_log(), 60, "the plugin to register again with the new kubelet")
@@ -159,7 +160,7 @@ def test_fake_gpu_labels_its_nodes_as_gpu_feature_discovery_would_and_the_count_
     for count in (3, 0, 5, 0):
         allocatable.append(fake_gpus.set(count))
         started = time.monotonic()
-        wait_until(lambda: labels().get(GFD_COUNT) == str(count), 10, f"label {GFD_COUNT}={count}", interval=0.05)
+        wait_until(lambda count=count: labels().get(GFD_COUNT) == str(count), 10, f"label {GFD_COUNT}={count}", interval=0.05)
         took.append(time.monotonic() - started)
         assert labels()[GFD_PRESENT] == "true"
     print(f"\ncount label followed 3, 0, 5, 0: current at most {max(took):.2f} s after allocatable was "
@@ -225,8 +226,7 @@ def test_notes_warn_when_no_node_matches_the_node_agents_placement_and_say_how_t
     node = fake_gpus.node
     # NoSchedule only, for the few seconds of two dry runs: running pods stay; nothing is scheduled meanwhile.
     taints = [{"key": t.key, "value": t.value, "effect": t.effect} for t in core.read_node(node).spec.taints or []]
-    core.patch_node(node, {"spec": {"taints": taints + [
-        {"key": "gpu-agent.io/e2e-untolerated", "value": "x", "effect": "NoSchedule"}]}})
+    core.patch_node(node, {"spec": {"taints": [*taints, {"key": "gpu-agent.io/e2e-untolerated", "value": "x", "effect": "NoSchedule"}]}})
     try:
         assert "WARNING: none of the cluster's 1 node(s) matches" in notes()
         assert "now on 1 of 1 node(s)" in notes("--set", "nodeAgent.tolerations[0].operator=Exists")

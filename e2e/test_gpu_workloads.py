@@ -84,7 +84,7 @@ def test_stress_pods_times_loops_leave_nothing_behind(fake_gpus, api, core, name
         prefix = f"s{loop}"
         apply(api, namespace, "gpu-pods.yaml.j2", prefix=prefix, count=pods)
         names = [f"{prefix}-{i}" for i in range(pods)]
-        wait_until(lambda: all(ready(core, namespace, n) for n in names), 180, f"loop {loop}: {pods} pods Ready", interval=0.5)
+        wait_until(lambda names=names: all(ready(core, namespace, n) for n in names), 180, f"loop {loop}: {pods} pods Ready", interval=0.5)
         uuids = []
         for n in names:
             lines = wait_until(lambda n=n: uuid_lines(log_of(core, namespace, n)), 30, f"{n}'s UUID line")
@@ -92,7 +92,7 @@ def test_stress_pods_times_loops_leave_nothing_behind(fake_gpus, api, core, name
             uuids.append(uuid_of(lines[0]))
         assert len(set(uuids)) == pods, f"loop {loop}: a GPU was given to two pods: {sorted(uuids)}"
         core.delete_collection_namespaced_pod(namespace, label_selector=f"stress={prefix}")
-        wait_until(lambda: not core.list_namespaced_pod(namespace, label_selector=f"stress={prefix}").items, 90,
+        wait_until(lambda prefix=prefix: not core.list_namespaced_pod(namespace, label_selector=f"stress={prefix}").items, 90,
                    f"loop {loop}: pods gone", interval=0.5)
         times.append(time.monotonic() - started)
     warnings = [e for e in core.list_namespaced_event(namespace).items if e.type == "Warning"]

@@ -62,7 +62,7 @@ def fence_drops() -> int:
     """Packets the CI host's fence dropped so far (its last rule), read from the host's firewall."""
     out = subprocess.run(["iptables", "-t", "mangle", "-L", "GPUCI-FENCE", "-v", "-x", "-n"], check=True,
                          capture_output=True, text=True).stdout
-    return int([line for line in out.splitlines() if " DROP " in f" {line} "][0].split()[0])
+    return int(next(line for line in out.splitlines() if " DROP " in f" {line} ").split()[0])
 
 
 def test_a_daemonset_runs_one_pod_per_node_and_pods_reach_each_other_by_ip_service_and_dns(api, core, namespace, nodes):
@@ -96,7 +96,7 @@ def test_a_daemonset_runs_one_pod_per_node_and_pods_reach_each_other_by_ip_servi
 
 
 def test_fake_gpus_per_node_allocatable_follows_on_each_within_2s(fake_gpus, nodes):
-    counts = {node: count for node, count in zip(nodes, (1, 2, 4))}
+    counts = {node: count for node, count in zip(nodes, (1, 2, 4), strict=False)}
     times = {node: fake_gpus.set(count, timeout=2, node=node) for node, count in counts.items()}
     assert {node: fake_gpus.allocatable(node) for node in nodes} == counts, "each node keeps its own count"
     times[nodes[1]] = fake_gpus.set(3, timeout=2, node=nodes[1])

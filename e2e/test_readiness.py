@@ -7,6 +7,7 @@ still turn it NotReady within the window + 1 s. Samplers record in threads; the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import statistics
@@ -45,7 +46,7 @@ def test_kubelet_restart_does_not_flap_readiness_and_a_real_removal_still_acts(r
     allocatable_drops: list[float] = []
     with Sampler(lambda: ready_release.healthz()[0], 0.1) as health, \
             Sampler(fake_gpus.allocatable, 0.05) as allocatable:
-        for n in range(restarts):
+        for _ in range(restarts):
             seen = len(allocatable.samples)
             cluster.restart_kubelet()
             # Back when allocatable has read 4 again after reading something else, or 20 s passed.
@@ -143,11 +144,11 @@ def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero,
     cp_pod = r.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
     log = r.core.read_namespaced_pod_log(cp_pod, r.namespace)
     times = [klog_seconds(line) for line in log.splitlines() if "injecting fault status into POST /v1/register" in line]
-    gaps = [round(b - a, 2) for a, b in zip(times, times[1:])]
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(times)]
     print(f"\nregistration attempts refused by the outage: {len(times)}, gaps {gaps} s")
     assert len(times) == 4
     # 1, 2, 4 s less up to 20 % jitter: each gap longer than the one before.
-    assert all(b > a for a, b in zip(gaps, gaps[1:])), gaps
+    assert all(b > a for a, b in itertools.pairwise(gaps)), gaps
     assert 0.7 <= gaps[0] <= 1.6 and gaps[-1] >= 3.0, gaps
 
 

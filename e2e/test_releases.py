@@ -16,10 +16,26 @@ import pytest
 from kubernetes import client
 
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (APP_VERSION, CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, leaderless,
-                         longest_not_ready, lost_and_doubled, operation, persistent_control_plane, remove_volume)
-from gpu_agent_hooks.cli import apply_crds
+from e2e.release import (
+    APP_VERSION,
+    CA,
+    CHART,
+    WAIT,
+    Active,
+    Release,
+    WorkPods,
+    enqueue,
+    helm,
+    items,
+    leaderless,
+    longest_not_ready,
+    lost_and_doubled,
+    operation,
+    persistent_control_plane,
+    remove_volume,
+)
 from gpu_agent.mechanisms.queues.pod_executor import pod_name as _pod_name
+from gpu_agent_hooks.cli import apply_crds
 
 CRDS = ("gpudomains.gpu-agent.io", "gpudomainmembers.gpu-agent.io")
 GROUP = "gpu-agent.io"
@@ -66,7 +82,7 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         helm("install", *args, "--timeout", "120s")
         helm("upgrade", *args, "--set", "domain.name=fabric", "--timeout", "120s")
         wait_until(lambda: release.healthz()[0] == 200, 90, f"the {version} cluster agent Ready")
-        domain = lambda v: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", "fabric")  # noqa: E731
+        domain = lambda v: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", "fabric")  # noqa: E731 - a one-line reader, local to the test
         wait_until(lambda: (domain("v1alpha1").get("status") or {}).get("status") == "Ready", 60,
                    f"the {version} domain Ready")
         # An object a user wrote under v1alpha1 before the upgrade.
@@ -145,7 +161,7 @@ def test_downgrade_and_rollback_to_last_stable_keep_the_work_and_the_users_domai
     custom = client.CustomObjectsApi(api)
     common = ["--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true",
               "--set", "domain.name=fabric", "--set", "hooks.backoffLimit=0"]
-    read = lambda v, name: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", name)  # noqa: E731
+    read = lambda v, name: custom.get_namespaced_custom_object(GROUP, v, namespace, "gpudomains", name)  # noqa: E731 - a one-line reader, local to the test
     try:
         helm("install", *release.args(*common), *WAIT)
         wait_until(lambda: (read("v1beta1", "fabric").get("status") or {}).get("status") == "Ready", 60, "the domain Ready")

@@ -26,7 +26,7 @@ def test_deployment_with_http_readiness_probe_becomes_ready(api, apps, core, nam
     apply(api, namespace, "web.yaml.j2", name="web")
     wait_until(lambda: deployment_ready(apps, namespace, "web"), 60, "web Deployment Ready")
     pod = core.list_namespaced_pod(namespace, label_selector="app=web").items[0]
-    ready = [c for c in pod.status.conditions if c.type == "Ready"][0]
+    ready = next(c for c in pod.status.conditions if c.type == "Ready")
     assert ready.status == "True"
 
 

@@ -33,8 +33,22 @@ from kubernetes import client
 
 from e2e.cluster import tool
 from e2e.helpers import Sampler, wait_until
-from e2e.release import (CA, CHART, WAIT, Active, Release, WorkPods, enqueue, helm, items, longest_leaderless, lost_and_doubled,
-                         operation, persistent_control_plane, remove_volume)
+from e2e.release import (
+    CA,
+    CHART,
+    WAIT,
+    Active,
+    Release,
+    WorkPods,
+    enqueue,
+    helm,
+    items,
+    longest_leaderless,
+    lost_and_doubled,
+    operation,
+    persistent_control_plane,
+    remove_volume,
+)
 
 TOKENS_SECRET = "users-tokens"
 # value set -> (this chart's values, the last stable release's nearest equivalent)
@@ -146,7 +160,7 @@ def test_a_gitops_install_without_hooks_or_lookup_gives_a_working_release(
     release = Release(api, core, apps, kubeconfig, namespace, name="gitops")
     values = [a for a in release.args("--set", f"controlPlane.existingTokensSecret={TOKENS_SECRET}")
               if a not in ("--kubeconfig", release.kubeconfig)]  # rendered without a cluster
-    render = lambda *extra: helm("template", *values, "--no-hooks", *extra).stdout  # noqa: E731
+    render = lambda *extra: helm("template", *values, "--no-hooks", *extra).stdout  # noqa: E731 - a one-line renderer, local to the test
     manifests = render("--include-crds")
     docs = [d for d in yaml.safe_load_all(manifests) if d]
     assert not [d for d in docs if "helm.sh/hook" in ((d.get("metadata") or {}).get("annotations") or {})]

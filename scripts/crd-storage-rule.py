@@ -21,8 +21,9 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "hooks"), str(REPO / "ci" / "tools")]
 
-import releases  # noqa: E402
-from gpu_agent_hooks.skew import SkewError, check_storage_follows_previous_release  # noqa: E402
+import releases  # noqa: E402 - after the sys.path line above
+
+from gpu_agent_hooks.skew import SkewError, check_storage_follows_previous_release  # noqa: E402 - after the sys.path line above
 
 CRD_DIRS = ("charts/gpu-agent/crds", "charts/gpu-agent/files/crds")
 

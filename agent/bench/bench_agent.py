@@ -60,7 +60,7 @@ def main() -> int:
     print(f"{'GPU arrival -> /healthz 200 (s)':<34}{statistics.median(arrive):>10.3f}{max(arrive):>10.3f}{'<= 2':>10}")
     print(f"{'GPU removal -> /healthz 503 (s)':<34}{statistics.median(leave):>10.3f}{max(leave):>10.3f}{'<= 2':>10}")
     print(f"{'RSS, Ready and idle (MiB)':<34}{rss:>10.1f}{'':>10}{'<= 60':>10}")
-    print(f"{'idle CPU over %.0f s (%% of a core)' % IDLE_SECONDS:<34}{idle_cpu:>10.2f}{'':>10}{'<= 0.5':>10}")
+    print(f"{f'idle CPU over {IDLE_SECONDS:.0f} s (% of a core)':<34}{idle_cpu:>10.2f}{'':>10}{'<= 0.5':>10}")
     return 0
 
 

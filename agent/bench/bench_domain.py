@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.domain_sim import table as sim_table
 from kubernetes import client, config
 
-from bench.domain_sim import table as sim_table
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator, MemberWriter, fold
 from gpu_agent.mechanisms.domain.entries import Entry
@@ -138,7 +138,7 @@ def run(n: int, strategy: str, rate: float) -> str:
             f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{f' ({gave_up} writers gave up at the deadline)' if gave_up else ''}")
 
 
-def fold_process(names: list[str], n: int, results: "multiprocessing.Queue") -> None:
+def fold_process(names: list[str], n: int, results: multiprocessing.Queue) -> None:
     """The cluster agent's side of the many-domains run: fold every domain; report when all are formed
     (CLOCK_MONOTONIC is one clock for every process of the machine)."""
     folding = EveryDomainAggregator(new_client(), NAMESPACE, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))

@@ -46,7 +46,7 @@ def kubectl(*args: str) -> str:
 def sample(ns: str, pod: str) -> tuple[float, float]:
     """(RSS MiB, CPU seconds) of the container's main process."""
     out = kubectl("-n", ns, "exec", pod, "--", "cat", "/proc/1/status", "/proc/1/stat")
-    rss = [int(line.split()[1]) for line in out.splitlines() if line.startswith("VmRSS:")][0] / 1024
+    rss = next(int(line.split()[1]) for line in out.splitlines() if line.startswith("VmRSS:")) / 1024
     fields = out.strip().splitlines()[-1].rsplit(")", 1)[1].split()
     return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -61,7 +61,7 @@ def wait_for_roles(ns: str, timeout: float = 180) -> dict[str, str]:
                       "{.metadata.labels.app\\.kubernetes\\.io/name}/{.metadata.labels.app\\.kubernetes\\.io/component} "
                       "{.metadata.deletionTimestamp}{.status.conditions[?(@.type=='Ready')].status}{'\\n'}{end}")
         for line in out.splitlines():
-            name, labels, state = (line.split() + ["", "", ""])[:3]
+            name, labels, state = ([*line.split(), "", "", ""])[:3]
             role = "fake-gpu" if labels.startswith("fake-gpu/") else labels.split("/", 1)[1]
             pods.setdefault(role, []).append(name if state == "True" else "")
         if len(pods) == 4 and all(len(names) == 1 and names[0] for names in pods.values()):

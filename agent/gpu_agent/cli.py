@@ -21,19 +21,20 @@ import signal
 import sys
 
 from gpu_agent.foundations import klog
-from gpu_agent.foundations.config import VERBOSITY, ConfigError, Setting, add_arguments, load
+from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleConfig, Setting, add_arguments, load
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
+from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.version import version_info
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
 from gpu_agent.roles import cluster_agent, local, node_agent
 from gpu_agent.roles.control_plane import main as control_plane
 
-ROLES: dict[str, tuple[list[Setting], str]] = {
-    "local": (local.SETTINGS, "control plane + cluster agent with fake GPUs on loopback"),
-    "cluster-agent": (cluster_agent.SETTINGS, "the cluster agent"),
-    "node-agent": (node_agent.SETTINGS, "the node agent"),
-    "control-plane": (control_plane.SETTINGS, "the reference control plane"),
+ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
+    "local": (local.SETTINGS, local.LocalConfig, "control plane + cluster agent with fake GPUs on loopback"),
+    "cluster-agent": (cluster_agent.SETTINGS, cluster_agent.ClusterAgentConfig, "the cluster agent"),
+    "node-agent": (node_agent.SETTINGS, node_agent.NodeAgentConfig, "the node agent"),
+    "control-plane": (control_plane.SETTINGS, control_plane.ControlPlaneConfig, "the reference control plane"),
 }
 
 
@@ -46,6 +47,17 @@ QUEUE_SETTINGS = [
 ]
 
 
+class QueueConfig(RoleConfig):
+    """`gpu-agent queue`'s settings."""
+    controlPlaneUrl: str
+    adminToken: Secret
+    adminTokenFile: str
+
+
+class InventoryConfig(GPUSourceConfig, RoleConfig):
+    """`gpu-agent inventory`'s settings."""
+
+
 def _version_line() -> str:
     v = version_info()
     return f"gpu-agent {v['version']} (commit {v['commit']}, built {v['buildDate']})"
@@ -55,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes")
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
-    for name, (settings, help_text) in ROLES.items():
+    for name, (settings, _, help_text) in ROLES.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)
     add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON",
                                  description="read the GPU source once and print the inventory as JSON"),
@@ -76,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _queue(args: argparse.Namespace, cfg) -> int:  # type: ignore[no-untyped-def]
+def _queue(args: argparse.Namespace, cfg: QueueConfig) -> int:
     if not cfg.adminToken:
         raise ConfigError("no admin token: set GPU_AGENT_ADMIN_TOKEN or --admin-token-file "
                           f"(`make run` writes it to .run/admin-token; tried {cfg.adminTokenFile or 'nothing'})")
@@ -97,7 +109,7 @@ def _queue(args: argparse.Namespace, cfg) -> int:  # type: ignore[no-untyped-def
         print(f"{'ID':>6}  {'KEY':<32} {'STATE':<7} {'DELIVERIES':>10} {'FAILED':>6}  LAST ERROR")
         for i in items:
             error = " ".join(str(i.get("lastError") or "").split())  # one line per item
-            print(f"{i.get('id', '?'):>6}  {str(i.get('idempotencyKey', '?')):<32} {str(i.get('state', '?')):<7} "
+            print(f"{i.get('id', '?'):>6}  {i.get('idempotencyKey', '?')!s:<32} {i.get('state', '?')!s:<7} "
                   f"{i.get('deliveries', '?'):>10} {i.get('failedAttempts', 0):>6}  {error[:120]}")
         print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
         return 0
@@ -108,18 +120,20 @@ def _queue(args: argparse.Namespace, cfg) -> int:  # type: ignore[no-untyped-def
         client.close()
 
 
-async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
+async def _serve(cfg: Config) -> None:
+    """Run the role whose settings `cfg` holds (the class says which)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if role == "local":
+    if isinstance(cfg, local.LocalConfig):  # before ClusterAgentConfig, which it extends
         await local.run(cfg, stop)
-    elif role == "cluster-agent":
+    elif isinstance(cfg, cluster_agent.ClusterAgentConfig):
         await cluster_agent.ClusterAgent(cfg).run(stop)
-    elif role == "node-agent":
+    elif isinstance(cfg, node_agent.NodeAgentConfig):
         await node_agent.NodeAgent(cfg).run(stop)
     else:
+        assert isinstance(cfg, control_plane.ControlPlaneConfig)
         server = control_plane.build_server(cfg, cfg.listenAddress)
         server.start()
         klog.get_logger("gpu_agent.cli").info("reference control plane listening on %s", server.url)
@@ -129,7 +143,7 @@ async def _serve(role: str, cfg) -> None:  # type: ignore[no-untyped-def]
             await asyncio.to_thread(server.stop)
 
 
-def _print_inventory(cfg) -> int:  # type: ignore[no-untyped-def]
+def _print_inventory(cfg: InventoryConfig) -> int:
     source = make_source(cfg)
     reading = source.read()
     doc = {"source": source.name, "count": reading.inventory.count, "gpus": reading.inventory.to_json(),
@@ -153,20 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "version":
         print(json.dumps(version_info()))
         return 0
-    if args.role in ROLES:
-        settings = ROLES[args.role][0]
-    elif args.role == "queue":
-        settings = QUEUE_SETTINGS
-    else:
-        settings = [VERBOSITY, *GPU_SOURCE_SETTINGS]
     try:
-        cfg = load(settings, args)
-        klog.setup(cfg.verbosity)
         if args.role == "inventory":
-            return _print_inventory(cfg)
+            inventory = load([VERBOSITY, *GPU_SOURCE_SETTINGS], args, as_=InventoryConfig)
+            klog.setup(inventory.verbosity)
+            return _print_inventory(inventory)
         if args.role == "queue":
-            return _queue(args, cfg)
-        asyncio.run(_serve(args.role, cfg))
+            queue = load(QUEUE_SETTINGS, args, as_=QueueConfig)
+            klog.setup(queue.verbosity)
+            return _queue(args, queue)
+        settings, config_class, _ = ROLES[args.role]
+        cfg = load(settings, args, as_=config_class)
+        klog.setup(cfg.verbosity)
+        asyncio.run(_serve(cfg))
     except (ConfigError, ListenError) as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ class ClusterLayout:
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
-            releases = ", ".join(sorted((cm.metadata.labels or {}).get("app.kubernetes.io/instance", "?") for cm in found))
+            releases = ", ".join(sorted((_meta(cm).labels or {}).get("app.kubernetes.io/instance", "?") for cm in found))
             raise LayoutError(f"namespace {self.namespace!r} holds several fake-gpu releases ({releases}); "
                               "pick one with --release NAME")
         if not self.release:
@@ -55,7 +55,7 @@ class ClusterLayout:
             self.core.read_node(node, _request_timeout=REQUEST_TIMEOUT)
         except client.ApiException as e:
             if e.status == 404:
-                names = ", ".join(n.metadata.name for n in self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items)
+                names = ", ".join(_meta(n).name or "" for n in self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items)
                 raise LayoutError(f"unknown node {node!r}; nodes: {names}") from None
             raise
 
@@ -70,19 +70,25 @@ class ClusterLayout:
                 clique = ""
         layout = validate(NodeLayout(count, product, memory_mib, clique), max_count(cm.data or {}))
         # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
-        patch = {"metadata": {"resourceVersion": cm.metadata.resource_version}, "data": {node: layout.to_json()}}
-        self.core.patch_namespaced_config_map(cm.metadata.name, self.namespace, patch, _request_timeout=REQUEST_TIMEOUT)
+        patch = {"metadata": {"resourceVersion": _meta(cm).resource_version}, "data": {node: layout.to_json()}}
+        self.core.patch_namespaced_config_map(_meta(cm).name or "", self.namespace, patch, _request_timeout=REQUEST_TIMEOUT)
         return layout
 
     def status(self) -> dict[str, Any]:
         cm = self._configmap()
         nodes = {}
         for n in self.core.list_node(_request_timeout=REQUEST_TIMEOUT).items:
-            name = n.metadata.name
+            name = _meta(n).name or ""
             desired = (cm.data or {}).get(name)
             nodes[name] = {"desired": json.loads(desired) if desired else "default",
-                           "allocatable": (n.status.allocatable or {}).get("nvidia.com/gpu", "0")}
+                           "allocatable": ((n.status.allocatable if n.status else None) or {}).get("nvidia.com/gpu", "0")}
         return {"namespace": self.namespace, "maxCount": max_count(cm.data or {}), "nodes": nodes}
+
+
+
+def _meta(obj: client.V1ConfigMap | client.V1Node) -> client.V1ObjectMeta:
+    """An object's metadata (the API server always sends it; the model calls it optional)."""
+    return obj.metadata or client.V1ObjectMeta()
 
 
 def unlabel_nodes(kubeconfig: str | None, release: str) -> list[str]:

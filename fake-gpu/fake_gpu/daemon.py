@@ -31,7 +31,7 @@ log = get_logger("fake_gpu.daemon")
 
 
 class LayoutApplier:
-    def __init__(self, node: str, state_file: Path, devices: Devices, default_count: int,
+    def __init__(self, node: str, state_file: Path, devices: Devices, *, default_count: int,
                  labeler: NodeLabeler | None = None, release: str = "") -> None:
         self.node = node
         self.labeler = labeler
@@ -96,7 +96,7 @@ def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_
         labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=REQUEST_TIMEOUT))
         threading.Thread(target=labeler.run, args=(stopping,), name="node-labels", daemon=True).start()
     devices = Devices()
-    applier = LayoutApplier(node, state_file, devices, default_count, labeler, release)
+    applier = LayoutApplier(node, state_file, devices, default_count=default_count, labeler=labeler, release=release)
     runner = PluginRunner(plugin_dir, devices, host_state_file)
 
     def stop(*_: object) -> None:

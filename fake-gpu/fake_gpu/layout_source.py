@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError, check_clique
 
@@ -71,7 +71,8 @@ def parse_entry(text: str, node: str, limit: int) -> NodeLayout:
     if unknown:
         raise LayoutError(f"layout of node {node} has unknown field(s) {', '.join(sorted(unknown))}; "
                           "known: count, product, memoryMiB, clique")
-    return validate(NodeLayout(doc.get("count"), doc.get("product", DEFAULT_PRODUCT),
+    # validate() refuses a count that is not an int (missing included).
+    return validate(NodeLayout(cast(int, doc.get("count")), doc.get("product", DEFAULT_PRODUCT),
                                doc.get("memoryMiB", DEFAULT_MEMORY_MIB), doc.get("clique", "")), limit)
 
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
 from gpu_agent.foundations.gpus import Inventory
@@ -55,16 +58,17 @@ class Devices:
             return self.version, self._inventory
 
 
-class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):
+class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  # generated, so untyped (Any)
     def __init__(self, devices: Devices, host_state_file: str, stopping: threading.Event) -> None:
         self.devices = devices
         self.host_state_file = host_state_file
         self.stopping = stopping
 
-    def GetDevicePluginOptions(self, request, context):  # noqa: N802 - gRPC method names
+    # The generated messages are Any to mypy (see pyproject.toml), so these return Any.
+    def GetDevicePluginOptions(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method names
         return api_pb2.DevicePluginOptions()
 
-    def ListAndWatch(self, request, context):  # noqa: N802
+    def ListAndWatch(self, request: Message, context: grpc.ServicerContext) -> Iterator[Message]:  # noqa: N802 - gRPC method name
         version, inventory = -1, None
         while not self.stopping.is_set() and context.is_active():
             new_version, inventory = self.devices.wait_newer(version, timeout=1.0)
@@ -74,7 +78,7 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):
             log.info("advertising %d fake GPUs to kubelet", inventory.count)
             yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=g.uuid, health="Healthy") for g in inventory.gpus])
 
-    def Allocate(self, request, context):  # noqa: N802
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         known = self.devices.get().uuids
         responses = []
         for req in request.container_requests:
@@ -88,10 +92,10 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):
                 mounts=[api_pb2.Mount(container_path=STATE_IN_CONTAINER, host_path=self.host_state_file, read_only=True)]))
         return api_pb2.AllocateResponse(container_responses=responses)
 
-    def GetPreferredAllocation(self, request, context):  # noqa: N802
+    def GetPreferredAllocation(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         return api_pb2.PreferredAllocationResponse()
 
-    def PreStartContainer(self, request, context):  # noqa: N802
+    def PreStartContainer(self, request: Message, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         return api_pb2.PreStartContainerResponse()
 
 

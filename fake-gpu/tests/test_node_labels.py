@@ -65,7 +65,7 @@ def test_retry_waits_are_capped():
 def test_the_applier_labels_the_node_with_each_layout_it_applies_and_not_with_one_it_refuses(tmp_path):
     patch = FlakyPatch()
     labeler = NodeLabeler("n1", patch)
-    applier = LayoutApplier("n1", tmp_path / "state.json", Devices(), 0, labeler, "fg")
+    applier = LayoutApplier("n1", tmp_path / "state.json", Devices(), default_count=0, labeler=labeler, release="fg")
     applier.apply({"n1": json.dumps({"count": 3, "product": "NVIDIA H200", "memoryMiB": 143771})})
     labeler.sync()
     assert patch.bodies[-1][1]["metadata"]["labels"] == {

@@ -25,7 +25,7 @@ class Kubelet(api_pb2_grpc.RegistrationServicer):
         self.requests = []
         self.server = None
 
-    def Register(self, request, context):  # noqa: N802
+    def Register(self, request, context):  # noqa: N802 - kubelet's gRPC method name
         self.requests.append(request)
         return api_pb2.Empty()
 

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from kubernetes import client
@@ -37,7 +37,7 @@ def load_crds(folder: Path) -> list[dict[str, Any]]:
 def installed_crd(api: client.ApiClient, ext: client.ApiextensionsV1Api, name: str) -> dict[str, Any] | None:
     """The cluster's CRD `name` as a dict, or None when it is not installed."""
     try:
-        return api.sanitize_for_serialization(ext.read_custom_resource_definition(name))
+        return cast("dict[str, Any]", api.sanitize_for_serialization(ext.read_custom_resource_definition(name)))
     except client.ApiException as e:
         if e.status != 404:
             raise
@@ -59,7 +59,8 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
                                              _content_type="application/apply-patch+yaml")
         deadline = time.monotonic() + timeout
         while True:
-            conds = ext.read_custom_resource_definition(name).status.conditions or []
+            status = ext.read_custom_resource_definition(name).status
+            conds = (status.conditions if status else None) or []
             if any(c.type == "Established" and c.status == "True" for c in conds):
                 break
             if time.monotonic() > deadline:
@@ -72,7 +73,7 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
 def skew_check(api: client.ApiClient, namespace: str, deployment: str, to_version: str, folder: Path) -> None:
     try:
         dep = client.AppsV1Api(api).read_namespaced_deployment(deployment, namespace, _request_timeout=REQUEST_TIMEOUT)
-        deployed = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
+        deployed = _labels(dep).get("app.kubernetes.io/version", "")
     except client.ApiException as e:
         if e.status != 404:
             raise
@@ -97,7 +98,7 @@ def hand_over_from_non_electing(api: client.ApiClient, namespace: str, deploymen
     if elects(dep):
         return
     delete_stale_lease(api, namespace, deployment)
-    version = (dep.metadata.labels or {}).get("app.kubernetes.io/version", "")
+    version = _labels(dep).get("app.kubernetes.io/version", "")
     deployed_strategy = dep.spec.strategy.type if dep.spec.strategy else "RollingUpdate"
     if deployed_strategy == target_strategy == "Recreate":
         say(f"the deployed cluster agent ({version}) does not elect; the Recreate rollout replaces it")
@@ -116,13 +117,21 @@ def delete_stale_lease(api: client.ApiClient, namespace: str, name: str) -> None
         if e.status != 404:
             raise
         return
-    say(f"deleted Lease {name}, left by {lease.spec.holder_identity or 'nobody'} before the downgrade to an agent "
+    holder = lease.spec.holder_identity if lease.spec else None
+    say(f"deleted Lease {name}, left by {holder or 'nobody'} before the downgrade to an agent "
         "that does not elect; the new agents elect afresh")
 
 
 def elects(dep: client.V1Deployment) -> bool:
-    """Whether the deployed cluster agent takes part in leader election (0.2.0 on)."""
-    return any("--leader-election=true" in (c.args or []) for c in dep.spec.template.spec.containers)
+    """Whether the deployed cluster agent takes part in leader election (0.2.0 on). Every chart since 0.2 passes
+    `--leader-election=true` as a flag, also since its other settings moved into the agent's config file (the
+    ConfigMap): keep it a flag, or this cannot tell an agent that elects."""
+    pod = dep.spec.template.spec if dep.spec else None
+    return any("--leader-election=true" in (c.args or []) for c in (pod.containers if pod else []))
+
+
+def _labels(obj: client.V1Deployment) -> dict[str, str]:
+    return (obj.metadata.labels if obj.metadata else None) or {}
 
 
 def replace_non_electing(api: client.ApiClient, dep: client.V1Deployment, version: str, timeout: float) -> None:
@@ -131,7 +140,8 @@ def replace_non_electing(api: client.ApiClient, dep: client.V1Deployment, versio
     server-side apply (the defaulted rollingUpdate stays; the API server refuses the pair). So it is
     deleted here, its pods waited out, and the upgrade creates the Deployment afresh: a Recreate that
     never runs two agents side by side."""
-    name, namespace = dep.metadata.name, dep.metadata.namespace
+    meta = dep.metadata or client.V1ObjectMeta()
+    name, namespace = meta.name or "", meta.namespace or ""
     say(f"the deployed cluster agent ({version or 'unknown version'}) does not take part in leader election: "
         f"deleting Deployment {name} so that it never runs beside its successor; the upgrade creates it again")
     try:
@@ -140,7 +150,8 @@ def replace_non_electing(api: client.ApiClient, dep: client.V1Deployment, versio
     except client.ApiException as e:
         if e.status != 404:
             raise
-    selector = ",".join(f"{k}={v}" for k, v in (dep.spec.selector.match_labels or {}).items())
+    match_labels = dep.spec.selector.match_labels if dep.spec else None
+    selector = ",".join(f"{k}={v}" for k, v in (match_labels or {}).items())
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + timeout
     while core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items:
@@ -184,7 +195,7 @@ def delete_work_pods_of(core: client.CoreV1Api, namespace: str, release: str) ->
     pods = core.list_namespaced_pod(namespace, label_selector=f"{LABEL}=true,app.kubernetes.io/instance={release}",
                                     _request_timeout=REQUEST_TIMEOUT).items
     for pod in pods:
-        name = pod.metadata.name
+        name = (pod.metadata or client.V1ObjectMeta()).name
         _ignore_404(core.patch_namespaced_pod, name, namespace, RELEASE_PATCH, _content_type=RELEASE_PATCH_TYPE)
         _ignore_404(core.delete_namespaced_pod, name, namespace, grace_period_seconds=0)
     return len(pods)
@@ -207,8 +218,8 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
             raise RuntimeError(str(e)) from None
 
     def clear_domains() -> None:
-        domains = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomains",
-                                                       label_selector=selector, _request_timeout=REQUEST_TIMEOUT)
+        domains = cast("dict[str, Any]", custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomains",
+                                                       label_selector=selector, _request_timeout=REQUEST_TIMEOUT))
         for d in domains.get("items", []):
             custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, namespace, "gpudomains", d["metadata"]["name"],
@@ -221,8 +232,8 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
         # members whose agents were killed before they could remove them (aggregate strategy)
         if not domain:
             return
-        members = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
-                                                       label_selector=f"gpu-agent.io/domain={domain}", _request_timeout=REQUEST_TIMEOUT)
+        members = cast("dict[str, Any]", custom.list_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
+                                                       label_selector=f"gpu-agent.io/domain={domain}", _request_timeout=REQUEST_TIMEOUT))
         for m in members.get("items", []):
             custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
                                                    m["metadata"]["name"], _request_timeout=REQUEST_TIMEOUT)

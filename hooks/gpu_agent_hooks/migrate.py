@@ -27,7 +27,8 @@ class MigrationError(Exception):
 
 
 def storage_version(crd: dict[str, Any]) -> str:
-    return [v["name"] for v in crd["spec"]["versions"] if v.get("storage")][0]
+    name: str = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+    return name
 
 
 def _status(e: Exception) -> int | None:
@@ -62,7 +63,7 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
                 try:
                     obj = custom.get_namespaced_custom_object(group, storage, namespace, plural, obj_name,
                                                              _request_timeout=REQUEST_TIMEOUT)
-                except Exception as again:  # noqa: BLE001
+                except Exception as again:  # noqa: BLE001 - as above
                     if _status(again) == 404:
                         gone += 1
                         break

@@ -59,7 +59,8 @@ def _served(crd: dict[str, Any]) -> set[str]:
 
 
 def _storage(crd: dict[str, Any]) -> str:
-    return next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+    name: str = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+    return name
 
 
 def check_storage_follows_previous_release(previous: list[dict[str, Any]], chart: list[dict[str, Any]],

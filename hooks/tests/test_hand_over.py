@@ -35,3 +35,11 @@ def test_an_agent_that_does_not_elect_is_replaced_before_a_rolling_hand_over(mon
 def test_an_electing_agent_and_a_recreate_to_recreate_rollout_are_left_to_the_rollout(monkeypatch):
     assert decide(monkeypatch, deployment(["cluster-agent", "--leader-election=true"]), "RollingUpdate") == []
     assert decide(monkeypatch, deployment(["cluster-agent"], strategy="Recreate"), "Recreate") == [("lease", "ga-gpu-agent-cluster-agent")]
+
+
+def test_elects_recognises_the_flags_of_0_2_and_the_config_file_of_later_charts():
+    # 0.1.0: no election. 0.2 before the config file: every setting a flag. Since: --config, and the one flag kept for this.
+    assert not cli.elects(deployment(["cluster-agent", "-v=0", "--listen-address=0.0.0.0:8080", "--executor=pod"]))
+    assert cli.elects(deployment(["cluster-agent", "-v=0", "--leader-election=true", "--leader-election-lease-name=x"]))
+    assert cli.elects(deployment(["cluster-agent", "--config=/etc/gpu-agent/config.yaml", "--leader-election=true"]))
+    assert not cli.elects(deployment(["cluster-agent", "--config=/etc/gpu-agent/config.yaml"]))  # leaderElection.enabled=false

@@ -43,10 +43,10 @@ def test_a_release_may_store_only_what_the_previous_release_served():
     assert "stores v1beta1" in rule([crd("v1alpha1", "v1alpha1", "v1beta1")], [crd("v1beta1", "v1alpha1", "v1beta1")], "0.2.0")[0]
     assert "new in this release" in rule([], [crd("v1", "v1")], "0.1.0")[0]
     # Serving and storing a new version in the same release breaks the rollback.
-    with pytest.raises(SkewError, match="stores v1beta1, which 0.1.0 does not serve.*store it in the next"):
+    with pytest.raises(SkewError, match=r"stores v1beta1, which 0\.1\.0 does not serve.*store it in the next"):
         rule([crd("v1alpha1", "v1alpha1")], [crd("v1beta1", "v1alpha1", "v1beta1")], "0.1.0")
     # Dropping the previous release's storage version breaks the upgrade.
-    with pytest.raises(SkewError, match="no longer serves v1alpha1, which 0.2.0 stores"):
+    with pytest.raises(SkewError, match=r"no longer serves v1alpha1, which 0\.2\.0 stores"):
         rule([crd("v1alpha1", "v1alpha1", "v1beta1")], [crd("v1beta1", "v1beta1")], "0.2.0")
 
 

@@ -1,6 +1,9 @@
 """Configuration from flags, environment and an optional YAML file, validated at start.
 
-Each role declares its settings as a list of `Setting`s. Precedence, lowest first:
+Each role declares its settings as a list of `Setting`s, and a `Config` subclass that names each
+of them with the type it holds once loaded (`leaseSeconds: float`), so that every read of a setting
+is typed; `load` holds the class to the table (a setting missing from either, or declared with
+another type, is a programming error found at start and by the unit tests). Precedence, lowest first:
 defaults, the YAML file (`--config`), environment (`GPU_AGENT_<NAME>`), flags. Every
 value is checked once, at start; a bad one raises `ConfigError` naming the setting, where
 it came from and the accepted range, and the CLI exits with code 2. Secrets are read from
@@ -15,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar, get_type_hints, overload
 from urllib.parse import urlparse
 
 import yaml
@@ -136,27 +139,62 @@ class Setting:
                 raise bad()
             return text.rstrip("/")
         if self.kind == "address":
-            host, sep, port = text.rpartition(":")
+            _host, sep, port = text.rpartition(":")
             if not sep or not port.isdigit() or int(port) > 65535:
                 raise bad()
         return text
 
 
+# The type a setting of each kind holds once loaded (an optional number is "" while unset).
+KIND_TYPES: dict[str, object] = {
+    "seconds": float, "number": float, "int": int, "bool": bool, "secret": Secret, "featureGates": dict[str, bool],
+    "str": str, "path": str, "url": str, "address": str, "choice": str,
+}
+
+
+def setting_type(s: Setting) -> object:
+    if s.optional and s.kind in ("seconds", "number", "int"):
+        return KIND_TYPES[s.kind] | str
+    return KIND_TYPES[s.kind]
+
+
 class Config:
-    """Attribute access over validated settings; secrets stay `Secret`."""
+    """Attribute access over validated settings; secrets stay `Secret`. A role's subclass declares its
+    settings' types (annotations only: the values live in `_values`)."""
+
+    # Attributes a role sets itself (with `replace`) that are not settings of its table.
+    DERIVED: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, settings: list[Setting], values: dict[str, Any]) -> None:
         self._settings = {s.name: s for s in settings}
         self._values = values
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    if not TYPE_CHECKING:  # to mypy a setting is what the subclass declares, never an untyped attribute
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return self._values[name]
+            except KeyError:
+                raise AttributeError(name) from None
 
-    def replace(self, **changes: Any) -> Config:
-        return Config(list(self._settings.values()), {**self._values, **changes})
+    def replace(self, **changes: object) -> Self:
+        return type(self)(list(self._settings.values()), {**self._values, **changes})
+
+    @classmethod
+    def problems(cls, settings: list[Setting]) -> list[str]:
+        """How this class's declarations differ from `settings` (empty when they agree)."""
+        declared = {name: hint for name, hint in get_type_hints(cls).items() if not name.startswith("_")
+                    and name != "DERIVED"}
+        out = []
+        for s in settings:
+            if s.name not in declared:
+                out.append(f"{cls.__name__} does not declare setting {s.name}")
+            elif declared[s.name] != setting_type(s):
+                out.append(f"{cls.__name__}.{s.name} is declared {declared[s.name]}, but a {s.kind} setting holds "
+                           f"{setting_type(s)}")
+        names = {s.name for s in settings}
+        out += [f"{cls.__name__} declares {name}, which is no setting of its table"
+                for name in sorted(set(declared) - names - cls.DERIVED)]
+        return out
 
     def describe(self) -> list[str]:
         """The effective configuration as readable `name: value` lines, secrets redacted."""
@@ -210,7 +248,19 @@ def add_arguments(parser: argparse.ArgumentParser, settings: list[Setting]) -> N
                          + "; ".join(f"{s.env} ({s.help})" for s in settings if s.kind == "secret"))
 
 
-def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+C = TypeVar("C", bound=Config)
+
+
+@overload
+def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config: ...
+@overload
+def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None, *,
+         as_: type[C]) -> C: ...
+def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, str] | None = None, *,
+         as_: type[Config] = Config) -> Config:
+    """The settings from the config file, the environment and `args`, as an `as_`."""
+    if as_ is not Config and (problems := as_.problems(settings)):
+        raise TypeError("; ".join(problems))
     environ = dict(os.environ if environ is None else environ)
     by_name = {s.name: s for s in settings}
     raw: dict[str, tuple[Any, str]] = {}
@@ -270,7 +320,12 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
             except OSError as e:
                 raise ConfigError(f"invalid value for {s.name}File: {file_setting} cannot be read "
                                   f"({e.strerror}); point {by_name[s.name + 'File'].flag} at a readable file") from None
-    return Config(settings, values)
+    return as_(settings, values)
 
 
 VERBOSITY = Setting("verbosity", "int", 0, "log verbosity, 0 (quiet) to 7 (every detail)", 0, 7)
+
+
+class RoleConfig(Config):
+    """What every command's settings have (their tables start with VERBOSITY)."""
+    verbosity: int

@@ -2,16 +2,17 @@
 
 Blocking (requests) by design: the agents call it through `asyncio.to_thread`, so one
 implementation serves async roles, tests and the fake-gpu command alike. Every response
-is validated field by field; a bad one raises `ControlPlaneError(kind="protocol")` naming
-the field, never echoing a body that might hold a token.
+is validated field by field; a bad one raises `ProtocolError` naming the field, never echoing
+a body that might hold a token.
 
-Error kinds decide what the caller does:
-  unavailable  connection refused/dropped, timeout, 5xx, 429   -> retry with backoff
-  unauthorized 401/403                                          -> credentials are bad: register again
-  protocol     the body is not what the API promises            -> retry with backoff
-  fenced       409 naming a newer term                           -> this agent's term is over: stop, start a new one
+Every failure is a `ControlPlaneError`; its subclass decides what the caller does (its `kind`
+is the reason label of the failure metrics):
+  Unavailable   connection refused/dropped, timeout, 5xx, 429  -> retry with backoff (recoverable)
+  Unauthorized  401/403                                         -> credentials are bad: register again
+  ProtocolError the body is not what the API promises           -> retry with backoff (recoverable)
+  Fenced        409 naming a newer term                         -> this agent's term is over: stop, start a new one
                                                                    only when it leads again
-  rejected     any other 4xx                                    -> a bug or bad input: report, retry slowly
+  Rejected      any other 4xx                                   -> a bug or bad input: report, retry slowly
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
+from typing import Any, ClassVar, TypeVar, overload
 
 import requests
 
@@ -31,14 +33,36 @@ log = get_logger(__name__)
 
 
 class ControlPlaneError(Exception):
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+    """A call that did not succeed; `status` is the HTTP status when there was an answer."""
+
+    kind: ClassVar[str]
+    recoverable: ClassVar[bool] = False  # no answer or a garbled one: the same call may succeed later
+
+    def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
         self.status = status
 
-    @property
-    def recoverable(self) -> bool:
-        return self.kind in ("unavailable", "protocol")
+
+class Unavailable(ControlPlaneError):
+    kind = "unavailable"
+    recoverable = True
+
+
+class ProtocolError(ControlPlaneError):
+    kind = "protocol"
+    recoverable = True
+
+
+class Unauthorized(ControlPlaneError):
+    kind = "unauthorized"
+
+
+class Fenced(ControlPlaneError):
+    kind = "fenced"
+
+
+class Rejected(ControlPlaneError):
+    kind = "rejected"
 
 
 @dataclass(frozen=True)
@@ -71,13 +95,42 @@ class WorkItem:
     fence: Fence | None = None  # the term it was leased under; its ack, renewal and release name it
 
 
-def _field(doc: Any, name: str, kind: type | tuple[type, ...], where: str) -> Any:
+class Released(StrEnum):
+    """What releasing an item did."""
+    RELEASED = "released"
+    RETRYING = "retrying"  # an attempt failed: the item comes back after a backoff
+    FAILED = "failed"  # its last attempt failed: failed for good
+
+
+class ItemState(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_T = TypeVar("_T")
+_E = TypeVar("_E", bound=StrEnum)
+
+
+def _one_of(kind: type[_E], value: str, name: str, where: str) -> _E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ProtocolError(f"{where}: field {name!r} is not one of {', '.join(kind)}") from None
+
+
+@overload
+def _field(doc: object, name: str, kind: type[_T], where: str) -> _T: ...
+@overload
+def _field(doc: object, name: str, kind: tuple[type[int], type[float]], where: str) -> float: ...
+def _field(doc: object, name: str, kind: type | tuple[type, ...], where: str) -> Any:
     if not isinstance(doc, dict):
-        raise ControlPlaneError("protocol", f"{where}: response body is not a JSON object")
+        raise ProtocolError(f"{where}: response body is not a JSON object")
     value = doc.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise ControlPlaneError("protocol", f"{where}: field {name!r} missing or not {names}")
+        raise ProtocolError(f"{where}: field {name!r} missing or not {names}")
     return value
 
 
@@ -102,29 +155,29 @@ class ControlPlaneClient:
                                          timeout=self.timeout + extra_timeout)
         except requests.Timeout:
             log.v(6, "control plane: %s -> timed out (%.1f ms)", where, (time.monotonic() - started) * 1000)
-            raise ControlPlaneError("unavailable", f"{where}: timed out after {self.timeout:g}s") from None
+            raise Unavailable(f"{where}: timed out after {self.timeout:g}s") from None
         except requests.ConnectionError as e:
             log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
-            raise ControlPlaneError("unavailable", f"{where}: connection failed ({type(e).__name__})") from None
+            raise Unavailable(f"{where}: connection failed ({type(e).__name__})") from None
         except requests.RequestException as e:  # e.g. the connection dropped mid-response
             log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
-            raise ControlPlaneError("unavailable", f"{where}: response broken off ({type(e).__name__})") from None
+            raise Unavailable(f"{where}: response broken off ({type(e).__name__})") from None
         status = resp.status_code
         log.v(6, "control plane: %s -> %d (%.1f ms)", where, status, (time.monotonic() - started) * 1000)
         if status in (401, 403):
-            raise ControlPlaneError("unauthorized", f"{where}: {status} {_reason(resp)}", status)
+            raise Unauthorized(f"{where}: {status} {_reason(resp)}", status)
         if status == 429 or status >= 500:
-            raise ControlPlaneError("unavailable", f"{where}: {status} {_reason(resp)}", status)
+            raise Unavailable(f"{where}: {status} {_reason(resp)}", status)
         if status == 409 and _reason(resp).startswith("fenced"):
-            raise ControlPlaneError("fenced", f"{where}: {status} {_reason(resp)}", status)
+            raise Fenced(f"{where}: {status} {_reason(resp)}", status)
         if status >= 400:
-            raise ControlPlaneError("rejected", f"{where}: {status} {_reason(resp)}", status)
+            raise Rejected(f"{where}: {status} {_reason(resp)}", status)
         if status == 204 or not resp.content:
             return status, None
         try:
             return status, resp.json()
         except (ValueError, json.JSONDecodeError):
-            raise ControlPlaneError("protocol", f"{where}: {status} response body is not valid JSON", status) from None
+            raise ProtocolError(f"{where}: {status} response body is not valid JSON", status) from None
 
     @staticmethod
     def _credential(doc: Any, where: str) -> Credential:
@@ -132,7 +185,7 @@ class ControlPlaneClient:
         token = _field(cred, "token", str, where + " credential")
         expires_in = _field(cred, "expiresInSeconds", (int, float), where + " credential")
         if not token or expires_in <= 0:
-            raise ControlPlaneError("protocol", f"{where}: credential token empty or expiresInSeconds <= 0")
+            raise ProtocolError(f"{where}: credential token empty or expiresInSeconds <= 0")
         return Credential(Secret(token), float(expires_in))
 
     def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory) -> Registration:
@@ -190,23 +243,20 @@ class ControlPlaneClient:
         self._call("POST", f"/v1/queue/items/{item.item_id}/renew", credential,
                    self._lease_ref(item, leaseSeconds=lease_seconds))
 
-    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> str:
+    def release(self, credential: Secret, item: WorkItem, error: str | None = None) -> Released:
         """Give the item back; with `error` (why its execution failed) the control plane counts a failed
         attempt and holds the item back for a backoff, or fails it after its last attempt. The answer:
-        "released", "retrying" or "failed" (no attempt left: the item is failed for good)."""
+        RELEASED, RETRYING or FAILED (no attempt left: the item is failed for good)."""
         where = f"POST /v1/queue/items/{item.item_id}/release"
         extra = {"error": error[:4000]} if error else {}
         _, doc = self._call("POST", f"/v1/queue/items/{item.item_id}/release", credential, self._lease_ref(item, **extra))
-        return str(_field(doc, "result", str, where))
+        return _one_of(Released, _field(doc, "result", str, where), "result", where)
 
-    def item_state(self, credential: Secret, item_id: int) -> str:
-        """"queued", "leased", "done" or "failed" (ControlPlaneError "rejected" 404: no such item)."""
+    def item_state(self, credential: Secret, item_id: int) -> ItemState:
+        """The item's state (Rejected, status 404: no such item)."""
         where = f"GET /v1/queue/items/{item_id}"
         _, doc = self._call("GET", f"/v1/queue/items/{item_id}", credential)
-        state = _field(doc, "state", str, where)
-        if state not in ("queued", "leased", "done", "failed"):
-            raise ControlPlaneError("protocol", f"{where}: field 'state' is not one of queued, leased, done, failed")
-        return state
+        return _one_of(ItemState, _field(doc, "state", str, where), "state", where)
 
     def deliveries(self, admin_token: Secret) -> list[dict[str, Any]]:
         return self._objects("/v1/queue/deliveries", "deliveries", admin_token)
@@ -214,10 +264,11 @@ class ControlPlaneClient:
     def _objects(self, path: str, name: str, token: Secret) -> list[dict[str, Any]]:
         """GET a list of JSON objects held in field `name`."""
         _, doc = self._call("GET", path, token)
-        found = _field(doc, name, list, f"GET {path}")
-        if not all(isinstance(o, dict) for o in found):
-            raise ControlPlaneError("protocol", f"GET {path}: field {name!r} holds a non-object")
-        return found
+        found: list[object] = _field(doc, name, list, f"GET {path}")
+        objects = [o for o in found if isinstance(o, dict)]
+        if len(objects) != len(found):
+            raise ProtocolError(f"GET {path}: field {name!r} holds a non-object")
+        return objects
 
     def enqueue(self, admin_token: Secret, idempotency_key: str, payload: dict[str, Any]) -> int:
         _, doc = self._call("POST", "/v1/queue/items", admin_token, {"idempotencyKey": idempotency_key, "payload": payload})
@@ -229,7 +280,7 @@ class ControlPlaneClient:
     def status(self, token: Secret) -> dict[str, Any]:
         _, doc = self._call("GET", "/v1/status", token)
         if not isinstance(doc, dict):
-            raise ControlPlaneError("protocol", "GET /v1/status: response body is not a JSON object")
+            raise ProtocolError("GET /v1/status: response body is not a JSON object")
         return doc
 
     def set_fault(self, admin_token: Secret, **fault: Any) -> None:
@@ -243,8 +294,8 @@ def _reason(resp: requests.Response) -> str:
     # Only the server's short error string is kept; bodies are never echoed whole.
     try:
         doc = resp.json()
-        if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-            return doc["error"][:200]
+        if isinstance(doc, dict) and isinstance(error := doc.get("error"), str):
+            return error[:200]
     except ValueError:
         pass
     return resp.reason or ""

@@ -36,7 +36,8 @@ class LeaderToken:
 
     def admits(self, annotations: dict[str, str] | None) -> bool:
         """What the admission policy checks: a Pod's annotations name this leadership."""
-        return (annotations or {}).get(LEADER) == self.holder and annotations.get(LEASE_UID) == self.lease_uid \
+        annotations = annotations or {}
+        return annotations.get(LEADER) == self.holder and annotations.get(LEASE_UID) == self.lease_uid \
             and annotations.get(LEASE_TRANSITIONS) == str(self.transitions)
 
     def __str__(self) -> str:

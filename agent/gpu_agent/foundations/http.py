@@ -18,11 +18,11 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
-import waitress
 from waitress import wasyncore
 from waitress.channel import HTTPChannel
+from waitress.server import create_server
 from waitress.task import ErrorTask
 
 StartResponse = Callable[..., Any]
@@ -60,10 +60,11 @@ class _JSONErrorTask(ErrorTask):
     JSON like every other error of ours, instead of its text/plain page."""
 
     def execute(self) -> None:
-        e = self.request.error
+        # types-waitress gives an ErrorTask's request the type of the error; it is the parser holding it.
+        e = self.request.error  # type: ignore[attr-defined]
         body = json.dumps({"error": f"{e.reason}: {e.body}".strip().rstrip(":")}).encode()
         self.status = f"{e.code} {e.reason}"
-        self.response_headers.append(("Content-Type", "application/json"))
+        self.response_headers = [*self.response_headers, ("Content-Type", "application/json")]
         self.set_close_on_finish()
         self.content_length = len(body)
         self.write(body)
@@ -84,11 +85,12 @@ class Listener:
                  max_body: int = 1 << 20, max_header: int = 64 << 10, connection_limit: int = 1000) -> None:
         self.name = name
         try:
-            self._server: Any = waitress.create_server(
+            # A TcpWSGIServer (one host and port); types-waitress lacks the effective_host/_map this reads.
+            self._server = cast(Any, create_server(
                 app, host=host, port=port, threads=threads, channel_timeout=int(max(1, timeout)),
                 cleanup_interval=max(1, int(timeout) // 2), max_request_body_size=max_body,
                 max_request_header_size=max_header, connection_limit=connection_limit, expose_tracebacks=False,
-                ident=name, asyncore_use_poll=True, clear_untrusted_proxy_headers=True)
+                ident=name, asyncore_use_poll=True, clear_untrusted_proxy_headers=True))
         except OSError as e:
             raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         except ValueError as e:  # waitress refuses an address it cannot resolve

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 from gpu_agent.foundations.secrets import REDACTOR
@@ -36,7 +36,7 @@ def quote(value: object) -> str:
 
 class KlogFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        ts = datetime.fromtimestamp(record.created, tz=timezone.utc)
+        ts = datetime.fromtimestamp(record.created, tz=UTC)
         letter = _LEVEL_LETTER.get(record.levelno, "I" if record.levelno < logging.WARNING else "W")
         head = f"{letter}{ts:%m%d %H:%M:%S}.{ts.microsecond:06d} {record.process:>7} {record.filename}:{record.lineno}]"
         # One record is one line, whatever its arguments hold; only a traceback adds lines.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
@@ -30,7 +30,7 @@ WATCH_GRACE = 30.0
 
 def api_client(kubeconfig: str = "") -> client.ApiClient:
     if kubeconfig:
-        return config.new_client_from_config(config_file=kubeconfig)
+        return cast(client.ApiClient, config.new_client_from_config(config_file=kubeconfig))
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -38,10 +38,12 @@ def api_client(kubeconfig: str = "") -> client.ApiClient:
     return client.ApiClient()
 
 
-def core_v1_list(api: client.ApiClient, plural: str) -> Callable[..., Any]:
+def core_v1_list(api: client.ApiClient | None, plural: str) -> Callable[..., Any]:
     """`list_namespaced_<kind>` of core/v1 `plural` (e.g. "configmaps") as plain dicts; it takes
     the keyword arguments `watch.Watch().stream` and `list_then_watch` pass, so it can be watched.
-    Without a namespace it lists a cluster-scoped kind (e.g. "nodes")."""
+    Without a namespace it lists a cluster-scoped kind (e.g. "nodes"); without `api`, the default client
+    (as the generated API classes do)."""
+    api = api if api is not None else client.ApiClient()
     def list_namespaced(namespace: str | None = None, *, field_selector: str | None = None, label_selector: str | None = None,
                         resource_version: str | None = None, timeout_seconds: int | None = None,
                         watch: bool | None = None, allow_watch_bookmarks: bool | None = None,
@@ -61,17 +63,19 @@ def core_v1_list(api: client.ApiClient, plural: str) -> Callable[..., Any]:
         if not _preload_content:
             return response.response
         response.read()
-        return json.loads(response.data)
+        return json.loads(cast(bytes, response.data))  # read() above filled it
     list_namespaced.__name__ = f"list_namespaced_{plural}"
     return list_namespaced
 
 
 def items_of(listed: Any) -> list[Any]:
-    return listed["items"] if isinstance(listed, dict) else listed.items
+    items: list[Any] = listed["items"] if isinstance(listed, dict) else listed.items
+    return items
 
 
 def _resource_version(listed: Any) -> str:
-    return listed["metadata"]["resourceVersion"] if isinstance(listed, dict) else listed.metadata.resource_version
+    version: str = listed["metadata"]["resourceVersion"] if isinstance(listed, dict) else listed.metadata.resource_version
+    return version
 
 
 def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable[[Any], None],

@@ -27,22 +27,27 @@ import random
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
+from gpu_agent.foundations.config import VERBOSITY, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
+from gpu_agent.foundations.randomness import RandomSources
+from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.executor import Executor, RecordingExecutor
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
 from gpu_agent.roles.endpoints import EndpointServer
+
+if TYPE_CHECKING:  # loaded when folding starts: the Kubernetes client costs memory (see make_executor)
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
 
 log = get_logger(__name__)
 
@@ -100,7 +105,45 @@ SETTINGS = [
 ]
 
 
-def make_executor(cfg: Config, clock: Clock) -> Executor:
+class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
+    """The settings above, typed (`Config.problems` holds the two to each other)."""
+    listenAddress: str
+    controlPlaneUrl: str
+    controlPlaneToken: Secret
+    controlPlaneTokenFile: str
+    clusterId: str
+    registrationRetryInitial: float
+    registrationRetryMax: float
+    registrationRetryJitter: float
+    reregistrationInterval: float
+    credentialRenewInterval: float
+    requestTimeout: float
+    leaseSeconds: float
+    queuePollInterval: float
+    queueLongPoll: float
+    executor: str
+    executorJournal: str
+    executorWorkSeconds: float
+    workNamespace: str
+    workImage: str
+    releaseName: str
+    domainName: str
+    domainNamespace: str
+    foldAllDomains: bool
+    domainHeartbeatTtl: float
+    featureGates: dict[str, bool]
+    kubeconfig: str
+    identity: str
+    leaderElection: bool
+    leaderElectionLeaseName: str
+    leaderElectionNamespace: str
+    leaderElectionOwner: str
+    leaderElectionLeaseDuration: float
+    leaderElectionRenewDeadline: float
+    leaderElectionRetryPeriod: float
+
+
+def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
         from kubernetes import client
@@ -109,48 +152,67 @@ def make_executor(cfg: Config, clock: Clock) -> Executor:
         from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 
         return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig)), cfg.workNamespace, cfg.workImage,
-                           cfg.releaseName, clock=clock)
+                           release=cfg.releaseName, clock=clock)
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
 
 class ClusterAgent:
-    def __init__(self, cfg: Config, clock: Clock | None = None, rng: random.Random | None = None) -> None:
+    def __init__(self, cfg: ClusterAgentConfig, clock: Clock | None = None, rng: random.Random | None = None) -> None:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
+        self.random = RandomSources(rng)
+        self.election = ElectionSettings(cfg.leaderElectionLeaseDuration, cfg.leaderElectionRenewDeadline,
+                                         cfg.leaderElectionRetryPeriod)
+        if cfg.leaderElection and self.election.problems():
+            raise ConfigError("; ".join(self.election.problems()))
+        # What every part reports to and shares.
         self.health = HealthRegistry(self.clock, COMPONENTS)
         self.metrics = AgentMetrics()
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
+        # The parts, as the module docstring draws them (the elector and the aggregator are made when
+        # they start: both need the Kubernetes API).
+        self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health,
+                                        poll_interval=cfg.gpuPollInterval, on_change=self._gpus_changed,
+                                        loss_debounce=loss_debounce(cfg),
+                                        on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
+        self.registration = self._registration()
         self.executor = make_executor(cfg, self.clock)
-        self.registration = RegistrationManager(
-            self.client, cfg.controlPlaneToken,
-            RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
-                                 cfg.registrationRetryJitter, cfg.reregistrationInterval, cfg.credentialRenewInterval),
-            self.clock, rng or random.Random(), self.health, self.metrics, self.gate, self._readiness_changed)
-        self.queue = QueueConsumer(self.client, self.registration.current_credential, self.executor, self.clock,
-                                   self.health, self.metrics, cfg.leaseSeconds, cfg.queuePollInterval,
-                                   self.registration.credential_refused,
-                                   cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0, cfg.identity)
-        self.election = ElectionSettings(cfg.leaderElectionLeaseDuration, cfg.leaderElectionRenewDeadline,
-                                         cfg.leaderElectionRetryPeriod)
-        if cfg.leaderElection and self.election.problems():
-            raise ConfigError("; ".join(self.election.problems()))
+        self.queue = self._queue()
+        self.elector: LeaderElector | None = None
+        self.aggregator: Aggregator | EveryDomainAggregator | None = None
+        host, _, port = cfg.listenAddress.rpartition(":")
+        self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
+        # Their state as this agent sees it.
         self.registered = (False, "waiting for GPUs, registration and credentials")
         self.leading = (not cfg.leaderElection, "leader election off: this is the only agent"
                         if not cfg.leaderElection else "standby: electing a leader")
         self.health.set("leadership", True, self.leading[1])  # a standby does its job: see the module docstring
-        self.rng = rng or random.Random()
-        self.aggregator: Any = None
-        self.elector: LeaderElector | None = None
         self.logged: tuple[bool, str] | None = None
-        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval, self._gpus_changed,
-                                        loss_debounce=cfg.gpuLossDebounce,
-                                        on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         self.started = asyncio.Event()  # set once the endpoints serve
-        host, _, port = cfg.listenAddress.rpartition(":")
-        self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
+
+    def _registration(self) -> RegistrationManager:
+        cfg = self.cfg
+        settings = RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
+                                        cfg.registrationRetryJitter, cfg.reregistrationInterval,
+                                        cfg.credentialRenewInterval)
+        return RegistrationManager(self.client, cfg.controlPlaneToken, settings=settings, clock=self.clock,
+                                   rng=self.random.for_("registration"), health=self.health, metrics=self.metrics,
+                                   gate=self.gate, on_readiness=self._readiness_changed)
+
+    def _queue(self) -> QueueConsumer:
+        cfg = self.cfg
+        return QueueConsumer(self.client, self.registration.current_credential, self.executor, clock=self.clock,
+                             health=self.health, metrics=self.metrics, lease_seconds=cfg.leaseSeconds,
+                             poll_interval=cfg.queuePollInterval, on_refused=self.registration.credential_refused,
+                             long_poll=cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0,
+                             identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None)
+
+    def _holds_lease(self) -> bool:
+        # No elector yet (it is made when the agent runs): nothing has led, so the queues are closed anyway.
+        return self.elector is None or self.elector.holds_lease()
 
     def _gate_observed(self, e: GateEvent) -> None:
         if e.event == "acquired":
@@ -166,16 +228,25 @@ class ClusterAgent:
         self.registered = (ready, reason)
         await self._open_queues_when_ready()
 
-    async def _leadership_changed(self, leading: bool, reason: str) -> None:
-        was_leading = self.leading[0]
-        self.leading = (leading, reason)
-        self.health.set("leadership", True, reason)
-        if leading and not was_leading:
-            self.queue.new_term(self.elector.token if self.elector is not None else None)
-            self._start_folding()
-        elif not leading and was_leading:
-            self._stop_folding()
+    # The elector's callbacks (client-go's LeaderCallbacks).
+    async def _started_leading(self) -> None:
+        self._lead((True, f"leader: {self.cfg.identity}"))
+        self.queue.new_term(self.elector.token if self.elector is not None else None)
+        self._start_folding()
         await self._open_queues_when_ready()
+
+    async def _stopped_leading(self, why: str) -> None:
+        self._lead((False, f"standby: lost the lease ({why})"))
+        self._stop_folding()
+        await self._open_queues_when_ready()
+
+    async def _new_leader(self, identity: str) -> None:
+        self._lead((False, f"standby: the leader is {identity or '(nobody yet)'}"))
+        await self._open_queues_when_ready()
+
+    def _lead(self, leading: tuple[bool, str]) -> None:
+        self.leading = leading
+        self.health.set("leadership", True, leading[1])
 
     async def _open_queues_when_ready(self) -> None:
         registered, leading = self.registered[0], self.leading[0]
@@ -202,12 +273,14 @@ class ClusterAgent:
 
         api = api_client(self.cfg.kubeconfig)
         if self.cfg.foldAllDomains:  # the named domain is one of them
-            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace, self.cfg.domainHeartbeatTtl,
-                                                    clock=self.clock)
+            self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace,
+                                                    heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl,
+                                                    clock=self.clock, rng=self.random.for_("domains"))
             log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
         else:
             self.aggregator = Aggregator(api, self.cfg.domainNamespace, self.cfg.domainName,
-                                         heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock)
+                                         heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock,
+                                         rng=self.random.for_("domains"))
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
 
@@ -221,12 +294,16 @@ class ClusterAgent:
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.leadership.kube_lease import KubeLease
 
-        lease = KubeLease(api_client(self.cfg.kubeconfig), self.cfg.leaderElectionNamespace,
-                          self.cfg.leaderElectionLeaseName, min(self.cfg.requestTimeout, self.election.retry_period * 2),
-                          self.cfg.leaderElectionOwner)
+        lease = KubeLease(api_client(self.cfg.kubeconfig), namespace=self.cfg.leaderElectionNamespace,
+                          name=self.cfg.leaderElectionLeaseName,
+                          request_timeout=min(self.cfg.requestTimeout, self.election.retry_period * 2),
+                          owner_deployment=self.cfg.leaderElectionOwner)
         log.info("electing a leader through Lease %s/%s as %s", self.cfg.leaderElectionNamespace,
                  self.cfg.leaderElectionLeaseName, self.cfg.identity)
-        return LeaderElector(lease, self.cfg.identity, self.election, self.clock, self.rng, self._leadership_changed)
+        return LeaderElector(lease, identity=self.cfg.identity, settings=self.election, clock=self.clock,
+                             rng=self.random.for_("election"),
+                             on_started_leading=self._started_leading, on_stopped_leading=self._stopped_leading,
+                             on_new_leader=self._new_leader)
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration (secrets redacted):")
@@ -245,7 +322,6 @@ class ClusterAgent:
                          tg.create_task(self.queue.run(), name="queue-consumer")]
                 if self.cfg.leaderElection:
                     self.elector = self._elector()
-                    self.queue.still_leading = self.elector.holds_lease
                     tasks.append(tg.create_task(self.elector.run(), name="leader-election"))
                 await stop.wait()
                 # Stop leasing before the Lease is released (the elector's task, cancelled below), so

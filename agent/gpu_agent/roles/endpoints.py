@@ -12,6 +12,7 @@ none of these reads a body.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -47,6 +48,7 @@ class EndpointServer:
             return http.error(start_response, 404, f"no endpoint {path}; try {', '.join(p for p in PATHS if p != '/readyz')}")
         if method not in ("GET", "HEAD"):
             return http.error(start_response, 405, f"{method} is not allowed; use GET", [("Allow", "GET, HEAD")])
+        doc: Mapping[str, object]
         if path == "/livez":
             live, age = self.health.live()
             code, doc = (200 if live else 503), {"status": "live" if live else "stalled", "heartbeatAgeSeconds": round(age, 3)}

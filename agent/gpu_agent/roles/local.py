@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 
 from gpu_agent.foundations import fake_state
-from gpu_agent.foundations.config import Config, ConfigError, Setting
+from gpu_agent.foundations.config import ConfigError, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.roles import cluster_agent
-from gpu_agent.roles.control_plane.main import STORE_SETTINGS, build_server
+from gpu_agent.roles.control_plane.main import STORE_SETTINGS, ServerConfig, build_server
 
 log = get_logger(__name__)
 
@@ -33,6 +33,14 @@ SETTINGS = [
     Setting("stateDir", "path", ".run", "folder for tokens, databases and the fake GPU state file"),
     Setting("demoItems", "int", 5, "demo work items enqueued at start (idempotent across restarts)", 0, 10000),
 ]
+
+
+class LocalConfig(cluster_agent.ClusterAgentConfig, ServerConfig):
+    """The settings above, typed. The control plane's tokens are no settings here: `run` makes them."""
+    DERIVED = frozenset({"registrationToken", "adminToken"})
+    controlPlaneListen: str
+    stateDir: str
+    demoItems: int
 
 
 # Settings whose default lives in the state folder, with those defaults (the settings' own; the fake
@@ -54,7 +62,7 @@ def _token(path: Path) -> Secret:
                           "point --state-dir at a writable folder") from None
 
 
-def in_state_dir(cfg: Config) -> Config:
+def in_state_dir(cfg: LocalConfig) -> LocalConfig:
     """Files left at their defaults follow --state-dir, as its help says: tokens, both databases
     and the fake GPU state file."""
     state = Path(cfg.stateDir)
@@ -97,13 +105,13 @@ def banner(agent_url: str, control_plane_url: str, state: Path, fake_file: Path,
     ])
 
 
-async def run(cfg: Config, stop: asyncio.Event) -> None:
+async def run(cfg: LocalConfig, stop: asyncio.Event) -> None:
     cfg = in_state_dir(cfg)
     state = Path(cfg.stateDir)
     registration_token = _token(state / "registration-token")
     admin_token = _token(state / "admin-token")
     fake_file = Path(cfg.fakeGpuStateFile)
-    if cfg.gpuSource == "fake" and not fake_file.exists():
+    if cfg.gpuSource == "fake" and not fake_file.exists():  # noqa: ASYNC240 - once, before anything else runs
         fake_state.write_atomic(fake_file, fake_state.render(Inventory(), node="local"))
         log.info("created %s with 0 GPUs", fake_file)
     server = build_server(cfg.replace(registrationToken=registration_token, adminToken=admin_token),

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, Config, Setting
+from gpu_agent.foundations.config import VERBOSITY, RoleConfig, Setting
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
-from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, loss_debounce, make_source
+from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.roles.endpoints import EndpointServer
 
 log = get_logger(__name__)
@@ -57,8 +57,26 @@ SETTINGS = [
 ]
 
 
+class NodeAgentConfig(GPUSourceConfig, RoleConfig):
+    """The settings above, typed (`Config.problems` holds the two to each other)."""
+    listenAddress: str
+    nodeName: str
+    domainName: str
+    joinMatchingDomains: bool
+    domainNamespace: str
+    nodeIp: str
+    domainWriteStrategy: str
+    domainWriteRate: float
+    domainHeartbeatInterval: float
+    podName: str
+    podUid: str
+    peersFile: str
+    shutdownTimeout: float
+    kubeconfig: str
+
+
 class NodeAgent:
-    def __init__(self, cfg: Config, clock: Clock | None = None) -> None:
+    def __init__(self, cfg: NodeAgentConfig, clock: Clock | None = None) -> None:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
@@ -68,10 +86,9 @@ class NodeAgent:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+            from gpu_agent.mechanisms.domain.membership import DomainMembership
             from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
             from gpu_agent.mechanisms.domain.writer import DomainWriter
-
-            from gpu_agent.mechanisms.domain.membership import DomainMembership
 
             api = api_client(cfg.kubeconfig)
 
@@ -88,15 +105,15 @@ class NodeAgent:
                                           clock=self.clock)
                 named = domain == cfg.domainName
                 peers = (cfg.peersFile if named else f"{cfg.peersFile}.{domain}") if cfg.peersFile else ""
-                return DomainReconciler(writer, self.health, cfg.nodeName, cfg.nodeIp, Path(peers) if peers else None,
-                                        resync_seconds=resync, health_component="domain" if named else None,
+                return DomainReconciler(writer, self.health, node=cfg.nodeName, ip=cfg.nodeIp,
+                                        peers_file=Path(peers) if peers else None, resync_seconds=resync, health_component="domain" if named else None,
                                         clock=self.clock)
 
-            self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, cfg.domainName, cfg.joinMatchingDomains,
-                                           reconciler_for, leave_timeout=cfg.shutdownTimeout)
+            self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, named=cfg.domainName,
+                                           join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout)
         self.metrics = NodeMetrics()
-        self.monitor = InventoryMonitor(make_source(cfg), self.clock, self.health, cfg.gpuPollInterval,
-                                        self._gpus_changed, zero_is_ready=True, loss_debounce=cfg.gpuLossDebounce,
+        self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
+                                        on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)

@@ -1,6 +1,7 @@
 """The cluster agent as a real process against the real control plane, GPUs moved by the real
 fake-gpu command. Timings are polled to deadlines; nothing sleeps a fixed time to "let it settle"."""
 
+import itertools
 import signal
 import threading
 import time
@@ -69,7 +70,7 @@ def test_registration_outage_backs_off_then_recovers_within_cap_plus_one_second(
     assert len(failures) == 5
     assert "503" in failures[0]  # the original error is kept
     times = [klog_time(line) for line in failures]
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert gaps == pytest.approx([0.2, 0.4, 0.8, 1.0], abs=0.15)  # capped at 1.0
     ready_at = klog_time(agent.grep("cluster agent Ready")[0])
     assert ready_at - times[-1] <= 1.0 + 1.0  # cap + 1 s after the last failure
@@ -96,7 +97,7 @@ def test_renewal_in_flight_when_gpus_arrive_never_overlaps_and_both_complete(rig
             intervals.append((purpose, open_.pop(purpose), klog_time(line)))
     purposes = [p for p, _, _ in intervals]
     assert "renew" in purposes and purposes.count("initial") == 1 and purposes.count("recovery") >= 1
-    for (_, _, end), (_, start, _) in zip(intervals, intervals[1:]):
+    for (_, _, end), (_, start, _) in itertools.pairwise(intervals):
         assert start >= end
     # the delayed renewal finished before the recovery registration for 4 GPUs began
     slow_renew = max((i for i in intervals if i[0] == "renew"), key=lambda i: i[2] - i[1])
@@ -206,7 +207,7 @@ def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):
     rig.wait_health(200, 5)
     rig.fake_file.write_text('{"apiVersion": "fake-gpu.gpu-agent.io/v1", "gpus": [{"uuid": 7}]}')
     rig.wait_health(503, 3)
-    code, doc = rig.healthz()
+    _code, doc = rig.healthz()
     assert "gpus[0].uuid" in doc["components"]["gpus"]["reason"]
     assert agent.grep("cannot be read: .*gpus\\[0\\].uuid")
     assert rig.livez() == 200

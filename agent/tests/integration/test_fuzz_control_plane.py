@@ -23,7 +23,6 @@ import pytest
 import requests
 
 from gpu_agent.foundations.gpus import Inventory
-
 from tests.integration.harness import Rig
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))

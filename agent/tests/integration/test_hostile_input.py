@@ -51,7 +51,7 @@ def test_an_unreadable_state_file_means_no_gpus_logged_once_and_fake_gpu_set_rep
     tmp.write_bytes(data)
     os.replace(tmp, rig.fake_file)
     rig.wait_health(503, 5)
-    code, health = rig.healthz()
+    _code, health = rig.healthz()
     assert not health["components"]["gpus"]["ready"] and health["components"]["gpus"]["details"]["count"] == 0
     assert health["components"]["queues"]["reason"].startswith("paused")
     # Many polls later (0.1 s apart), one log line for the error, and no traceback.

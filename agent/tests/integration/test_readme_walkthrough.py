@@ -10,6 +10,7 @@ control plane.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import socket
@@ -122,7 +123,7 @@ def test_readme_second_terminal_block_as_written(tmp_path):
                     before = len(sampler.samples)
                     run(command)
                     cycle = [h for _, _, h in sampler.samples[before:]]
-                    flips = sum(1 for a, b in zip(cycle, cycle[1:]) if a != b)
+                    flips = sum(1 for a, b in itertools.pairwise(cycle) if a != b)
                     assert flips >= 5, f"readiness did not follow the cycle: {flips} changes in {len(cycle)} samples"
                 else:
                     pytest.fail(f"README line {command!r} has no claim checked here: add one")

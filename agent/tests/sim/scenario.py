@@ -67,13 +67,15 @@ class SimAgent:
 
         executor = PodExecutor(FakeCore(w.api), "work", "img", release="sim", clock=clock, run_blocking=run_blocking)
         self.registered, self.leading = True, False
+        elector = self.elector = LeaderElector(
+            FakeLease(w.api), identity=self.name, settings=SETTINGS, clock=clock, rng=random.Random(w.rng.random()),
+            on_started_leading=self._started_leading, on_stopped_leading=self._stopped_leading,
+            on_new_leader=self._new_leader, run_blocking=run_blocking)
         consumer = self.consumer = QueueConsumer(
-            w.control_plane, lambda: Secret("sim-credential-0123456789"), executor, clock,
-            HealthRegistry(clock, ["queues"]), self.metrics, LEASE_SECONDS, POLL, self._refused, 0.0, self.name,
-            run_blocking)
-        elector = self.elector = LeaderElector(FakeLease(w.api), self.name, SETTINGS, clock,
-                                               random.Random(w.rng.random()), self._leadership, run_blocking)
-        consumer.still_leading = elector.holds_lease  # as roles/cluster_agent.py wires it
+            w.control_plane, lambda: Secret("sim-credential-0123456789"), executor, clock=clock,
+            health=HealthRegistry(clock, ["queues"]), metrics=self.metrics, lease_seconds=LEASE_SECONDS,
+            poll_interval=POLL, on_refused=self._refused, long_poll=0.0, identity=self.name, run_blocking=run_blocking,
+            still_leading=elector.holds_lease)  # as roles/cluster_agent.py wires it
         proc.spawn(elector.run(), "elector")
         proc.spawn(consumer.run(), "consumer")
         w.note(f"{self.name}: started (incarnation {self.incarnations})")
@@ -82,10 +84,19 @@ class SimAgent:
         assert self.consumer is not None
         await self.consumer.set_open(self.leading and self.registered, reason, standby=self.registered and not self.leading)
 
-    async def _leadership(self, leading: bool, reason: str) -> None:
+    # The elector's callbacks, as roles/cluster_agent.py takes them.
+    async def _started_leading(self) -> None:
         assert self.consumer is not None and self.elector is not None
-        if leading and not self.leading:
-            self.consumer.new_term(self.elector.token)
+        self.consumer.new_term(self.elector.token)
+        await self._leadership(True, f"leader: {self.name}")
+
+    async def _stopped_leading(self, why: str) -> None:
+        await self._leadership(False, f"standby: lost the lease ({why})")
+
+    async def _new_leader(self, identity: str) -> None:
+        await self._leadership(False, f"standby: the leader is {identity or '(nobody yet)'}")
+
+    async def _leadership(self, leading: bool, reason: str) -> None:
         self.leading = leading
         self.world.note(f"{self.name}: {reason}")
         await self._open(reason)
@@ -281,11 +292,11 @@ class Run:
         healed_at = w.now
         backlog = sum(1 for i in self.states().values() if i["state"] not in ("done", "failed"))
         self.bound = SETTLE_BASE + SETTLE_PER_ITEM * backlog
-        while w.now < healed_at + self.bound and not self.settled():
+        while w.now < healed_at + self.bound and not self.settled():  # noqa: ASYNC110 - virtual time: each sleep advances the world
             await asyncio.sleep(1.0)
         # What finished items left behind is swept by the leader within a sweep period.
         swept_by = w.now + QueueConsumer.SWEEP_SECONDS + 15.0
-        while w.now < swept_by and any(self.states().get(p.key, {}).get("state") in ("done", "failed")
+        while w.now < swept_by and any(self.states().get(p.key, {}).get("state") in ("done", "failed")  # noqa: ASYNC110 - as above
                                        for p in w.api.pods.values()):
             await asyncio.sleep(1.0)
         self.outcome.virtual_seconds = w.now

@@ -39,14 +39,15 @@ import random
 import selectors
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace as NS
+from types import SimpleNamespace as NS  # noqa: N814 - short: it stands in for many API objects below
 from typing import Any
 
-from gpu_agent.foundations.control_plane_client import ControlPlaneError, Fence, WorkItem
+from gpu_agent.foundations.control_plane_client import Fence, Fenced, Rejected, Unauthorized, Unavailable, WorkItem
 from gpu_agent.foundations.fencing import LEADER, LEASE_TRANSITIONS, LEASE_UID
 from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
 from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
-from gpu_agent.roles.control_plane.store import Fenced, Store
+from gpu_agent.roles.control_plane.store import Fenced as StoreFenced
+from gpu_agent.roles.control_plane.store import Store
 
 EPOCH = 1_800_000_000.0  # wall time at virtual 0
 ITEM_FAULT_BUDGET = 3  # attempt-costing faults drawn per item at most (the store fails an item after 5 attempts)
@@ -476,22 +477,22 @@ class ControlPlane:
 
     @staticmethod
     def no_answer(what: str, timeout: float) -> Exception:
-        return ControlPlaneError("unavailable", f"{what}: timed out after {timeout:g}s")
+        return Unavailable(f"{what}: timed out after {timeout:g}s")
 
     def _authorized(self) -> None:
         if self.world.now < self.refuse_until:
-            raise ControlPlaneError("unauthorized", "401 credential expired or revoked", 401)
+            raise Unauthorized("401 credential expired or revoked", 401)
 
     def _call(self, fn: Any, *args: Any) -> Any:
         self._authorized()
         try:
             result = fn(*args)
-        except Fenced as e:
-            raise ControlPlaneError("fenced", f"409 {e}", 409) from None
+        except StoreFenced as e:
+            raise Fenced(f"409 {e}", 409) from None
         if result == "stale-lease":
-            raise ControlPlaneError("rejected", "409 that lease is no longer the current lease", 409)
+            raise Rejected("409 that lease is no longer the current lease", 409)
         if result == "unknown":
-            raise ControlPlaneError("rejected", "404 no such item", 404)
+            raise Rejected("404 no such item", 404)
         return result
 
     def start_term(self, credential: Any, holder: str) -> Fence:
@@ -517,7 +518,7 @@ class ControlPlane:
     def item_state(self, credential: Any, item_id: int) -> str:
         state = self._call(self.store.item_state, item_id)
         if state is None:
-            raise ControlPlaneError("rejected", "404 no such item", 404)
+            raise Rejected("404 no such item", 404)
         return str(state)
 
 

@@ -5,24 +5,13 @@ import pytest
 from gpu_agent.foundations.backoff import Backoff
 
 
-class FixedRandom(random.Random):
-    """A random source that returns a scripted sequence, so jitter is exact."""
-
-    def __init__(self, values):
-        super().__init__(0)
-        self.values = list(values)
-
-    def random(self):
-        return self.values.pop(0)
-
-
 def test_without_jitter_doubles_up_to_the_cap():
     b = Backoff(initial=1, cap=10, jitter=0.0)
     assert [b.next_delay() for _ in range(7)] == [1, 2, 4, 8, 10, 10, 10]
 
 
-def test_jitter_shortens_by_the_drawn_fraction_exactly():
-    b = Backoff(initial=1, cap=10, jitter=0.5, rng=FixedRandom([0.0, 0.5, 1.0 - 1e-9, 0.2, 0.9]))
+def test_jitter_shortens_by_the_drawn_fraction_exactly(fixed_random):
+    b = Backoff(initial=1, cap=10, jitter=0.5, rng=fixed_random([0.0, 0.5, 1.0 - 1e-9, 0.2, 0.9]))
     got = [b.next_delay() for _ in range(5)]
     assert got == pytest.approx([1.0, 2 * 0.75, 4 * 0.5, 8 * 0.9, 10 * 0.55])
 

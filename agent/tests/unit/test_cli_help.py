@@ -18,7 +18,7 @@ def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                yield from _parsers(sub, path + (name,))
+                yield from _parsers(sub, (*path, name))
 
 
 PARSERS = list(_parsers(cli.build_parser()))

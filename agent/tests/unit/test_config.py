@@ -83,5 +83,41 @@ def test_cli_exits_2_with_a_clear_message():
 def test_feature_gates_parse_and_unknown_gates_are_refused():
     assert parse([]).featureGates == {"LongPollLeases": True}
     assert parse(["--feature-gates", "LongPollLeases=false"]).featureGates == {"LongPollLeases": False}
-    with pytest.raises(ConfigError, match="featureGates.*LongPollLeases"):
+    with pytest.raises(ConfigError, match=r"featureGates.*LongPollLeases"):
         parse(["--feature-gates", "Warp=true"])
+
+
+def test_every_commands_typed_settings_agree_with_its_table():
+    from gpu_agent import cli
+    from gpu_agent.foundations.config import VERBOSITY
+    from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS
+
+    tables = [(settings, cls) for settings, cls, _ in cli.ROLES.values()]
+    tables += [(cli.QUEUE_SETTINGS, cli.QueueConfig), ([VERBOSITY, *GPU_SOURCE_SETTINGS], cli.InventoryConfig)]
+    assert {cls.__name__: cls.problems(settings) for settings, cls in tables} == {
+        cls.__name__: [] for _, cls in tables}
+
+
+def test_a_typed_config_that_differs_from_its_table_is_refused_at_load():
+    import argparse
+
+    from gpu_agent.foundations.config import Config, Setting, load
+
+    class Wrong(Config):
+        leaseSeconds: int  # a seconds setting holds a float
+        extra: str  # no such setting
+
+    settings = [Setting("leaseSeconds", "seconds", 30.0, "lease", 0.1, 3600), Setting("name", "str", "x", "a name")]
+    assert Wrong.problems(settings) == [
+        "Wrong.leaseSeconds is declared <class 'int'>, but a seconds setting holds <class 'float'>",
+        "Wrong does not declare setting name", "Wrong declares extra, which is no setting of its table"]
+    with pytest.raises(TypeError, match="Wrong does not declare setting name"):
+        load(settings, argparse.Namespace(), {}, as_=Wrong)
+
+    class Right(Config):
+        leaseSeconds: float
+        name: str
+
+    cfg = load(settings, argparse.Namespace(), {"GPU_AGENT_LEASE_SECONDS": "12"}, as_=Right)
+    assert isinstance(cfg, Right) and cfg.leaseSeconds == 12.0 and cfg.replace(name="y").name == "y"
+    assert isinstance(cfg.replace(name="y"), Right)

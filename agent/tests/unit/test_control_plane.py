@@ -41,7 +41,7 @@ def cp(tmp_path, clock):
 
 
 def test_register_lease_ack(cp):
-    server, client = cp
+    _server, client = cp
     reg = client.register(REG, "c1", 1, INV)
     assert reg.credential.expires_in == 60
     for k in ("a", "b"):
@@ -58,7 +58,7 @@ def test_register_lease_ack(cp):
 
 
 def test_an_items_state_is_told_to_a_credential_and_an_unknown_item_is_404(cp):
-    server, client = cp
+    _server, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
     client.enqueue(ADMIN, "a", {})
     assert client.item_state(cred, 1) == "queued"
@@ -73,7 +73,7 @@ def test_an_items_state_is_told_to_a_credential_and_an_unknown_item_is_404(cp):
 
 
 def test_expired_lease_is_delivered_again_and_a_stale_ack_is_refused(cp, clock):
-    server, client = cp
+    _server, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
     client.enqueue(ADMIN, "a", {})
     first = client.lease(cred, 5)
@@ -269,7 +269,7 @@ def test_long_poll_lease_returns_as_soon_as_an_item_is_enqueued(cp):
 
 
 def test_a_new_term_hands_back_older_leases_and_fences_every_call_of_the_older_term(cp):
-    server, client = cp
+    _server, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
     for k in ("a", "b"):
         client.enqueue(ADMIN, k, {})
@@ -334,7 +334,7 @@ def start_poisonable(db, clock, seed=7):
 
 
 def test_a_failing_item_is_held_back_so_the_items_behind_it_run_and_is_failed_after_its_last_attempt(tmp_path, clock):
-    server, store = start_poisonable(tmp_path / "cp.sqlite", clock)
+    server, _store = start_poisonable(tmp_path / "cp.sqlite", clock)
     client = ControlPlaneClient(server.url, timeout=5)
     try:
         cred = client.register(REG, "c1", 1, INV).credential.token
@@ -370,7 +370,7 @@ def test_backoff_doubles_from_its_base_to_its_cap_jittered_down_by_at_most_half(
     store = Store(tmp_path / "cp.sqlite", clock, rng=random.Random(3), retry_base_seconds=1.0, retry_max_seconds=10.0)
     delays = [store.retry_delay(n) for n in range(1, 8)]
     ceilings = [1, 2, 4, 8, 10, 10, 10]
-    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings)), delays
+    assert all(c / 2 <= d <= c for d, c in zip(delays, ceilings, strict=False)), delays
     again = Store(tmp_path / "b.sqlite", clock, rng=random.Random(3), retry_base_seconds=1.0, retry_max_seconds=10.0)
     assert delays == [again.retry_delay(n) for n in range(1, 8)]  # the seed decides
     store.close()
@@ -378,7 +378,7 @@ def test_backoff_doubles_from_its_base_to_its_cap_jittered_down_by_at_most_half(
 
 
 def test_a_release_without_an_error_and_an_expired_lease_count_no_attempt(tmp_path, clock):
-    server, store = start_poisonable(tmp_path / "cp.sqlite", clock)
+    server, _store = start_poisonable(tmp_path / "cp.sqlite", clock)
     client = ControlPlaneClient(server.url, timeout=5)
     try:
         cred = client.register(REG, "c1", 1, INV).credential.token
@@ -407,10 +407,46 @@ def test_a_payload_no_executor_could_run_is_refused_at_enqueue_naming_the_field(
 
 
 def test_a_valid_payload_is_kept_exactly_as_given(cp):
-    server, client = cp
+    _server, client = cp
     cred = client.register(REG, "c1", 1, INV).credential.token
     payload = {"gpus": 2, "command": ["sh", "-c", "true"], "note": {"team": "a", "n": [1, 2.5, None]}}
     client.enqueue(ADMIN, "k", payload)
     client.enqueue(ADMIN, "defaults", {})
     assert client.lease(cred, 30).payload == payload
     assert client.lease(cred, 30).payload == {}
+
+
+def test_each_kind_of_failure_is_its_own_type_and_only_the_unanswered_are_recoverable():
+    from gpu_agent.foundations.control_plane_client import (
+        Fenced,
+        ProtocolError,
+        Rejected,
+        Unauthorized,
+        Unavailable,
+    )
+    kinds = {cls: (cls.kind, cls.recoverable) for cls in (Unavailable, ProtocolError, Unauthorized, Fenced, Rejected)}
+    assert kinds == {Unavailable: ("unavailable", True), ProtocolError: ("protocol", True),
+                     Unauthorized: ("unauthorized", False), Fenced: ("fenced", False), Rejected: ("rejected", False)}
+    assert all(issubclass(cls, ControlPlaneError) for cls in kinds)
+    assert Rejected("GET /v1/queue/items/9: 404 no item 9", 404).status == 404
+
+
+def test_a_release_and_a_state_are_answered_as_enums_and_a_value_outside_them_is_a_protocol_error(cp):
+    from gpu_agent.foundations.control_plane_client import ItemState, ProtocolError, Released
+
+    _, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    client.enqueue(ADMIN, "a", {})
+    item = client.lease(cred, 30)
+    assert client.item_state(cred, item.item_id) is ItemState.LEASED
+    assert client.release(cred, item) is Released.RELEASED
+
+    class OneAnswer(requests.Session):
+        """A control plane that answers a state it does not have."""
+
+        def request(self, method, url, **kwargs):
+            answer = requests.Response()
+            answer.status_code, answer._content = 200, b'{"id": 1, "state": "lost"}'
+            return answer
+    with pytest.raises(ProtocolError, match="field 'state' is not one of queued, leased, done, failed"):
+        ControlPlaneClient("http://cp.invalid", session=OneAnswer()).item_state(cred, 1)

@@ -6,13 +6,11 @@ import random
 import pytest
 from kubernetes import client
 
-from gpu_agent.foundations.clock import SystemClock
-
 from gpu_agent.foundations.backoff import Backoff
+from gpu_agent.foundations.clock import SystemClock
 from gpu_agent.mechanisms.domain.entries import Entry, lowest_free_index, with_entry, without_entry
 from gpu_agent.mechanisms.domain.reconciler import render_peers
 from gpu_agent.mechanisms.domain.writer import DomainWriter, make_backoff
-from tests.unit.test_backoff import FixedRandom
 
 
 def domain(nodes=(), expected=2, rv=1):
@@ -28,7 +26,7 @@ def test_index_is_kept_and_gaps_are_filled_lowest_first():
     nodes = [node("a", 0), node("c", 2), node("d", 3)]
     assert lowest_free_index(nodes, "c") == 2
     assert lowest_free_index(nodes, "new") == 1
-    assert lowest_free_index(nodes + [node("b", 1)], "new") == 4
+    assert lowest_free_index([*nodes, node("b", 1)], "new") == 4
 
 
 def test_with_entry_changes_only_its_own_entry_and_the_overall_status():
@@ -78,18 +76,22 @@ class SleepRecorder(SystemClock):
         self.sleeps.append(seconds)
 
 
-def writer(fake, strategy="fulljitter", rng=None):
-    clock = SleepRecorder()
-    w = DomainWriter(client.ApiClient(), "default", "d1", strategy, 25.0, rng or FixedRandom([0.5] * 50), clock)
-    w.custom = fake
-    return w, clock.sleeps
+@pytest.fixture
+def writer(fixed_random):
+    """writer(fake, strategy, rng) -> (a DomainWriter on `fake`, the sleeps its retries took)."""
+    def make(fake, strategy="fulljitter", rng=None):
+        clock = SleepRecorder()
+        w = DomainWriter(client.ApiClient(), "default", "d1", strategy, 25.0, rng or fixed_random([0.5] * 50), clock,
+                         custom_api=fake)
+        return w, clock.sleeps
+    return make
 
 
 def conflict():
     return client.ApiException(status=409, reason="Conflict")
 
 
-def test_conflicts_back_off_with_full_jitter_under_a_cap_of_nodes_over_rate():
+def test_conflicts_back_off_with_full_jitter_under_a_cap_of_nodes_over_rate(writer):
     fake = FakeCustom(domain(expected=100), [conflict()] * 12)
     w, sleeps = writer(fake)
     assert w.ensure(Entry("a", "", (), True))
@@ -100,15 +102,15 @@ def test_conflicts_back_off_with_full_jitter_under_a_cap_of_nodes_over_rate():
     assert [n["name"] for n in fake.obj["status"]["nodes"]] == ["a"]
 
 
-def test_dra_strategy_is_5ms_to_6s_times_u_075_125():
-    b = make_backoff("dra", 10, 25.0, FixedRandom([0.0, 1.0 - 1e-12, 0.5] * 20))
+def test_dra_strategy_is_5ms_to_6s_times_u_075_125(fixed_random):
+    b = make_backoff("dra", 10, 25.0, fixed_random([0.0, 1.0 - 1e-12, 0.5] * 20))
     got = [b.next_delay() for _ in range(12)]
     bases = [min(6.0, 0.005 * 2**n) for n in range(12)]
     factors = [0.75, 1.25, 1.0] * 4
-    assert got == pytest.approx([x * f for x, f in zip(bases, factors)])
+    assert got == pytest.approx([x * f for x, f in zip(bases, factors, strict=False)])
 
 
-def test_a_429_waits_at_least_its_retry_after():
+def test_a_429_waits_at_least_its_retry_after(writer):
     throttled = client.ApiException(status=429, reason="Too Many Requests")
     throttled.headers = {"Retry-After": "3"}
     w, sleeps = writer(FakeCustom(domain(), [throttled]))
@@ -116,7 +118,7 @@ def test_a_429_waits_at_least_its_retry_after():
     assert sleeps == [3.0] and w.stats.throttled == 1
 
 
-def test_a_newer_event_supersedes_the_retry_loop():
+def test_a_newer_event_supersedes_the_retry_loop(writer):
     fake = FakeCustom(domain(), [conflict()] * 100)
     w, sleeps = writer(fake)
     calls = iter([False, False, True])
@@ -124,7 +126,7 @@ def test_a_newer_event_supersedes_the_retry_loop():
     assert fake.replaces == 3 and len(sleeps) == 2
 
 
-def test_own_write_is_the_cache_so_the_next_ensure_needs_no_read():
+def test_own_write_is_the_cache_so_the_next_ensure_needs_no_read(writer):
     fake = FakeCustom(domain())
     w, _ = writer(fake)
     assert w.ensure(Entry("a", "", (), True))
@@ -135,7 +137,7 @@ def test_own_write_is_the_cache_so_the_next_ensure_needs_no_read():
     assert w.cached["metadata"]["resourceVersion"] == fake.obj["metadata"]["resourceVersion"]
 
 
-def test_many_writers_keep_every_entry_and_unique_indices():
+def test_many_writers_keep_every_entry_and_unique_indices(writer):
     fake = FakeCustom(domain(expected=30))
     writers = [writer(fake, rng=random.Random(i))[0] for i in range(30)]
     pending = {f"n{i}": writers[i] for i in range(30)}
@@ -152,7 +154,7 @@ def test_many_writers_keep_every_entry_and_unique_indices():
     assert fake.obj["status"]["status"] == "Ready"
 
 
-def test_remove_gives_up_at_its_deadline():
+def test_remove_gives_up_at_its_deadline(writer):
     fake = FakeCustom(domain([node("a", 0)]), [conflict()] * 100)
     w, _ = writer(fake, strategy="dra", rng=random.Random(0))
     w.clock = SleepRecorder()
@@ -166,8 +168,8 @@ def test_peers_file_is_sorted_by_index():
     assert text.splitlines()[1:] == ["0 a - NotReady", "1 z - Ready"]
 
 
-def test_full_jitter_backoff_mode():
-    b = Backoff(0.01, 1.0, rng=FixedRandom([0.25, 0.75]), mode="full")
+def test_full_jitter_backoff_mode(fixed_random):
+    b = Backoff(0.01, 1.0, rng=fixed_random([0.25, 0.75]), mode="full")
     assert [b.next_delay(), b.next_delay()] == pytest.approx([0.0025, 0.015])
 
 
@@ -329,10 +331,9 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
             Gone.calls += 1
             raise client.ApiException(status=404, reason="Not Found")
 
-    folding = Aggregator(None, "ns", "deleted-domain", interval=0.01)
-    folding.writer.custom = Gone()
+    quick = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
+    folding = Aggregator(None, "ns", "deleted-domain", interval=0.01, clock=quick, custom_api=Gone())
     folding._watch = lambda: None  # members are handed in below; no API server here
-    folding.writer.clock = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
     folding._listed_members({"items": [{"metadata": {"name": "m"}, "spec": {"node": "n1"}}]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
@@ -357,8 +358,7 @@ def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_no
 
     clock = ManualClock()
     fake = FakeCustom(domain(expected=1))
-    folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock)
-    folding.writer.custom = fake
+    folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock, custom_api=fake)
     folding._watch = lambda: None  # members are handed in below
     folding._listed_members({"items": [{"metadata": {"name": "d1-a"},
                                         "spec": {"node": "a", "ready": True, "heartbeat": "t1",

@@ -30,7 +30,7 @@ def test_list_then_watch_lists_watches_from_the_lists_version_and_lists_again_af
             pass
 
     monkeypatch.setattr(kube.watch, "Watch", FakeWatch)
-    kube.list_then_watch(list_call, "ns1", label_selector="x=y", on_list=lambda l: seen.append(("list", kube.items_of(l))),
+    kube.list_then_watch(list_call, "ns1", label_selector="x=y", on_list=lambda lst: seen.append(("list", kube.items_of(lst))),
                          on_event=lambda kind, obj: seen.append((kind, obj)), on_error=errors.append, stop=stop,
                          retry_seconds=0)
     assert [str(e) for e in errors] == ["apiserver down"]

@@ -28,44 +28,8 @@ class MemoryLease:
             raise RuntimeError(f"{who}: connection refused")
 
     def for_(self, who):
-        lease = self
-
-        class View:
-            def get(self):
-                lease._check(who)
-                return lease.record
-
-            def create(self, record):
-                lease._check(who)
-                if lease.record is not None:
-                    raise LeaseConflict()
-                return lease._store(record)
-
-            def update(self, record):
-                lease._check(who)
-                if lease.record is None or record.version != lease.record.version:
-                    raise LeaseConflict()
-                return lease._store(record)
-
-            def delete(self, record):
-                lease._check(who)
-                if lease.record is None or record.version != lease.record.version:
-                    raise LeaseConflict()
-                lease.record = None
-                lease._released()
-
-        view = View()
-        if self.watchable:
-            def wait_released(version, timeout):
-                lease._check(who)
-                fut = asyncio.get_running_loop().create_future()
-                if lease.record is None or not lease.record.holder:
-                    fut.set_result(True)
-                else:
-                    lease.watchers.append(fut)
-                return fut
-            view.wait_released = wait_released
-        return view
+        """What `who` sees of the Lease: a backend with wait_released only when `watchable`."""
+        return (WatchableView if self.watchable else View)(self, who)
 
     def _released(self):
         for fut in self.watchers:
@@ -82,27 +46,87 @@ class MemoryLease:
         return self.record
 
 
+class View:
+    """One caller's backend over a MemoryLease."""
+
+    def __init__(self, lease, who):
+        self.lease, self.who = lease, who
+
+    def get(self):
+        self.lease._check(self.who)
+        return self.lease.record
+
+    def create(self, record):
+        self.lease._check(self.who)
+        if self.lease.record is not None:
+            raise LeaseConflict()
+        return self.lease._store(record)
+
+    def update(self, record):
+        self.lease._check(self.who)
+        if self.lease.record is None or record.version != self.lease.record.version:
+            raise LeaseConflict()
+        return self.lease._store(record)
+
+    def delete(self, record):
+        self.lease._check(self.who)
+        if self.lease.record is None or record.version != self.lease.record.version:
+            raise LeaseConflict()
+        self.lease.record = None
+        self.lease._released()
+
+
+class WatchableView(View):
+    def wait_released(self, version, timeout):
+        """A future resolved when the record is deleted or released."""
+        self.lease._check(self.who)
+        fut = asyncio.get_running_loop().create_future()
+        if self.lease.record is None or not self.lease.record.holder:
+            fut.set_result(True)
+        else:
+            self.lease.watchers.append(fut)
+        return fut
+
+def callbacks(name, changed, stopped=None):
+    """The elector's three callbacks, each reported to `changed(leading, reason)` as the cluster agent
+    words it; `stopped(why)` hears only on_stopped_leading."""
+    async def started_leading():
+        await changed(True, f"leader: {name}")
+
+    async def stopped_leading(why):
+        if stopped is not None:
+            stopped(why)
+        await changed(False, f"standby: lost the lease ({why})")
+
+    async def new_leader(identity):
+        await changed(False, f"standby: the leader is {identity or '(nobody yet)'}")
+    return {"on_started_leading": started_leading, "on_stopped_leading": stopped_leading, "on_new_leader": new_leader}
+
+
 async def inline(fn, *args):
     result = fn(*args)
     return await result if asyncio.isfuture(result) else result
 
 
 class Agent:
-    def __init__(self, name, lease, clock, settings=SETTINGS):
+    def __init__(self, name, lease, clock, tasks, settings=SETTINGS):
         self.name = name
         self.changes = []  # (time, leading, reason): recorded, asserted by the test
+        self.stops = []  # when on_stopped_leading was called
         self.clock = clock
 
         async def changed(leading, reason):
             self.changes.append((clock.monotonic(), leading, reason))
-        self.elector = LeaderElector(lease.for_(name), name, settings, clock, random.Random(7), changed, inline)
-        self.task = asyncio.ensure_future(self.elector.run())
+        self.elector = LeaderElector(lease.for_(name), identity=name, settings=settings, clock=clock, rng=random.Random(7),
+                                     **callbacks(name, changed, lambda why: self.stops.append(clock.monotonic())),
+                                     run_blocking=inline)
+        self.task = tasks.start(self.elector.run())
 
     def leading_since(self):
         return [t for t, leading, _ in self.changes if leading]
 
     def stopped_at(self):
-        return [t for t, leading, reason in self.changes if not leading and "lost" in reason]
+        return self.stops
 
 
 async def run_for(clock, seconds, step=0.5):
@@ -110,33 +134,31 @@ async def run_for(clock, seconds, step=0.5):
         await clock.advance(step)
 
 
-def test_settings_that_break_the_timing_rules_are_named():
+def test_settings_that_break_the_timing_rules_are_named(tasks):
     assert ElectionSettings(15, 10, 2).problems() == []
     assert "leaderElectionRenewDeadline (15s) must be shorter than leaderElectionLeaseDuration (15s)" in \
         ElectionSettings(15, 15, 2).problems()[0]
     assert "leaderElectionRetryPeriod" in ElectionSettings(15, 10, 10).problems()[0]
 
 
-async def leader_and_standby(settle: float, watchable=False):
+async def leader_and_standby(tasks, settle: float, watchable=False):
     """agent-a leads (it started first), agent-b stands by; `settle` seconds later."""
     clock, lease = ManualClock(), MemoryLease(watchable)
-    a = Agent("agent-a", lease, clock)
+    a = Agent("agent-a", lease, clock, tasks)
     await run_for(clock, 1)
-    b = Agent("agent-b", lease, clock)
+    b = Agent("agent-b", lease, clock, tasks)
     await run_for(clock, settle)
     return clock, lease, a, b
 
 
-async def test_one_leader_and_a_standby_that_names_it():
-    clock, lease, a, b = await leader_and_standby(30)
+async def test_one_leader_and_a_standby_that_names_it(tasks):
+    _clock, lease, a, b = await leader_and_standby(tasks, 30)
     assert a.elector.leading and not b.elector.leading
     assert b.changes == [(b.changes[0][0], False, "standby: the leader is agent-a")]
     assert lease.record.holder == "agent-a" and lease.record.transitions == 0
-    a.task.cancel()
-    b.task.cancel()
 
 
-async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once():
+async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once(tasks):
     """Both agents find no Lease and both create it; the one refused must name the winner in its first
     report, not "(nobody yet)" until its next attempt (seen on the CI cluster with two replicas)."""
     clock, lease = ManualClock(), MemoryLease()
@@ -155,19 +177,19 @@ async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once(
 
     async def changed(leading, reason):
         changes.append((leading, reason))
-    elector = LeaderElector(b_view, "agent-b", SETTINGS, clock, random.Random(7), changed, inline)
-    task = asyncio.ensure_future(elector.run())
+    elector = LeaderElector(b_view, identity="agent-b", settings=SETTINGS, clock=clock, rng=random.Random(7),
+                            **callbacks("agent-b", changed), run_blocking=inline)
+    tasks.start(elector.run())
     await clock.advance(0.1)
     assert changes == [(False, "standby: the leader is agent-a")]
-    task.cancel()
 
 
 def lease_record_of(holder):
     return LeaseRecord(holder, SETTINGS.lease_duration, 0.0, 0.0, 0)
 
 
-async def test_a_leader_cut_off_stops_before_anyone_else_can_start():
-    clock, lease, a, b = await leader_and_standby(5)
+async def test_a_leader_cut_off_stops_before_anyone_else_can_start(tasks):
+    clock, lease, a, b = await leader_and_standby(tasks, 5)
     cut = clock.monotonic()
     lease.cut_off.add("agent-a")
     await run_for(clock, 40)
@@ -184,11 +206,9 @@ async def test_a_leader_cut_off_stops_before_anyone_else_can_start():
     lease.cut_off.clear()
     await run_for(clock, 10)
     assert not a.elector.leading and a.changes[-1][2] == "standby: the leader is agent-b"
-    a.task.cancel()
-    b.task.cancel()
 
 
-async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
+async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline(tasks):
     clock, lease = ManualClock(), MemoryLease()
     hang = asyncio.Event()
 
@@ -201,8 +221,9 @@ async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
     async def changed(leading, reason):
         changes.append((clock.monotonic(), leading))
     settings = ElectionSettings(1.5, 1.0, 0.2)
-    elector = LeaderElector(lease.for_("a"), "a", settings, clock, random.Random(1), changed, hanging)
-    task = asyncio.ensure_future(elector.run())
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=settings, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=hanging)
+    tasks.start(elector.run())
     await clock.advance(0.1)
     assert changes == [(changes[0][0], True)]
     hang.set()
@@ -213,11 +234,10 @@ async def test_a_hung_call_cannot_keep_a_leader_past_its_deadline():
         await clock.advance(0.2)
         await asyncio.sleep(0.05)
     assert not elector.leading
-    task.cancel()
 
 
-async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt():
-    clock, lease, a, b = await leader_and_standby(5)
+async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt(tasks):
+    clock, lease, a, b = await leader_and_standby(tasks, 5)
     a.task.cancel()
     await clock.settle()
     assert lease.record is None  # released: deleted, so nothing is left behind on uninstall
@@ -225,11 +245,10 @@ async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt(
     await run_for(clock, 5, step=0.1)
     (started,) = b.leading_since()
     assert started - released <= SETTINGS.retry_period * 1.2 + 0.1
-    b.task.cancel()
 
 
-async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_attempt_not_at_the_deadline():
-    clock, lease, a, b = await leader_and_standby(5)
+async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_attempt_not_at_the_deadline(tasks):
+    clock, lease, a, b = await leader_and_standby(tasks, 5)
     lease.record = None  # someone deletes the Lease (a person, a cleanup); the standby creates it first
     lease.cut_off.add("agent-a")
     await run_for(clock, SETTINGS.retry_period * 1.2 + 0.5, step=0.1)
@@ -237,17 +256,15 @@ async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_att
     taken = clock.monotonic()
     lease.cut_off.clear()
     await run_for(clock, SETTINGS.retry_period + 0.5, step=0.1)
-    stopped, lost, reason = next(c for c in a.changes if not c[1])
+    stopped, _lost, reason = next(c for c in a.changes if not c[1])
     assert reason == "standby: lost the lease (the lease is held by agent-b)" and a.changes[-1][2] == "standby: the leader is agent-b"
     assert stopped - taken <= SETTINGS.retry_period + 0.2 < SETTINGS.renew_deadline
-    a.task.cancel()
-    b.task.cancel()
 
 
-async def test_a_standby_watching_the_lease_takes_over_the_moment_the_leader_releases_it():
+async def test_a_standby_watching_the_lease_takes_over_the_moment_the_leader_releases_it(tasks):
     """A rolling update's hand-over: the old leader shuts down and releases; the standby must not
     wait out its retry period (that was up to 2.4 s with the defaults)."""
-    clock, lease, a, b = await leader_and_standby(5, watchable=True)
+    clock, lease, a, b = await leader_and_standby(tasks, 5, watchable=True)
     assert lease.wakes == 0  # the leader's renewals (two a retry period) woke nobody
     a.task.cancel()
     await clock.settle()
@@ -256,11 +273,10 @@ async def test_a_standby_watching_the_lease_takes_over_the_moment_the_leader_rel
     (started,) = b.leading_since()
     assert started - released <= 0.01 and lease.wakes == 1
     assert lease.record.holder == "agent-b"
-    b.task.cancel()
 
 
-async def test_a_standby_still_takes_over_a_silent_leader_only_after_the_lease_duration_when_watching():
-    clock, lease, a, b = await leader_and_standby(5, watchable=True)
+async def test_a_standby_still_takes_over_a_silent_leader_only_after_the_lease_duration_when_watching(tasks):
+    clock, lease, a, b = await leader_and_standby(tasks, 5, watchable=True)
     cut = clock.monotonic()
     lease.cut_off.add("agent-a")
     await run_for(clock, 40)
@@ -268,8 +284,6 @@ async def test_a_standby_still_takes_over_a_silent_leader_only_after_the_lease_d
     (started,) = b.leading_since()
     assert started - stopped >= SETTINGS.lease_duration - SETTINGS.renew_deadline
     assert started > cut + SETTINGS.lease_duration - SETTINGS.retry_period
-    a.task.cancel()
-    b.task.cancel()
 
 
 async def test_one_attempt_takes_at_most_its_limit_when_the_read_is_slow_and_the_write_hangs():
@@ -285,7 +299,8 @@ async def test_one_attempt_takes_at_most_its_limit_when_the_read_is_slow_and_the
 
     async def changed(leading, reason):
         pass
-    elector = LeaderElector(lease.for_("a"), "a", SETTINGS, clock, random.Random(1), changed, slowly)
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=slowly)
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert not await elector.try_acquire_or_renew(1.0)
@@ -307,7 +322,8 @@ async def test_a_standby_dates_another_holders_lease_from_the_answer_not_from_th
 
     async def changed(leading, reason):
         pass
-    b = LeaderElector(lease.for_("b"), "b", SETTINGS, clock, random.Random(1), changed, slow_read)
+    b = LeaderElector(lease.for_("b"), identity="b", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                      **callbacks("b", changed), run_blocking=slow_read)
     began = clock.monotonic()
     assert not await b.try_acquire_or_renew(2.0)
     delay["get"] = 0.0
@@ -322,7 +338,9 @@ def test_holds_lease_is_false_past_the_renew_deadline_even_before_the_elector_ha
     from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 
     clock = ManualClock()
-    elector = LeaderElector(None, "a", ElectionSettings(15, 10, 2), clock, __import__("random").Random(0), None)
+    elector = LeaderElector(None, identity="a", settings=ElectionSettings(15, 10, 2), clock=clock,
+                            rng=__import__("random").Random(0), on_started_leading=None, on_stopped_leading=None,
+                            on_new_leader=None)
     elector.leading, elector.last_renewal = True, clock.monotonic()
     assert elector.holds_lease()
     clock.advance_blocking(10.0)  # a stopped process: no coroutine ran meanwhile, `leading` is still True

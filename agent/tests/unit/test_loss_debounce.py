@@ -44,8 +44,8 @@ class Rig:
         self.health = HealthRegistry(self.clock, ["gpus"])
         self.events: list[tuple[float, int, int]] = []  # (time, generation, count) as the subscriber saw them
         self.drops: list[tuple[float, str]] = []
-        self.monitor = InventoryMonitor(self.source, self.clock, self.health, POLL, self._changed,
-                                        loss_debounce=window, on_drop=lambda o: self.drops.append((self.clock.monotonic(), o)))
+        self.monitor = InventoryMonitor(self.source, clock=self.clock, health=self.health, poll_interval=POLL,
+                                        on_change=self._changed, loss_debounce=window, on_drop=lambda o: self.drops.append((self.clock.monotonic(), o)))
 
     async def _changed(self, e) -> None:
         self.events.append((self.clock.monotonic(), e.generation, e.inventory.count))

@@ -43,12 +43,13 @@ async def settle():
         await asyncio.sleep(0)
 
 
-async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_they_stop_matching():
+async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_they_stop_matching(tasks):
     events = []
-    membership = DomainMembership(None, "ns", "n1", "", True, lambda name: RecordingReconciler(name, events))
+    membership = DomainMembership(None, "ns", "n1", named="", join_matching=True,
+                                  make_reconciler=lambda name: RecordingReconciler(name, events))
     membership.join_matching = False  # no watch threads: the test feeds what they would see
     membership.set_gpus(["GPU-1"], True, "rack-a")
-    task = asyncio.ensure_future(membership.run())
+    tasks.start(membership.run())
     await settle()
     membership.join_matching = True
     membership._domains_listed({"items": [{"metadata": {"name": "d-a"}, "spec": {"nodeSelector": {"rack": "a"}}},
@@ -69,5 +70,3 @@ async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_th
     for _ in range(20):
         await asyncio.sleep(0.01)
     assert ("removed", "d-b") in events and membership.joined == {}
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)

@@ -2,7 +2,7 @@
 fails the attempt at once and is deleted; one that merely waits for GPUs in use keeps waiting."""
 
 import asyncio
-from types import SimpleNamespace as NS
+from types import SimpleNamespace as NS  # noqa: N814 - short: it stands in for many API objects below
 
 import pytest
 

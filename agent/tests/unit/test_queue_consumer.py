@@ -2,8 +2,10 @@
 with its reason (the control plane counts the attempt and holds it back), and the consumer goes
 straight on to the next item."""
 
+from typing import ClassVar
+
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.foundations.control_plane_client import Fence, WorkItem
+from gpu_agent.foundations.control_plane_client import Fence, Fenced, Unavailable, WorkItem
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
@@ -60,8 +62,9 @@ async def test_a_failing_item_goes_back_with_its_reason_and_the_next_item_runs_a
         raise AssertionError("never refused here")
 
     clock = ManualClock()
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock,
-                             HealthRegistry(clock, ["queues"]), metrics, 30.0, 1.0, refused)
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
+                             health=HealthRegistry(clock, ["queues"]), metrics=metrics,
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     assert await consumer.step() and await consumer.step()
     assert control_plane.released == [("poison", "creating pod ns/gpu-work-poison failed: 422 Unprocessable Entity")]
@@ -76,8 +79,6 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
     import asyncio
     from dataclasses import replace
 
-    from gpu_agent.foundations.control_plane_client import ControlPlaneError
-
     running, finish = asyncio.Event(), asyncio.Event()
     terms = iter([1, 3])
 
@@ -91,7 +92,7 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
 
         def ack(self, credential, item):
             if item.fence.term != 3:
-                raise ControlPlaneError("fenced", "409 fenced: term 3 (holder a) is the current term", 409)
+                raise Fenced("409 fenced: term 3 (holder a) is the current term", 409)
             super().ack(credential, item)
 
     class Blocking(Executor):
@@ -107,8 +108,9 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
         raise AssertionError("never refused here")
 
     clock = ManualClock()
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Blocking(), clock,
-                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Blocking(), clock=clock,
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     first = asyncio.ensure_future(consumer.step())
     for _ in range(500):  # poll to a deadline: the long item is running
@@ -128,8 +130,6 @@ async def test_a_late_fenced_answer_about_an_older_term_does_not_fence_the_term_
 async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_deleted():
     import asyncio
 
-    from gpu_agent.foundations.control_plane_client import ControlPlaneError
-
     class LostAnswer(ScriptedControlPlane):
         """The first ack lands but its answer is lost (a timeout); the second is answered."""
         acks = 0
@@ -138,10 +138,10 @@ async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_d
             LostAnswer.acks += 1
             super().ack(credential, item)
             if LostAnswer.acks == 1:
-                raise ControlPlaneError("unavailable", "POST /v1/queue/items/1/ack: timed out after 10s")
+                raise Unavailable("POST /v1/queue/items/1/ack: timed out after 10s")
 
     class Deleting(Executor):
-        deleted = []
+        deleted: ClassVar[list] = []
 
         async def after_ack(self, item):
             self.deleted.append(item.idempotency_key)
@@ -152,8 +152,9 @@ async def test_an_ack_whose_answer_was_lost_is_sent_again_and_the_items_pod_is_d
         raise AssertionError("never refused here")
 
     clock = ManualClock()
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock,
-                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     stepping = asyncio.ensure_future(consumer.step())
     for _ in range(100):  # the retry waits on the injected clock
@@ -169,7 +170,6 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
     says this agent leads, it starts a newer term after a poll and leases on (it stopped for good)."""
     from dataclasses import replace
 
-    from gpu_agent.foundations.control_plane_client import ControlPlaneError
     from gpu_agent.foundations.fencing import LeaderToken
 
     terms = iter([1, 3])
@@ -180,7 +180,7 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
 
         def lease(self, credential, lease_seconds, wait_seconds, fence):
             if fence.term == 1:
-                raise ControlPlaneError("fenced", "409 fenced: term 2 (holder b) is the current term", 409)
+                raise Fenced("409 fenced: term 2 (holder b) is the current term", 409)
             item = super().lease(credential, lease_seconds, wait_seconds, fence)
             return replace(item, fence=fence) if item else None
 
@@ -188,8 +188,9 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
         raise AssertionError("never refused here")
 
     control_plane, clock = LateTerm([item(1, "a")]), ManualClock()
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock,
-                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock=clock,
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     consumer.new_term(LeaderToken("gpu-agent", "uid", 4))
     await consumer.set_open(True, "")
     assert not await consumer.step()  # fenced under term 1
@@ -199,8 +200,9 @@ async def test_a_consumer_fenced_while_it_holds_the_lease_starts_a_term_of_its_o
 
     # Without a Lease (no leader election) nothing says this agent should lead: fenced for good.
     terms = iter([1])
-    alone = QueueConsumer(LateTerm([item(2, "b")]), lambda: Secret("credential-0123456789"), Executor(), clock,
-                          HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    alone = QueueConsumer(LateTerm([item(2, "b")]), lambda: Secret("credential-0123456789"), Executor(), clock=clock,
+                          health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                          lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     alone.new_term()
     await alone.set_open(True, "")
     assert not await alone.step() and not alone.active and not await alone.step()
@@ -220,8 +222,9 @@ async def test_an_attempt_the_infrastructure_prevented_goes_back_without_countin
         raise AssertionError("never refused here")
 
     control_plane, clock = ScriptedControlPlane([item(1, "a")]), ManualClock()
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Outage(), clock,
-                             HealthRegistry(clock, ["queues"]), AgentMetrics(), 30.0, 1.0, refused)
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Outage(), clock=clock,
+                             health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     stepping = asyncio.ensure_future(consumer.step())
     await clock.settle()
@@ -244,7 +247,8 @@ async def test_an_item_whose_last_attempt_failed_is_counted_in_healthz_and_the_m
     clock, metrics = ManualClock(), AgentMetrics()
     health = HealthRegistry(clock, ["queues"])
     consumer = QueueConsumer(LastAttempt([item(1, "poison", poison=True)]), lambda: Secret("credential-0123456789"),
-                             Executor(), clock, health, metrics, 30.0, 1.0, refused)
+                             Executor(), clock=clock, health=health, metrics=metrics,
+                             lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
     await consumer.set_open(True, "")
     assert await consumer.step()
     details = health.get("queues").details
@@ -260,10 +264,10 @@ async def test_healthz_active_is_decided_when_asked_so_a_resumed_process_never_s
 
     clock, health = ManualClock(), HealthRegistry(ManualClock(), ["queues"])
     control_plane = ScriptedControlPlane([item(1, "a")])
-    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock, health,
-                             AgentMetrics(), 30.0, 1.0, refused)
     lease_held = [True]
-    consumer.still_leading = lambda: lease_held[0]
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Executor(), clock=clock, health=health,
+                             metrics=AgentMetrics(), lease_seconds=30.0, poll_interval=1.0, on_refused=refused,
+                             still_leading=lambda: lease_held[0])
     await consumer.set_open(True, "")
     def gauge():
         return consumer.metrics.active.collect()[0].samples[0].value

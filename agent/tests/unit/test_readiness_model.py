@@ -22,7 +22,7 @@ def agent(tmp_path, leader_election=True):
 def state(a):
     snap = a.health.snapshot()
     metrics = a.metrics.render().decode()
-    gauge = lambda name: float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")))  # noqa: E731
+    gauge = lambda name: float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")))  # noqa: E731 - a one-line reader, local to the helper
     return (snap["status"], snap["active"], snap["components"]["queues"]["ready"],
             gauge("gpu_agent_ready"), gauge("gpu_agent_active"))
 
@@ -30,16 +30,16 @@ def state(a):
 async def test_a_registered_standby_is_ready_but_not_active_and_the_leader_is_both(tmp_path):
     a = agent(tmp_path)
     assert state(a) == ("notready", False, False, 0.0, 0.0)  # nothing yet
-    await a._leadership_changed(False, "standby: the leader is other-pod")
+    await a._new_leader("other-pod")
     assert state(a) == ("notready", False, False, 0.0, 0.0)  # not registered: a standby without GPUs is not Ready
     for component in ("gpus", "registration", "credentials"):
         a.health.set(component, True, "ok")
     await a._readiness_changed(True, "registered")
     assert state(a) == ("ready", False, True, 1.0, 0.0)  # a hot standby: Ready, not leasing
     assert a.health.snapshot()["components"]["leadership"]["reason"] == "standby: the leader is other-pod"
-    await a._leadership_changed(True, "leader: me")
+    await a._started_leading()
     assert state(a) == ("ready", True, True, 1.0, 1.0)
-    await a._leadership_changed(False, "standby: lost the lease (deadline)")
+    await a._stopped_leading("deadline")
     assert state(a) == ("ready", False, True, 1.0, 0.0)
     a.health.set("gpus", False, "no GPUs available in cluster")
     await a._readiness_changed(False, "no GPUs available in cluster")
@@ -51,9 +51,9 @@ async def test_a_fenced_leader_is_not_ready_and_not_active(tmp_path):
     for component in ("gpus", "registration", "credentials"):
         a.health.set(component, True, "ok")
     await a._readiness_changed(True, "registered")
-    await a._leadership_changed(True, "leader: me")
-    from gpu_agent.foundations.control_plane_client import ControlPlaneError
-    a.queue._fenced(ControlPlaneError("fenced", "newer term"), a.queue.fence)  # refused under the term it holds
+    await a._started_leading()
+    from gpu_agent.foundations.control_plane_client import Fenced
+    a.queue._fenced(Fenced("newer term"), a.queue.fence)  # refused under the term it holds
     assert state(a) == ("notready", False, False, 0.0, 0.0)
 
 

@@ -6,16 +6,15 @@ import inspect
 import pytest
 
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.foundations.control_plane_client import ControlPlaneError, Credential, Registration
+from gpu_agent.foundations.control_plane_client import Credential, Registration, Unauthorized, Unavailable
 from gpu_agent.foundations.gate import Gate
 from gpu_agent.foundations.gpus import GPU, Inventory
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.registration.manager import RegistrationManager, RegistrationSettings
-from tests.unit.test_backoff import FixedRandom
 
-UNAVAILABLE = ControlPlaneError("unavailable", "POST /v1/register: 503 injected fault", 503)
+UNAVAILABLE = Unavailable("POST /v1/register: 503 injected fault", 503)
 
 
 def inventory(n, tag="a"):
@@ -75,7 +74,7 @@ async def inline(fn, *args):
 
 
 class Harness:
-    def __init__(self, *, initial=1.0, cap=8.0, jitter=0.0, rng=None, ttl=3600.0, renew=2700.0, reregister=10_000.0):
+    def __init__(self, *, rng, initial=1.0, cap=8.0, jitter=0.0, ttl=3600.0, renew=2700.0, reregister=10_000.0):
         self.clock = ManualClock(start=1000.0)
         self.cp = ScriptedControlPlane(self.clock, ttl)
         self.health = HealthRegistry(self.clock, ["gpus", "registration", "credentials", "queues"])
@@ -83,8 +82,9 @@ class Harness:
         self.transitions = []
         self.manager = RegistrationManager(
             self.cp, Secret("registration-token-xyz"),
-            RegistrationSettings("c1", initial, cap, jitter, reregister, renew),
-            self.clock, rng or FixedRandom([]), self.health, self.metrics, Gate(self.clock), self._on_ready, offload=inline)
+            settings=RegistrationSettings("c1", initial, cap, jitter, reregister, renew),
+            clock=self.clock, rng=rng, health=self.health, metrics=self.metrics,
+            gate=Gate(self.clock), on_readiness=self._on_ready, offload=inline)
 
     async def _on_ready(self, ready, reason):
         self.transitions.append((self.clock.monotonic() - 1000.0, ready, reason))
@@ -104,16 +104,25 @@ class Harness:
             await self.task
 
 
-async def test_starts_not_ready_and_does_not_register_without_gpus():
-    async with Harness() as h:
+
+@pytest.fixture
+def harness(fixed_random):
+    """harness(**settings): a Harness whose random source, unless one is given, has nothing to draw."""
+    def make(*, rng=None, **settings):
+        return Harness(rng=rng or fixed_random([]), **settings)
+    return make
+
+
+async def test_starts_not_ready_and_does_not_register_without_gpus(harness):
+    async with harness() as h:
         await h.clock.advance(100)
         assert h.cp.calls == []
         assert h.transitions[0][1] is False
         assert "no GPUs available" in h.transitions[0][2]
 
 
-async def test_failed_registrations_back_off_exponentially_to_the_cap_then_succeed():
-    async with Harness(initial=1, cap=8, jitter=0) as h:
+async def test_failed_registrations_back_off_exponentially_to_the_cap_then_succeed(harness):
+    async with harness(initial=1, cap=8, jitter=0) as h:
         h.cp.register_script = [UNAVAILABLE] * 6
         await h.manager.gpus_changed(1, inventory(4))
         await h.clock.advance(100)
@@ -124,9 +133,9 @@ async def test_failed_registrations_back_off_exponentially_to_the_cap_then_succe
         assert 'gpu_agent_registration_failures_total{kind="initial",reason="unavailable"} 6.0' in text
 
 
-async def test_jitter_spaces_attempts_exactly_as_drawn():
-    rng = FixedRandom([0.0, 0.5, 1.0, 0.25])
-    async with Harness(initial=2, cap=100, jitter=0.5, rng=rng) as h:
+async def test_jitter_spaces_attempts_exactly_as_drawn(harness, fixed_random):
+    rng = fixed_random([0.0, 0.5, 1.0, 0.25])
+    async with harness(initial=2, cap=100, jitter=0.5, rng=rng) as h:
         h.cp.register_script = [UNAVAILABLE] * 4
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(100)
@@ -134,16 +143,16 @@ async def test_jitter_spaces_attempts_exactly_as_drawn():
         assert h.cp.times("register") == pytest.approx([0, 2, 5, 9, 23])
 
 
-async def test_initial_interval_above_cap_is_kept():
-    async with Harness(initial=30, cap=10, jitter=0) as h:
+async def test_initial_interval_above_cap_is_kept(harness):
+    async with harness(initial=30, cap=10, jitter=0) as h:
         h.cp.register_script = [UNAVAILABLE] * 3
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(200)
         assert h.cp.times("register") == [0, 30, 60, 90]
 
 
-async def test_gpu_change_resets_backoff_and_cuts_the_pending_retry_short():
-    async with Harness(initial=1, cap=64, jitter=0) as h:
+async def test_gpu_change_resets_backoff_and_cuts_the_pending_retry_short(harness):
+    async with harness(initial=1, cap=64, jitter=0) as h:
         h.cp.register_script = [UNAVAILABLE] * 5
         await h.manager.gpus_changed(1, inventory(2))
         await h.clock.advance(4)  # attempts at 0, 1, 3; next would be at 7
@@ -155,8 +164,8 @@ async def test_gpu_change_resets_backoff_and_cuts_the_pending_retry_short():
         assert h.manager.registered_generation == 2
 
 
-async def test_success_resets_backoff():
-    async with Harness(initial=1, cap=64, jitter=0) as h:
+async def test_success_resets_backoff(harness):
+    async with harness(initial=1, cap=64, jitter=0) as h:
         h.cp.register_script = [UNAVAILABLE, UNAVAILABLE, "ok"]
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(10)
@@ -167,8 +176,8 @@ async def test_success_resets_backoff():
         assert h.cp.times("register")[3:] == [10, 11]
 
 
-async def test_response_for_a_stale_generation_is_discarded_and_registration_runs_again():
-    async with Harness() as h:
+async def test_response_for_a_stale_generation_is_discarded_and_registration_runs_again(harness):
+    async with harness() as h:
         h.cp.hold_register = asyncio.Event()
         await h.manager.gpus_changed(1, inventory(2))
         await h.clock.settle()
@@ -182,8 +191,8 @@ async def test_response_for_a_stale_generation_is_discarded_and_registration_run
         assert [t[1] for t in h.transitions] == [False, True]  # never Ready on the stale answer
 
 
-async def test_gpus_removed_during_registration_stays_not_ready():
-    async with Harness() as h:
+async def test_gpus_removed_during_registration_stays_not_ready(harness):
+    async with harness() as h:
         h.cp.hold_register = asyncio.Event()
         await h.manager.gpus_changed(1, inventory(2))
         await h.clock.settle()
@@ -196,8 +205,8 @@ async def test_gpus_removed_during_registration_stays_not_ready():
         assert not h.health.get("registration").ready
 
 
-async def test_renewal_and_registration_never_overlap_and_both_complete():
-    async with Harness(ttl=100, renew=10) as h:
+async def test_renewal_and_registration_never_overlap_and_both_complete(harness):
+    async with harness(ttl=100, renew=10) as h:
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(1)
         h.cp.hold_renew = asyncio.Event()
@@ -213,9 +222,9 @@ async def test_renewal_and_registration_never_overlap_and_both_complete():
         assert h.ready and h.manager.registered_generation == 2
 
 
-async def test_expired_credential_pauses_until_renewed():
-    async with Harness(initial=1, cap=4, jitter=0, ttl=10, renew=1000) as h:
-        failing = ControlPlaneError("unavailable", "POST /v1/credentials/renew: 503", 503)
+async def test_expired_credential_pauses_until_renewed(harness):
+    async with harness(initial=1, cap=4, jitter=0, ttl=10, renew=1000) as h:
+        failing = Unavailable("POST /v1/credentials/renew: 503", 503)
         h.cp.renew_script = [failing] * 5
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(9.9)
@@ -231,9 +240,9 @@ async def test_expired_credential_pauses_until_renewed():
         assert renewals[6] == 31  # the fresh credential is renewed at 80 % of its own lifetime
 
 
-async def test_refused_renewal_registers_again():
-    async with Harness(ttl=10, renew=5) as h:
-        h.cp.renew_script = [ControlPlaneError("unauthorized", "401 credential expired", 401)]
+async def test_refused_renewal_registers_again(harness):
+    async with harness(ttl=10, renew=5) as h:
+        h.cp.renew_script = [Unauthorized("401 credential expired", 401)]
         await h.manager.gpus_changed(1, inventory(1))
         await h.clock.advance(6)
         assert h.cp.times("renew") == [5]

@@ -263,3 +263,90 @@ RollingUpdate
 {{- end -}}
 {{- if $placed }}yes{{ end -}}
 {{- end -}}
+
+{{- /* An agent's config file (the ConfigMap the Deployment and the DaemonSet mount at /etc/gpu-agent):
+the wiring this chart sets for the release (`.wiring`, a dict), then the settings the user set: the named
+values (`.named`, a list of [setting, value, value's name]; null is unset) and the agent's free-form
+config map (`.config`). A setting set both ways to different values fails the render, naming both: there
+is no silent winner. A setting nobody set is absent, so the agent's own default applies. */ -}}
+{{- define "gpu-agent.agentConfig" -}}
+{{- $set := dict -}}
+{{- $from := dict -}}
+{{- range $n := .named -}}
+{{- $setting := index $n 0 -}}{{- $value := index $n 1 -}}
+{{- if not (or (kindIs "invalid" $value) (and (kindIs "string" $value) (eq $value ""))) -}}
+{{- $_ := set $set $setting $value -}}{{- $_ := set $from $setting (index $n 2) -}}
+{{- end -}}
+{{- end -}}
+{{- range $setting, $value := .config -}}
+{{- if and (hasKey $set $setting) (ne (toString $value) (toString (get $set $setting))) -}}
+{{- fail (printf "%s.config.%s (%v) and %s (%v) set the same setting to different values: set one of them" $.key $setting $value (get $from $setting) (get $set $setting)) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $value) }}{{ $_ := set $set $setting $value }}{{ end -}}
+{{- end -}}
+# Set by the chart for this release.
+{{ toYaml .wiring }}
+{{- if $set }}
+# Set in values ({{ .key }}.config and the values named in its comments); every other setting is the agent's default
+# (gpu-agent {{ .role }} --help lists them).
+{{ toYaml $set }}
+{{- else }}
+# Every other setting is the agent's default (gpu-agent {{ .role }} --help lists them).
+{{- end }}
+{{- end -}}
+
+{{- define "gpu-agent.clusterAgentConfig" -}}
+{{- $v := .Values -}}
+{{- $wiring := dict "listenAddress" "0.0.0.0:8080" "clusterId" (include "gpu-agent.clusterId" .)
+  "gpuSource" $v.clusterAgent.gpuSource "executor" $v.clusterAgent.executor "executorJournal" "/tmp/executions.sqlite"
+  "workNamespace" .Release.Namespace
+  "workImage" (default (include "gpu-agent.image" (dict "ctx" . "image" $v.clusterAgent.image)) $v.clusterAgent.workImage)
+  "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
+  "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" -}}
+{{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
+{{- with $v.domain.name }}{{ $_ := set $wiring "domainName" . }}{{ end -}}
+{{- if $v.domain.joinMatching }}{{ $_ := set $wiring "foldAllDomains" true }}{{ end -}}
+{{- $_ := set $wiring "domainNamespace" .Release.Namespace -}}
+{{- end -}}
+{{- if $v.clusterAgent.leaderElection.enabled -}}
+{{- $_ := set $wiring "leaderElectionLeaseName" (include "gpu-agent.leaseName" .) -}}
+{{- $_ := set $wiring "leaderElectionNamespace" .Release.Namespace -}}
+{{- $_ := set $wiring "leaderElectionOwner" (printf "%s-cluster-agent" (include "gpu-agent.fullname" .)) -}}
+{{- end -}}
+{{- $le := $v.clusterAgent.leaderElection -}}
+{{- $named := list
+  (list "verbosity" $v.logVerbosity "logVerbosity")
+  (list "featureGates" (include "gpu-agent.featureGates" .) "featureGates")
+  (list "gpuLossDebounce" $v.clusterAgent.gpuLossDebounce "clusterAgent.gpuLossDebounce")
+  (list "registrationRetryInitial" $v.clusterAgent.registrationRetryInitial "clusterAgent.registrationRetryInitial")
+  (list "registrationRetryMax" $v.clusterAgent.registrationRetryMax "clusterAgent.registrationRetryMax")
+  (list "reregistrationInterval" $v.clusterAgent.reregistrationInterval "clusterAgent.reregistrationInterval")
+  (list "credentialRenewInterval" $v.clusterAgent.credentialRenewInterval "clusterAgent.credentialRenewInterval")
+  (list "leaderElectionLeaseDuration" $le.leaseDuration "clusterAgent.leaderElection.leaseDuration")
+  (list "leaderElectionRenewDeadline" $le.renewDeadline "clusterAgent.leaderElection.renewDeadline")
+  (list "leaderElectionRetryPeriod" $le.retryPeriod "clusterAgent.leaderElection.retryPeriod") -}}
+{{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
+{{- $named = append $named (list "domainHeartbeatTtl" $v.domain.heartbeatTTL "domain.heartbeatTTL") -}}
+{{- end -}}
+{{- include "gpu-agent.agentConfig" (dict "wiring" $wiring "named" $named "config" ($v.clusterAgent.config | default dict)
+  "key" "clusterAgent" "role" "cluster-agent") -}}
+{{- end -}}
+
+{{- define "gpu-agent.nodeAgentConfig" -}}
+{{- $v := .Values -}}
+{{- $wiring := dict "listenAddress" "0.0.0.0:8081" "gpuSource" $v.nodeAgent.gpuSource
+  "fakeGpuStateFile" "/var/run/fake-gpu/fake-gpus.json" -}}
+{{- $named := list
+  (list "verbosity" $v.logVerbosity "logVerbosity")
+  (list "gpuLossDebounce" $v.nodeAgent.gpuLossDebounce "nodeAgent.gpuLossDebounce") -}}
+{{- if include "gpu-agent.domainsOn" . -}}
+{{- with $v.domain.name }}{{ $_ := set $wiring "domainName" . }}{{ end -}}
+{{- if $v.domain.joinMatching }}{{ $_ := set $wiring "joinMatchingDomains" true }}{{ end -}}
+{{- $_ := set $wiring "domainNamespace" .Release.Namespace -}}
+{{- $_ := set $wiring "domainWriteStrategy" $v.domain.writeStrategy -}}
+{{- $_ := set $wiring "peersFile" "/tmp/peers" -}}
+{{- $named = append $named (list "domainHeartbeatInterval" $v.domain.heartbeatInterval "domain.heartbeatInterval") -}}
+{{- end -}}
+{{- include "gpu-agent.agentConfig" (dict "wiring" $wiring "named" $named "config" ($v.nodeAgent.config | default dict)
+  "key" "nodeAgent" "role" "node-agent") -}}
+{{- end -}}

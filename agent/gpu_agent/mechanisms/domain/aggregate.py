@@ -25,20 +25,35 @@ the TTL, and a returning one Ready at its next heartbeat.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import math
 import random
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from kubernetes import client
 
+from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, in_clique, lowest_free_index, overall, status_entry
-from gpu_agent.foundations.backoff import Backoff
-from gpu_agent.mechanisms.domain.entries import has_entry
+from gpu_agent.mechanisms.domain.entries import (
+    DomainClique,
+    DomainNode,
+    DomainStatus,
+    Entry,
+    GPUDomain,
+    MemberSpec,
+    has_entry,
+    in_clique,
+    lowest_free_index,
+    nodes_of,
+    overall,
+    spec_of,
+    status_entry,
+    status_of,
+)
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
@@ -58,7 +73,7 @@ class MemberWriter(DomainView):
     # means something removed it, and the member is applied again.
     REAPPLY_AFTER = 5.0
 
-    def __init__(self, api: client.ApiClient, namespace: str, domain: str, rng: random.Random | None = None,
+    def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, rng: random.Random | None = None,
                  clock: Clock | None = None, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
@@ -68,12 +83,12 @@ class MemberWriter(DomainView):
         self.domain = domain
         self.name = domain
         self.stats = WriteStats()
-        self.cached: dict[str, Any] | None = None
+        self.cached: GPUDomain | None = None
         self.applied_at = float("-inf")
         self.rng = rng or random.Random()
         self.clock = clock or SystemClock()
 
-    def needs_reapply(self, obj: dict[str, Any], entry: Entry) -> bool:
+    def needs_reapply(self, obj: GPUDomain, entry: Entry) -> bool:
         return not has_entry(obj, entry) and self.clock.monotonic() - self.applied_at > self.REAPPLY_AFTER
 
     def ensure(self, entry: Entry, superseded: Any = lambda: False, deadline: float | None = None) -> bool:
@@ -106,7 +121,7 @@ class MemberWriter(DomainView):
             body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
                                                     "uid": self.owner["uid"]}]
         if self.heartbeat_interval > 0:
-            body["spec"]["heartbeat"] = dt.datetime.fromtimestamp(self.clock.wall(), dt.timezone.utc).strftime(
+            body["spec"]["heartbeat"] = dt.datetime.fromtimestamp(self.clock.wall(), dt.UTC).strftime(
                 "%Y-%m-%dT%H:%M:%S.%fZ")
             body["spec"]["heartbeatIntervalSeconds"] = self.heartbeat_interval
         self.stats.calls += 1
@@ -127,11 +142,11 @@ class MemberWriter(DomainView):
         return True
 
 
-def _clique_of(spec: dict[str, Any]) -> str:
+def _clique_of(spec: MemberSpec) -> str:
     return str(spec.get("clique") or "")
 
 
-def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]], silent: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] = frozenset()) -> GPUDomain | None:
     """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
 
     Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say. Indices
@@ -140,12 +155,12 @@ def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]], silent: frozen
     `spec.maxNodesPerClique` nodes admits no more: the rest wait, named in `status.cliques`, until a
     place frees."""
     members = {n: ({**m, "ready": False} if n in silent else m) for n, m in members.items()}
-    spec_of = obj.get("spec") or {}
-    limit = spec_of.get("maxNodesPerClique")
+    domain_spec = spec_of(obj)
+    limit = domain_spec.get("maxNodesPerClique")
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
-    old_nodes = list(((obj.get("status") or {}).get("nodes")) or [])
+    old_nodes = nodes_of(obj)
     kept = [n for n in old_nodes if n.get("name") in members and (n.get("clique") or "") == _clique_of(members[n["name"]])]
-    nodes: list[dict[str, Any]] = []
+    nodes: list[DomainNode] = []
     for n in kept:
         spec = members[n["name"]]
         nodes.append(status_entry(n["name"], spec.get("ip", ""), n["index"], bool(spec.get("ready")),
@@ -160,20 +175,20 @@ def fold(obj: dict[str, Any], members: dict[str, dict[str, Any]], silent: frozen
         nodes.append(status_entry(name, spec.get("ip", ""), lowest_free_index(peers, name), bool(spec.get("ready")),
                                   spec.get("gpuUUIDs") or [], _clique_of(spec)))
     nodes.sort(key=lambda n: (n.get("clique") or "", n["index"]))
-    expected = int(spec_of.get("expectedNodes") or 0)
+    expected = int(domain_spec.get("expectedNodes") or 0)
     status, ready = overall(nodes, expected)
-    new_status = {**(obj.get("status") or {}), "nodes": nodes, "status": status, "readyNodes": ready}
+    new_status: DomainStatus = {**status_of(obj), "nodes": nodes, "status": status, "readyNodes": ready}
     cliques = cliques_of(nodes, waiting)
     if cliques:
         new_status["cliques"] = cliques
     else:
         new_status.pop("cliques", None)
-    if new_status == (obj.get("status") or {}):
+    if new_status == status_of(obj):
         return None
     return {**obj, "status": new_status}
 
 
-def cliques_of(nodes: list[dict[str, Any]], waiting: dict[str, list[str]]) -> list[dict[str, Any]]:
+def cliques_of(nodes: list[DomainNode], waiting: dict[str, list[str]]) -> list[DomainClique]:
     """Each clique's size and readiness (and who waits for a place); empty when no node has a clique."""
     ids = sorted({n.get("clique") or "" for n in nodes} | set(waiting))
     if ids in ([], [""]) and not waiting:
@@ -181,7 +196,7 @@ def cliques_of(nodes: list[dict[str, Any]], waiting: dict[str, list[str]]) -> li
     out = []
     for clique in ids:
         members = in_clique(nodes, clique)
-        row: dict[str, Any] = {"id": clique, "nodes": len(members),
+        row: DomainClique = {"id": clique, "nodes": len(members),
                                "readyNodes": sum(1 for n in members if n.get("status") == "Ready")}
         if waiting.get(clique):
             row["waiting"] = waiting[clique]
@@ -197,7 +212,7 @@ class HeartbeatTracker:
         self.monotonic = monotonic
         self.seen: dict[str, tuple[str, float]] = {}
 
-    def saw(self, node: str, spec: dict[str, Any]) -> None:
+    def saw(self, node: str, spec: MemberSpec) -> None:
         beat = str(spec.get("heartbeat") or "")
         if node not in self.seen or self.seen[node][0] != beat:  # the same beat seen again (a relist) is no heartbeat
             self.seen[node] = (beat, self.monotonic())
@@ -205,7 +220,7 @@ class HeartbeatTracker:
     def forget(self, node: str) -> None:
         self.seen.pop(node, None)
 
-    def silent(self, members: dict[str, dict[str, Any]]) -> frozenset[str]:
+    def silent(self, members: dict[str, MemberSpec]) -> frozenset[str]:
         now = self.monotonic()
         out = set()
         for node, spec in members.items():
@@ -220,28 +235,31 @@ class HeartbeatTracker:
 class Aggregator:
     """Folds a domain's members into its status; one per domain (the cluster agent runs it)."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, domain: str, interval: float = 0.1,
-                 heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
+                 heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
+                 rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None) -> None:
+        """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
         self.api = api
         self.clock = clock or SystemClock()
         self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, self.clock.monotonic)
-        self.custom = client.CustomObjectsApi(api)
+        self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
         self.interval = interval
-        self.members: dict[str, dict[str, Any]] = {}
+        self.members: dict[str, MemberSpec] = {}
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
-        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, random.Random(), self.clock)
+        self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock,
+                                   custom_api=custom_api)
         self.writes = 0
 
-    def _spec(self, member: Any) -> dict[str, Any] | None:
+    def _spec(self, member: Any) -> MemberSpec | None:
         """A member's spec, or None (logged) for one without a node name: the CRD does not require
         `spec`, and one such object must not stop the fold of every other member."""
         spec = member.get("spec") if isinstance(member, dict) else None
         if isinstance(spec, dict) and isinstance(spec.get("node"), str) and spec["node"]:
-            return spec
+            return cast(MemberSpec, spec)  # the API server checked it against the CRD's schema
         name = ((member.get("metadata") or {}) if isinstance(member, dict) else {}).get("name", "?")
         log.warning("member %s of %s has no spec.node; left out of the fold", name, self.writer.where)
         return None
@@ -293,8 +311,8 @@ class Aggregator:
             with self._lock:
                 members = dict(self.members)
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            if self.writer.update(lambda obj: fold(obj, members, silent), f"fold {len(members)} members",
-                                  self._stop.is_set, None):
+            change = functools.partial(fold, members=members, silent=silent)
+            if self.writer.update(change, f"fold {len(members)} members", self._stop.is_set, None):
                 self.writes += 1
 
     def stop(self) -> None:
@@ -315,9 +333,10 @@ class EveryDomainAggregator:
 
     MAX_INTERVAL = 1.0
 
-    def __init__(self, api: client.ApiClient, namespace: str, heartbeat_ttl_intervals: float = 3.0,
-                 interval: float = 0.1, clock: Clock | None = None) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str, *, heartbeat_ttl_intervals: float = 3.0,
+                 interval: float = 0.1, clock: Clock | None = None, rng: random.Random | None = None) -> None:
         self.api = api
+        self._seed = (rng or random.Random()).getrandbits(64)  # each domain's writer draws from its own source
         self.clock = clock or SystemClock()
         self.namespace = namespace
         self.heartbeat_ttl_intervals = heartbeat_ttl_intervals
@@ -335,7 +354,9 @@ class EveryDomainAggregator:
             for agg in self.aggregators.values():
                 agg.interval = interval
             for name in sorted(names - set(self.aggregators)):
-                agg = Aggregator(self.api, self.namespace, name, interval, self.heartbeat_ttl_intervals, self.clock)
+                agg = Aggregator(self.api, self.namespace, name, interval=interval,
+                                 heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
+                                 rng=random.Random(f"{self._seed}/{name}"))
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)

@@ -12,8 +12,68 @@ view is refused by the API server (409) instead of silently dropping a peer.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
+
+
+# The GPUDomain as the agents read and write it (crds/gpudomain.yaml; every field may be absent).
+class DomainNode(TypedDict, total=False):
+    name: str
+    ip: str
+    index: int
+    status: str  # Ready | NotReady
+    gpuUUIDs: list[str]
+    clique: str
+
+
+class DomainClique(TypedDict, total=False):
+    id: str
+    nodes: int
+    readyNodes: int
+    waiting: list[str]
+
+
+class DomainSpec(TypedDict, total=False):
+    expectedNodes: int
+    nodeSelector: dict[str, str]
+    maxNodesPerClique: int
+
+
+class DomainStatus(TypedDict, total=False):
+    status: str  # Ready | NotReady
+    readyNodes: int
+    nodes: list[DomainNode]
+    cliques: list[DomainClique]
+
+
+class GPUDomain(TypedDict, total=False):
+    apiVersion: str
+    kind: str
+    metadata: dict[str, Any]
+    spec: DomainSpec
+    status: DomainStatus
+
+
+class MemberSpec(TypedDict, total=False):
+    """A GPUDomainMember's spec (crds/gpudomainmember.yaml): one node's entry, for the aggregator to fold."""
+    domain: str
+    node: str
+    ip: str
+    ready: bool
+    gpuUUIDs: list[str]
+    clique: str
+    heartbeat: str
+    heartbeatIntervalSeconds: float
+
+
+def spec_of(obj: GPUDomain) -> DomainSpec:
+    return obj.get("spec") or {}
+
+
+def status_of(obj: GPUDomain) -> DomainStatus:
+    return obj.get("status") or {}
+
 
 # Optimistic-concurrency write strategies (writer.py); "aggregate" is aggregate.py's.
 OCC_STRATEGIES = ("dra", "fulljitter")
@@ -27,29 +87,32 @@ class Entry:
     ready: bool
     clique: str = ""  # the node's NVLink clique; "" for none
 
-    def as_status(self, index: int) -> dict[str, Any]:
+    def as_status(self, index: int) -> DomainNode:
         return status_entry(self.name, self.ip, index, self.ready, self.gpu_uuids, self.clique)
 
 
-def status_entry(name: str, ip: str, index: int, ready: bool, gpu_uuids: Any, clique: str = "") -> dict[str, Any]:
+def status_entry(name: str, ip: str, index: int, ready: bool, gpu_uuids: Iterable[str], clique: str = "") -> DomainNode:
     """One node of a GPUDomain's status; `clique` appears only when the node has one (the 0.1 shape otherwise)."""
-    out = {"name": name, "ip": ip, "index": index, "status": "Ready" if ready else "NotReady", "gpuUUIDs": list(gpu_uuids)}
-    return {**out, "clique": clique} if clique else out
+    out: DomainNode = {"name": name, "ip": ip, "index": index, "status": "Ready" if ready else "NotReady",
+                       "gpuUUIDs": list(gpu_uuids)}
+    if clique:
+        out["clique"] = clique
+    return out
 
 
-def in_clique(nodes: list[dict[str, Any]], clique: str) -> list[dict[str, Any]]:
+def in_clique(nodes: list[DomainNode], clique: str) -> list[DomainNode]:
     return [n for n in nodes if (n.get("clique") or "") == clique]
 
 
-def nodes_of(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    return list(((obj.get("status") or {}).get("nodes")) or [])
+def nodes_of(obj: GPUDomain) -> list[DomainNode]:
+    return list(status_of(obj).get("nodes") or [])
 
 
-def lowest_free_index(nodes: list[dict[str, Any]], me: str) -> int:
+def lowest_free_index(nodes: list[DomainNode], me: str) -> int:
     """This node's index: its current one if it has one, else the lowest not in use (gaps fill)."""
     for n in nodes:
-        if n.get("name") == me and isinstance(n.get("index"), int):
-            return n["index"]
+        if n.get("name") == me and isinstance(index := n.get("index"), int):
+            return index
     used = {n.get("index") for n in nodes if n.get("name") != me}
     index = 0
     while index in used:
@@ -57,22 +120,22 @@ def lowest_free_index(nodes: list[dict[str, Any]], me: str) -> int:
     return index
 
 
-def overall(nodes: list[dict[str, Any]], expected: int) -> tuple[str, int]:
+def overall(nodes: list[DomainNode], expected: int) -> tuple[str, int]:
     ready = sum(1 for n in nodes if n.get("status") == "Ready")
     return ("Ready" if expected > 0 and ready >= expected else "NotReady"), ready
 
 
-def with_entry(obj: dict[str, Any], entry: Entry) -> dict[str, Any] | None:
+def with_entry(obj: GPUDomain, entry: Entry) -> GPUDomain | None:
     """The object with this node's entry set, or None when it is already exactly so."""
     nodes = nodes_of(obj)
     index = lowest_free_index(in_clique(nodes, entry.clique), entry.name)
     wanted = entry.as_status(index)
     current = next((n for n in nodes if n.get("name") == entry.name), None)
-    expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
+    expected = int(spec_of(obj).get("expectedNodes") or 0)
     others = [n for n in nodes if n.get("name") != entry.name]
-    new_nodes = sorted(others + [wanted], key=lambda n: (n.get("clique") or "", n["index"]))
+    new_nodes = sorted([*others, wanted], key=lambda n: (n.get("clique") or "", n["index"]))
     status, ready = overall(new_nodes, expected)
-    old_status = (obj.get("status") or {})
+    old_status = status_of(obj)
     if current == wanted and old_status.get("status") == status and old_status.get("readyNodes") == ready:
         return None
     out = copy.deepcopy(obj)
@@ -80,17 +143,17 @@ def with_entry(obj: dict[str, Any], entry: Entry) -> dict[str, Any] | None:
     return out
 
 
-def without_entry(obj: dict[str, Any], name: str) -> dict[str, Any] | None:
+def without_entry(obj: GPUDomain, name: str) -> GPUDomain | None:
     nodes = nodes_of(obj)
     if not any(n.get("name") == name for n in nodes):
         return None
     remaining = [n for n in nodes if n.get("name") != name]
-    expected = int((obj.get("spec") or {}).get("expectedNodes") or 0)
+    expected = int(spec_of(obj).get("expectedNodes") or 0)
     status, ready = overall(remaining, expected)
     out = copy.deepcopy(obj)
-    out["status"] = {**(obj.get("status") or {}), "nodes": remaining, "status": status, "readyNodes": ready}
+    out["status"] = {**status_of(obj), "nodes": remaining, "status": status, "readyNodes": ready}
     return out
 
 
-def has_entry(obj: dict[str, Any], entry: Entry) -> bool:
+def has_entry(obj: GPUDomain, entry: Entry) -> bool:
     return with_entry(obj, entry) is None

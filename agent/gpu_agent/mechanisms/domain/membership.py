@@ -47,7 +47,7 @@ def wanted_domains(named: str, join_matching: bool, domains: dict[str, Any], lab
 
 
 class DomainMembership:
-    def __init__(self, api: client.ApiClient | None, namespace: str, node: str, named: str, join_matching: bool,
+    def __init__(self, api: client.ApiClient | None, namespace: str, node: str, *, named: str, join_matching: bool,
                  make_reconciler: Callable[[str], DomainReconciler], leave_timeout: float = 10.0) -> None:
         self.api = api
         self.namespace = namespace
@@ -146,5 +146,5 @@ class DomainMembership:
 
     def remove_entries(self, timeout: float) -> None:
         """On shutdown (after the loop stopped): take this node's entry out of every domain joined."""
-        for name, (reconciler, _) in sorted(self.joined.items()):
+        for _name, (reconciler, _) in sorted(self.joined.items()):
             reconciler.remove_entry(timeout)

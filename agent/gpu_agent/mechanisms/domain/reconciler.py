@@ -23,8 +23,8 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.mechanisms.domain.entries import Entry, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+from gpu_agent.mechanisms.domain.entries import Entry, GPUDomain, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
 
 log = get_logger(__name__)
@@ -35,14 +35,14 @@ PEERS_TEMPLATE = jinja2.Environment(autoescape=False, keep_trailing_newline=True
     "{% for n in nodes %}{{ n.index }} {{ n.name }} {{ n.ip or '-' }} {{ n.status }}\n{% endfor %}")
 
 
-def render_peers(namespace: str, name: str, obj: dict[str, Any], clique: str = "") -> str:
+def render_peers(namespace: str, name: str, obj: GPUDomain, clique: str = "") -> str:
     """The peers of one clique (a node's own): the only nodes the fabric lets it reach."""
     nodes = sorted(in_clique(nodes_of(obj), clique), key=lambda n: (n.get("index", 0), n.get("name", "")))
     return PEERS_TEMPLATE.render(namespace=namespace, name=name, nodes=nodes, clique=clique)
 
 
 class DomainReconciler:
-    def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, node: str, ip: str, peers_file: Path | None,
+    def __init__(self, writer: DomainWriter | MemberWriter, health: HealthRegistry, *, node: str, ip: str, peers_file: Path | None,
                  resync_seconds: float = 60.0, health_component: str | None = "domain", clock: Clock | None = None) -> None:
         self.writer = writer
         self.clock = clock or SystemClock()
@@ -77,7 +77,7 @@ class DomainReconciler:
             self.entry = entry
             self.trigger("GPUs changed")
 
-    def _observed(self, obj: dict[str, Any]) -> None:
+    def _observed(self, obj: GPUDomain) -> None:
         """Called on the watch thread."""
         self.writer.observe(obj)
         self._write_peers(obj)
@@ -89,7 +89,7 @@ class DomainReconciler:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
 
     # ---- peers file ----------------------------------------------------------------------------
-    def _write_peers(self, obj: dict[str, Any]) -> None:
+    def _write_peers(self, obj: GPUDomain) -> None:
         nodes = in_clique(nodes_of(obj), self.entry.clique)
         if len(nodes) != self._peer_count:
             self._peer_count = len(nodes)
@@ -132,7 +132,7 @@ class DomainReconciler:
                     self.trigger("resync")
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
-                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda: self.generation != generation)
+                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda generation=generation: self.generation != generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self._health(True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "

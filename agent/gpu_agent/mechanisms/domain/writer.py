@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
+from typing import cast
 
 from kubernetes import client
 
@@ -26,7 +26,7 @@ from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
-from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, with_entry, without_entry
+from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES, Entry, GPUDomain, with_entry, without_entry
 
 log = get_logger(__name__)
 # The version every agent (and hook) reads and writes: the one the previous release serves, one release
@@ -45,7 +45,7 @@ def make_backoff(strategy: str, expected_nodes: int, write_rate: float, rng: ran
     raise ValueError(f"unknown domain write strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
 
 
-def _rv(obj: dict[str, Any] | None) -> int:
+def _rv(obj: GPUDomain | None) -> int:
     try:
         return int((obj or {}).get("metadata", {}).get("resourceVersion", "0"))
     except ValueError:
@@ -67,13 +67,13 @@ class DomainView:
 
     namespace: str
     name: str
-    cached: dict[str, Any] | None
+    cached: GPUDomain | None
 
     @property
     def where(self) -> str:
         return f"GPUDomain {self.namespace}/{self.name}"
 
-    def observe(self, obj: dict[str, Any]) -> None:
+    def observe(self, obj: GPUDomain) -> None:
         if _rv(obj) >= _rv(self.cached):
             self.cached = obj
 
@@ -88,18 +88,20 @@ class DomainWriter(DomainView):
     rng: random.Random = field(default_factory=random.Random)
     clock: Clock = field(default_factory=SystemClock)  # its retries wait on it
     stats: WriteStats = field(default_factory=WriteStats)
-    cached: dict[str, Any] | None = None
+    cached: GPUDomain | None = None
+    custom_api: InitVar[client.CustomObjectsApi | None] = None  # the API client's unless handed one (tests)
 
-    def __post_init__(self) -> None:
-        self.custom = client.CustomObjectsApi(self.api)
+    def __post_init__(self, custom_api: client.CustomObjectsApi | None) -> None:
+        self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(self.api)
 
-    def read(self) -> dict[str, Any]:
+    def read(self) -> GPUDomain:
         self.stats.calls += 1
-        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT)
+        obj = cast(GPUDomain, self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT))
         self.observe(obj)
         return obj
 
-    def update(self, change: Callable[[dict[str, Any]], dict[str, Any] | None], what: str,
+    def update(self, change: Callable[[GPUDomain], GPUDomain | None], what: str,
                 superseded: Callable[[], bool], deadline: float | None) -> bool:
         obj = self.cached if self.cached is not None else None
         attempt = 0
@@ -114,8 +116,8 @@ class DomainWriter(DomainView):
                 if new is None:
                     return True  # already so in the newest view we have
                 self.stats.calls += 1
-                written = self.custom.replace_namespaced_custom_object_status(GROUP, VERSION, self.namespace, PLURAL,
-                                                                              self.name, new, _request_timeout=REQUEST_TIMEOUT)
+                written = cast(GPUDomain, self.custom.replace_namespaced_custom_object_status(
+                    GROUP, VERSION, self.namespace, PLURAL, self.name, dict(new), _request_timeout=REQUEST_TIMEOUT))
                 self.stats.writes += 1
                 self.cached = written
                 log.v(3, "domain update: %s in %s (attempt %d)", what, self.where, attempt)
@@ -159,7 +161,7 @@ class DomainWriter(DomainView):
         what = f"set node {entry.name} status {'Ready' if entry.ready else 'NotReady'}"
         return self.update(lambda obj: with_entry(obj, entry), what, superseded, deadline)
 
-    def needs_reapply(self, obj: dict[str, Any], entry: Entry) -> bool:
+    def needs_reapply(self, obj: GPUDomain, entry: Entry) -> bool:
         """Whether an observed domain object means this node's entry must be written again."""
         return with_entry(obj, entry) is not None
 

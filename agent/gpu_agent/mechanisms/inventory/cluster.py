@@ -16,8 +16,8 @@ from typing import Any
 from kubernetes import client
 
 from gpu_agent.foundations.gpus import GPU, Inventory
-from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.inventory.source import Reading
 
 log = get_logger(__name__)
@@ -36,7 +36,7 @@ def node_gpus(node: Any) -> int:
 
 
 def inventory_of(table: dict[str, int]) -> Inventory:
-    gpus = []
+    gpus: list[GPU] = []
     for node in sorted(table):
         for i in range(table[node]):
             gpus.append(GPU(uuid="GPU-" + str(uuid.uuid5(_NS, f"{node}/{i}")), name=f"{RESOURCE} {i} on {node}",

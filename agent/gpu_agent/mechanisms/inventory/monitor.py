@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from gpu_agent.foundations.clock import Clock
 from gpu_agent.foundations.gpus import Inventory
@@ -56,11 +56,11 @@ def _loses_gpus(before: InventoryEvent, reading: Reading) -> bool:
 
 
 def _iso(wall: float) -> str:
-    return datetime.fromtimestamp(wall, tz=timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(wall, tz=UTC).isoformat(timespec="milliseconds")
 
 
 class InventoryMonitor:
-    def __init__(self, source: GPUSource, clock: Clock, health: HealthRegistry, poll_interval: float,
+    def __init__(self, source: GPUSource, *, clock: Clock, health: HealthRegistry, poll_interval: float,
                  on_change: Callable[[InventoryEvent], Awaitable[None]], component: str = "gpus",
                  zero_is_ready: bool = False, loss_debounce: float = 0.0,
                  on_drop: Callable[[str], None] | None = None) -> None:
@@ -161,6 +161,6 @@ class InventoryMonitor:
         while True:
             try:
                 await self.poll_once()
-            except Exception as e:  # noqa: BLE001 - the monitor must outlive any one bad read
+            except Exception as e:  # the monitor must outlive any one bad read
                 log.error("GPU inventory poll failed unexpectedly: %s", e, exc_info=True)
             await self.clock.sleep(self.poll_interval)

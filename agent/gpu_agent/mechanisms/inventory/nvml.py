@@ -26,7 +26,8 @@ class NVMLSource:
 
     def __init__(self, nvml: Any = None) -> None:
         if nvml is None:
-            import pynvml as nvml  # imported lazily: the fake source must work without it
+            import pynvml  # imported lazily: the fake source must work without it
+            nvml = pynvml
         self._nvml = nvml
         self._initialised = False
 

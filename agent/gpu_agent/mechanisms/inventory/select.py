@@ -26,11 +26,19 @@ GPU_SOURCE_SETTINGS = [
 ]
 
 
-def loss_debounce(cfg: Config) -> float:
+class GPUSourceConfig(Config):
+    """The settings above, typed: what every role that reads GPUs declares."""
+    gpuSource: str
+    fakeGpuStateFile: str
+    gpuPollInterval: float
+    gpuLossDebounce: float | str  # "" while unset: see loss_debounce
+
+
+def loss_debounce(cfg: GPUSourceConfig) -> float:
     return LOSS_DEBOUNCE_DEFAULTS[cfg.gpuSource] if cfg.gpuLossDebounce == "" else float(cfg.gpuLossDebounce)
 
 
-def make_source(cfg: Config) -> GPUSource:
+def make_source(cfg: GPUSourceConfig) -> GPUSource:
     if cfg.gpuSource == "nvml":
         return NVMLSource()
     if cfg.gpuSource == "cluster":

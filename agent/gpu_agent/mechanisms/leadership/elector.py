@@ -39,7 +39,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.fencing import LeaderToken
@@ -105,8 +105,14 @@ JITTER = 0.2
 
 
 class LeaderElector:
-    def __init__(self, backend: LeaseBackend, identity: str, settings: ElectionSettings, clock: Clock,
-                 rng: random.Random, on_change: Callable[[bool, str], Awaitable[None]],
+    """Reports as client-go's LeaderCallbacks do: `on_started_leading()` when this agent begins to lead,
+    `on_stopped_leading(why)` when it stops (not on shutdown, which releases the lease instead), and,
+    while it does not lead, `on_new_leader(identity)` each time the holder it sees changes ("" when
+    nobody holds the lease)."""
+
+    def __init__(self, backend: LeaseBackend, *, identity: str, settings: ElectionSettings, clock: Clock,
+                 rng: random.Random, on_started_leading: Callable[[], Awaitable[None]],
+                 on_stopped_leading: Callable[[str], Awaitable[None]], on_new_leader: Callable[[str], Awaitable[None]],
                  run_blocking: Callable[..., Awaitable[object]] = in_daemon_thread) -> None:
         self.backend = backend
         self.run_blocking = run_blocking  # unit tests call their in-memory backend inline
@@ -114,7 +120,9 @@ class LeaderElector:
         self.settings = settings
         self.clock = clock
         self.rng = rng
-        self.on_change = on_change
+        self.on_started_leading = on_started_leading
+        self.on_stopped_leading = on_stopped_leading
+        self.on_new_leader = on_new_leader
         self.leading = False
         self.observed: LeaseRecord | None = None
         self.observed_at = float("-inf")
@@ -143,7 +151,8 @@ class LeaderElector:
         """`fn` bounded by what is left of its attempt: `until` is on the event loop's clock, the one
         wait_for measures with (the monotonic clock in production)."""
         left = until - asyncio.get_running_loop().time()
-        return await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(left, 0.001))  # type: ignore[return-value]
+        # run_blocking hands back what `fn` returned.
+        return cast("LeaseRecord | None", await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(left, 0.001)))
 
     async def try_acquire_or_renew(self, limit: float) -> bool:
         """One attempt (client-go's tryAcquireOrRenew); `limit` bounds the whole attempt, its read and
@@ -175,7 +184,7 @@ class LeaderElector:
             log.v(2, "lease: someone else wrote it first")
             await self._read_after_conflict(until)
             return False
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             log.warning("lease: no answer within %.1fs", limit)
             return False
         except Exception as e:  # noqa: BLE001 - API trouble: the next attempt decides
@@ -203,7 +212,7 @@ class LeaderElector:
                 return
             if self.leader != reported:
                 reported = self.leader
-                await self.on_change(False, f"standby: the leader is {reported or '(nobody yet)'}")
+                await self.on_new_leader(reported)
             await self._wait_between_attempts(self.settings.retry_period * (1 + JITTER * self.rng.random()))
 
     async def _wait_between_attempts(self, delay: float) -> None:
@@ -216,7 +225,8 @@ class LeaderElector:
         assert self.observed is not None
         await sleep_or(self.clock, delay, self._released(wait_released, self.observed.version, delay))
 
-    async def _released(self, wait_released: Callable[[str, float], bool], version: str, timeout: float) -> None:
+    async def _released(self, wait_released: Callable[[str, float], bool], version: str,
+                        timeout: float) -> None:  # noqa: ASYNC109 - the blocking watch's own timeout, not this coroutine's
         try:
             if await self.run_blocking(wait_released, version, timeout):
                 log.v(2, "lease: released by its holder; trying now")
@@ -250,11 +260,11 @@ class LeaderElector:
                 self.terms += 1
                 log.info("became the leader (lease held by %s, transition %d)", self.identity,
                          self.observed.transitions if self.observed else 0)
-                await self.on_change(True, f"leader: {self.identity}")
+                await self.on_started_leading()
                 why = await self._keep()
                 self.leading = False
                 log.warning("stopped leading: %s", why)
-                await self.on_change(False, f"standby: lost the lease ({why})")
+                await self.on_stopped_leading(why)
         finally:
             if self.leading:
                 self.leading = False

@@ -16,7 +16,7 @@ from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
 
 
 def _time(seconds: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+    return dt.datetime.fromtimestamp(seconds, dt.UTC)
 
 
 def _seconds(value: dt.datetime | None) -> float:
@@ -24,28 +24,34 @@ def _seconds(value: dt.datetime | None) -> float:
 
 
 class KubeLease:
-    def __init__(self, api: client.ApiClient, namespace: str, name: str, request_timeout: float = 5.0,
-                 owner_deployment: str = "") -> None:
-        self.api = api
+    """`coordination` and `apps` default to the API client's; unit tests hand in fakes."""
+
+    def __init__(self, api: client.ApiClient | None, *, namespace: str, name: str, request_timeout: float = 5.0,
+                 owner_deployment: str = "", coordination: client.CoordinationV1Api | None = None,
+                 apps: client.AppsV1Api | None = None) -> None:
         self.owner_deployment = owner_deployment
-        self._owner: list[dict[str, str]] | None = None
-        self.coordination = client.CoordinationV1Api(api)
+        self._owner: list[client.V1OwnerReference] | None = None
+        self.coordination = coordination if coordination is not None else client.CoordinationV1Api(api)
+        self.apps = apps if apps is not None else client.AppsV1Api(api)
         self.namespace = namespace
         self.name = name
         self.timeout = request_timeout
 
     def _record(self, lease: client.V1Lease) -> LeaseRecord:
         spec = lease.spec or client.V1LeaseSpec()
+        meta = lease.metadata or client.V1ObjectMeta()
         return LeaseRecord(spec.holder_identity or "", float(spec.lease_duration_seconds or 0),
                            _seconds(spec.acquire_time), _seconds(spec.renew_time), int(spec.lease_transitions or 0),
-                           lease.metadata.resource_version or "", lease.metadata.uid or "")
+                           meta.resource_version or "", meta.uid or "")
 
-    def _owner_references(self) -> list[dict[str, str]] | None:
+    def _owner_references(self) -> list[client.V1OwnerReference] | None:
         if self.owner_deployment and self._owner is None:
             try:
-                uid = client.AppsV1Api(self.api).read_namespaced_deployment(
-                    self.owner_deployment, self.namespace, _request_timeout=self.timeout).metadata.uid
-                self._owner = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": self.owner_deployment, "uid": uid}]
+                deployment = self.apps.read_namespaced_deployment(
+                    self.owner_deployment, self.namespace, _request_timeout=self.timeout)
+                uid = (deployment.metadata or client.V1ObjectMeta()).uid or ""  # the API server always sets it
+                self._owner = [client.V1OwnerReference(api_version="apps/v1", kind="Deployment",
+                                                       name=self.owner_deployment, uid=uid)]
             except client.ApiException as e:  # the Lease still works; it is only not garbage-collected
                 if e.status != 404:
                     raise RuntimeError(f"reading Deployment {self.namespace}/{self.owner_deployment} (the Lease's owner): "

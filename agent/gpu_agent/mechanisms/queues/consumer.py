@@ -38,7 +38,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gpu_agent.foundations.clock import Clock, sleep_or
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Fence, WorkItem
+from gpu_agent.foundations.control_plane_client import (
+    ControlPlaneClient,
+    ControlPlaneError,
+    Fence,
+    Fenced,
+    Released,
+    Unauthorized,
+    WorkItem,
+)
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
@@ -46,16 +54,17 @@ from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
-from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor, Outcome
 
 log = get_logger(__name__)
 
 
 class QueueConsumer:
     def __init__(self, client: ControlPlaneClient, credential: Callable[[], Secret | None], executor: Executor,
-                 clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
+                 *, clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
                  poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0,
-                 identity: str = "gpu-agent", run_blocking: RunBlocking = in_daemon_thread) -> None:
+                 identity: str = "gpu-agent", run_blocking: RunBlocking = in_daemon_thread,
+                 still_leading: Callable[[], bool] | None = None) -> None:
         self.client = client
         self.run_blocking = run_blocking  # every call to the control plane goes through it
         self.identity = identity
@@ -65,7 +74,7 @@ class QueueConsumer:
         self.terms_restarted = 0
         # With leader election: whether the Lease is still this agent's by the clock now (the elector's
         # holds_lease), asked before each lease and by /healthz; None without it.
-        self.still_leading: Callable[[], bool] | None = None
+        self.still_leading = still_leading
         self._next_sweep = float("-inf")
         self.credential = credential
         self.executor = executor
@@ -113,7 +122,7 @@ class QueueConsumer:
         self._next_sweep = float("-inf")  # a new leader cleans up after its predecessors first
         self._report()
 
-    def _fenced(self, e: ControlPlaneError, under: Fence | None) -> None:
+    def _fenced(self, e: Fenced, under: Fence | None) -> None:
         """A call made under `under` was refused as fenced. Only a refusal of the current term stops
         leasing: one about an older term of this agent (an item leased before it lost and regained
         the lead, answered late) says nothing about the term it holds now."""
@@ -138,11 +147,11 @@ class QueueConsumer:
         if self.fence is None:
             try:
                 self.fence = await self.run_blocking(self.client.start_term, credential, self.identity)
+            except Unauthorized:
+                await self.on_refused()
+                return None
             except ControlPlaneError as e:
-                if e.kind == "unauthorized":
-                    await self.on_refused()
-                else:
-                    log.warning("starting a term failed: %s; retrying in %.1fs", e, self.poll_interval)
+                log.warning("starting a term failed: %s; retrying in %.1fs", e, self.poll_interval)
                 return None
             log.info("leasing work under term %d as %s (leases of older terms handed back)", self.fence.term, self.identity)
             self._report()
@@ -175,13 +184,14 @@ class QueueConsumer:
             await self._sweep(credential)
         try:
             item = await self.run_blocking(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
+        except Fenced as e:
+            self._fenced(e, fence)
+            return False
+        except Unauthorized:
+            await self.on_refused()
+            return False
         except ControlPlaneError as e:
-            if e.kind == "fenced":
-                self._fenced(e, fence)
-            elif e.kind == "unauthorized":
-                await self.on_refused()
-            else:
-                log.warning("leasing work failed: %s; retrying in %.1fs", e, self.poll_interval)
+            log.warning("leasing work failed: %s; retrying in %.1fs", e, self.poll_interval)
             return False
         if item is None:
             return False
@@ -215,7 +225,7 @@ class QueueConsumer:
             self.metrics.items.labels("failed").inc()
             self.failed_attempts += 1
             answer = await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
-            if answer == "failed":
+            if answer == Released.FAILED:
                 log.error("item %d (key %s) failed for good: no attempt left (`gpu-agent queue list` shows why)",
                           item.item_id, item.idempotency_key)
                 self.failed_items += 1
@@ -224,14 +234,14 @@ class QueueConsumer:
             return
         finally:
             renewer.cancel()
-        if outcome == "duplicate":
+        if outcome is Outcome.DUPLICATE:
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         acked = await self._ack(credential, item)
         if acked:
             await self.executor.after_ack(item)
         # The one line per item a person watching the queue looks for (a state change of the queue).
         log.info("work item %s done (%.1f s)%s%s", item.idempotency_key, self.clock.monotonic() - started,
-                 " (already executed before; acknowledged only)" if outcome == "duplicate" else "",
+                 " (already executed before; acknowledged only)" if outcome is Outcome.DUPLICATE else "",
                  "" if acked else " (ack failed: it will be redelivered and acknowledged then)")
         self.processed += 1
         self.not_tried = ""
@@ -252,13 +262,15 @@ class QueueConsumer:
             try:  # the current credential: a long item can outlive the one it was leased with
                 await self.run_blocking(self.client.renew_lease, self.credential() or credential, item, self.lease_seconds)
                 log.v(4, "renewed the lease of item %d for %.1fs", item.item_id, self.lease_seconds)
+            except Fenced as e:
+                log.warning("the lease of item %d was not renewed: %s; the item may be delivered again", item.item_id, e)
+                self._fenced(e, item.fence)
+                return
             except ControlPlaneError as e:
                 if e.recoverable:
                     log.warning("renewing the lease of item %d failed: %s; trying again", item.item_id, e)
                     continue
                 log.warning("the lease of item %d was not renewed: %s; the item may be delivered again", item.item_id, e)
-                if e.kind == "fenced":
-                    self._fenced(e, item.fence)
                 return
 
     async def _quietly(self, call: Callable[..., object], credential: Secret, item: WorkItem, *more: object,
@@ -270,11 +282,11 @@ class QueueConsumer:
             try:
                 answer = await self.run_blocking(call, credential, item, *more)
                 return True if answer is None else answer
+            except Fenced as e:
+                log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
+                self._fenced(e, item.fence)
+                return False
             except ControlPlaneError as e:
-                if e.kind == "fenced":
-                    log.warning("%s refused: %s (the current leader has taken the item over)", call.__name__, e)
-                    self._fenced(e, item.fence)
-                    return False
                 if not e.recoverable or wait is None:
                     log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
                     return False

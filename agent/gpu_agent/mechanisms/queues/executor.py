@@ -13,6 +13,7 @@ import asyncio
 import json
 import sqlite3
 import threading
+from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -28,12 +29,18 @@ class AttemptNotMade(Exception):
     an attempt, so that an outage never turns runnable items into failed ones."""
 
 
+class Outcome(StrEnum):
+    """What running an item did; the value is the metrics' label."""
+    EXECUTED = "executed"
+    DUPLICATE = "duplicate"  # already run under this idempotency key: acknowledged only
+
+
 class Executor(Protocol):
     """Executors are coroutines on the agent's event loop: they wait on the injected clock and run
     their blocking calls through the offload they were given, so one seeded simulation drives them."""
 
-    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
-        """Run the item; return "executed" or "duplicate" (already run under this key). `leader`: the
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
+        """Run the item; EXECUTED, or DUPLICATE when it already ran under this key. `leader`: the
         fencing token of the leadership it runs under (None without leader election)."""
         ...
 
@@ -51,13 +58,13 @@ class RecordingExecutor:
         self._lock = threading.Lock()
         self.work_seconds = work_seconds
 
-    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
         # The journal's reads and fsync'd writes run off the event loop, which keeps serving /healthz.
         if await asyncio.to_thread(self._executed, item.idempotency_key):
-            return "duplicate"
+            return Outcome.DUPLICATE
         if self.work_seconds:
             await self.clock.sleep(self.work_seconds)  # stands in for real work; a kill here must not lose the item
-        return "executed" if await asyncio.to_thread(self._record, item, self.clock.wall()) else "duplicate"
+        return Outcome.EXECUTED if await asyncio.to_thread(self._record, item, self.clock.wall()) else Outcome.DUPLICATE
 
     def _executed(self, key: str) -> bool:
         with self._lock:

@@ -39,12 +39,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.control_plane_client import WorkItem
+from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
-from gpu_agent.mechanisms.queues.executor import AttemptNotMade
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
@@ -74,7 +74,7 @@ def _status(e: BaseException) -> int | None:
 
 
 class PodExecutor:
-    def __init__(self, core: Any, namespace: str, image: str, release: str = "", timeout_seconds: float = 600,
+    def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread) -> None:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
         self.namespace = namespace
@@ -114,8 +114,8 @@ class PodExecutor:
             },
         }
 
-    async def _create(self, item: WorkItem, name: str, leader: LeaderToken | None) -> str:
-        """"executed", or "duplicate" when the Pod of an earlier delivery is there. A create that got no
+    async def _create(self, item: WorkItem, name: str, leader: LeaderToken | None) -> Outcome:
+        """EXECUTED, or DUPLICATE when the Pod of an earlier delivery is there. A create that got no
         answer is sent again: if the first landed, the second's conflict is our own Pod."""
         fenced_waits = list(FENCED_RETRIES)
         unanswered = 0
@@ -123,12 +123,12 @@ class PodExecutor:
             try:
                 await self._api(self.core.create_namespaced_pod, self.namespace, self._pod(item, leader))
                 log.v(1, "created pod %s/%s for item %d", self.namespace, name, item.item_id)
-                return "executed"
+                return Outcome.EXECUTED
             except Exception as e:  # noqa: BLE001 - an answer decides; no answer: try again
                 status, refusal = _status(e), fencing_refusal(e) if leader is not None else ""
                 if status == 409:
                     # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
-                    return "executed" if unanswered else "duplicate"
+                    return Outcome.EXECUTED if unanswered else Outcome.DUPLICATE
                 if refusal and fenced_waits:  # the policy reads the Lease from a cache, which can lag a leadership just begun
                     await self.clock.sleep(fenced_waits.pop(0))
                     continue
@@ -165,7 +165,7 @@ class PodExecutor:
                 log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
         return None
 
-    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> str:
+    async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
         name = pod_name(item.idempotency_key)
         outcome = await self._create(item, name, leader)
         deadline = self.clock.monotonic() + self.timeout_seconds
@@ -235,7 +235,7 @@ class PodExecutor:
         swept = 0
         for pod in pods:
             item_id = (pod.metadata.annotations or {}).get(ITEM_ID, "")
-            if not item_id.isdigit() or await item_state(int(item_id)) not in ("done", "failed"):
+            if not item_id.isdigit() or await item_state(int(item_id)) not in (ItemState.DONE, ItemState.FAILED):
                 continue
             log.info("work pod %s/%s belongs to item %s, which is finished; deleting it", self.namespace,
                      pod.metadata.name, item_id)

@@ -22,11 +22,12 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, sleep_or
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential, Unauthorized
 from gpu_agent.foundations.gate import Gate
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.health import HealthRegistry
@@ -40,6 +41,15 @@ log = get_logger(__name__)
 RENEW_AT_LIFETIME_FRACTION = 0.8
 
 
+
+class Outcome(StrEnum):
+    """What one registration or renewal did (a failed call raises instead)."""
+    OK = "ok"
+    SKIPPED = "skipped"
+    STALE = "stale"
+    REFUSED = "refused"
+
+
 @dataclass(frozen=True)
 class RegistrationSettings:
     cluster_id: str
@@ -51,7 +61,7 @@ class RegistrationSettings:
 
 
 class RegistrationManager:
-    def __init__(self, client: ControlPlaneClient, token: Secret, settings: RegistrationSettings, clock: Clock,
+    def __init__(self, client: ControlPlaneClient, token: Secret, *, settings: RegistrationSettings, clock: Clock,
                  rng: random.Random, health: HealthRegistry, metrics: AgentMetrics, gate: Gate,
                  on_readiness: Callable[[bool, str], Awaitable[None]],
                  offload: Callable[..., Awaitable[Any]] = asyncio.to_thread) -> None:
@@ -149,12 +159,13 @@ class RegistrationManager:
 
     # ---- the one gated step: capture, call, check generation, apply -------------------------
 
-    async def register(self, kind: str) -> str:
-        """Returns "ok", "skipped", "stale" or "failed"."""
+    async def register(self, kind: str) -> Outcome:
+        """OK, SKIPPED (no GPUs, or registered already when `kind` only fills a gap) or STALE (the GPUs
+        changed while the call was out); a call that fails raises its ControlPlaneError."""
         async with self.gate.hold(kind):
             generation, inventory = self.generation, self.inventory
             if inventory.count == 0 or (kind in ("initial", "recovery") and self.registered):
-                return "skipped"
+                return Outcome.SKIPPED
             self.metrics.registration_attempts.labels(kind).inc()
             log.v(2, "registering %d GPUs (generation %d, %s)", inventory.count, generation, kind)
             try:
@@ -162,7 +173,7 @@ class RegistrationManager:
             except ControlPlaneError as e:
                 self.metrics.registration_failures.labels(kind, e.kind).inc()
                 self.last_error = str(e)
-                if e.kind == "unauthorized":
+                if isinstance(e, Unauthorized):
                     # The registration token itself is refused: nothing we hold is valid any more.
                     await self._drop_credentials(register_at_once=False)
                 else:
@@ -172,7 +183,7 @@ class RegistrationManager:
                 self.metrics.registration_discarded.inc()
                 log.warning("discarding registration response for GPU generation %d: the GPUs changed meanwhile "
                             "(now generation %d); registering again", generation, self.generation)
-                return "stale"
+                return Outcome.STALE
             self._install(reg.credential)
             self.registration_id = reg.registration_id
             self.registered_generation = generation
@@ -180,30 +191,32 @@ class RegistrationManager:
             self.next_retry_in = None
             log.info("registered %d GPUs with the control plane (generation %d, %s)", inventory.count, generation, kind)
             await self._publish()
-            return "ok"
+            return Outcome.OK
 
-    async def renew(self) -> str:
+    async def renew(self) -> Outcome:
+        """OK, SKIPPED (no credential to renew), REFUSED (the control plane refused it: registering
+        again) or STALE (a registration installed a newer one meanwhile); any other failure raises."""
         async with self.gate.hold("renew"):
             credential = self.credential
             if credential is None:
-                return "skipped"
+                return Outcome.SKIPPED
             self.metrics.renewals.inc()
             log.v(2, "renewing credential")
             try:
                 fresh = await self._offload(self.client.renew, credential)
             except ControlPlaneError as e:
                 self.metrics.renewal_failures.labels(e.kind).inc()
-                if e.kind == "unauthorized":
+                if isinstance(e, Unauthorized):
                     log.warning("credential renewal refused (%s): registering again", e)
                     await self._drop_credentials(register_at_once=True)
-                    return "refused"
+                    return Outcome.REFUSED
                 raise
             if self.credential is not credential:
-                return "stale"  # a registration installed a newer credential meanwhile
+                return Outcome.STALE  # a registration installed a newer credential meanwhile
             self._install(fresh)
             log.v(1, "credential renewed, valid for %.0fs", fresh.expires_in)
             await self._publish()
-            return "ok"
+            return Outcome.OK
 
     def _install(self, credential: Credential) -> None:
         self.credential = credential.token
@@ -238,7 +251,7 @@ class RegistrationManager:
                 await self._publish()
                 await self._sleep_unless(delay, self._gpu_changed)
                 continue
-            if outcome == "ok":
+            if outcome is Outcome.OK:
                 self.backoff.reset()
                 self.metrics.backoff.set(0)
 

@@ -24,6 +24,10 @@ MAX_GPUS = 16384  # an inventory this large still fits the body limit (about 150
 MAX_BODY = 4 << 20
 MAX_PAYLOAD_DEPTH = 32
 
+# What an ack or a release did to an item, and the states an item is in.
+ItemOutcome = Literal["acked", "already-acked", "released", "retrying", "failed"]
+ItemStateName = Literal["queued", "leased", "done", "failed"]
+
 
 class Model(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
@@ -172,7 +176,7 @@ class LeasedItem(Model):
 
 
 class ItemResult(Model):
-    result: Literal["acked", "already-acked", "released", "retrying", "failed"]
+    result: ItemOutcome
 
 
 class RenewedLease(Model):
@@ -205,7 +209,7 @@ class DeliveryLog(Model):
 class ItemSummary(Model):
     id: int
     idempotencyKey: str
-    state: Literal["queued", "leased", "done", "failed"]
+    state: ItemStateName
     deliveries: int
     createdAt: float
     ackedAt: float | None = None
@@ -219,7 +223,7 @@ class ItemList(Model):
 
 class ItemState(Model):
     id: int
-    state: Literal["queued", "leased", "done", "failed"]
+    state: ItemStateName
 
 
 class ItemCounts(Model):

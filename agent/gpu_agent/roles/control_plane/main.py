@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, Setting
+from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.secrets import Secret
 
 if TYPE_CHECKING:
     from gpu_agent.roles.control_plane.server import ControlPlaneServer
@@ -33,7 +33,26 @@ SETTINGS = [
 ]
 
 
-def build_server(cfg: Config, listen: str) -> ControlPlaneServer:
+class ServerConfig(Config):
+    """What a control plane's server is built from (the store settings, less the token files, which
+    `load` has read into the tokens)."""
+    database: str
+    registrationToken: Secret
+    adminToken: Secret
+    credentialTtl: float
+    maxLeaseSeconds: float
+    reregisterAfter: float
+    maxLeaseWait: float
+
+
+class ControlPlaneConfig(ServerConfig, RoleConfig):
+    """The settings above, typed (`Config.problems` holds the two to each other)."""
+    listenAddress: str
+    registrationTokenFile: str
+    adminTokenFile: str
+
+
+def build_server(cfg: ServerConfig, listen: str) -> ControlPlaneServer:
     # The server's models (pydantic) cost about 10 MiB: loaded only where a control plane runs,
     # never by the agents that merely share this command.
     from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings

@@ -18,7 +18,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -237,14 +237,14 @@ class ControlPlane:
         return result
 
     def ack(self, params: dict[str, str], body: api.LeaseRef, **_: Any) -> tuple[int, api.Model]:
-        return 200, api.ItemResult(result=self._item(params, body, self.store.ack))
+        return 200, api.ItemResult(result=cast(api.ItemOutcome, self._item(params, body, self.store.ack)))
 
     def release(self, params: dict[str, str], body: api.ReleaseRequest, **_: Any) -> tuple[int, api.Model]:
         result = self._item(params, body, self.store.release, body.error)
         if result in ("retrying", "failed"):
             log.warning("item %s: an attempt failed (%s)%s", params["itemId"], quote(body.error or ""),
                         "; no attempt left: the item is failed" if result == "failed" else "; retried after a backoff")
-        return 200, api.ItemResult(result=result)
+        return 200, api.ItemResult(result=cast(api.ItemOutcome, result))
 
     def renew_lease(self, params: dict[str, str], body: api.LeaseRenewal, **_: Any) -> tuple[int, api.Model]:
         item_id = int(params["itemId"])
@@ -262,7 +262,7 @@ class ControlPlane:
         state = None if item_id > api.INT64_MAX else self.store.item_state(item_id)
         if state is None:
             raise Refused(404, f"no item {item_id}")
-        return 200, api.ItemState(id=item_id, state=state)
+        return 200, api.ItemState(id=item_id, state=cast(api.ItemStateName, state))
 
     def status(self, **_: Any) -> tuple[int, api.Model]:
         return 200, api.StatusResponse.model_validate(self.store.status())
@@ -288,7 +288,7 @@ class ControlPlane:
         except Refused as e:
             status = e.status
             return http.error(start_response, e.status, str(e), e.headers)
-        except Exception:  # noqa: BLE001 - a bug, not the client's doing: logged, answered 500
+        except Exception:  # a bug, not the client's doing: logged, answered 500
             log.error("%s %s failed", method, quote(path), exc_info=True)
             return http.error(start_response, 500, "internal error")
         finally:

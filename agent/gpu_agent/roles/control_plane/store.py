@@ -71,7 +71,7 @@ def token_hash(token: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path, clock: Any = time.time, rng: random.Random | None = None, max_attempts: int = 5,
+    def __init__(self, path: Path, clock: Any = time.time, *, rng: random.Random | None = None, max_attempts: int = 5,
                  retry_base_seconds: float = 1.0, retry_max_seconds: float = 60.0) -> None:
         self.rng = rng or random.Random()
         self.max_attempts = max_attempts
@@ -150,7 +150,8 @@ class Store:
             cur = self._db.execute("INSERT INTO items (idempotency_key, payload, created_at) VALUES (?, ?, ?)",
                                    (key, json.dumps(payload), self._now()))
         self._notify()
-        return int(cur.lastrowid), True
+        assert cur.lastrowid is not None  # an INSERT's row
+        return cur.lastrowid, True
 
     def _notify(self) -> None:
         with self._queue_changed:
@@ -162,8 +163,9 @@ class Store:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                term = int(self._db.execute("INSERT INTO terms (holder, started_at) VALUES (?, ?)",
-                                            (holder, self._now())).lastrowid)
+                term = self._db.execute("INSERT INTO terms (holder, started_at) VALUES (?, ?)",
+                                        (holder, self._now())).lastrowid
+                assert term is not None  # an INSERT's row
                 released = self._db.execute("""UPDATE items SET state='queued', lease_id=NULL, lease_expires_at=NULL,
                     lease_holder=NULL, lease_term=NULL WHERE state='leased' AND (lease_term IS NULL OR lease_term < ?)""",
                                             (term,)).rowcount

@@ -1,0 +1,23 @@
+"""Fakes the unit tests share, handed out as fixtures (test modules do not import from one another)."""
+
+import random
+
+import pytest
+
+
+class FixedRandom(random.Random):
+    """A random source that returns a scripted sequence, so jitter is exact (and drawing past the
+    script fails the test: an IndexError)."""
+
+    def __init__(self, values):
+        super().__init__(0)
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+@pytest.fixture
+def fixed_random():
+    """FixedRandom(values): a random source scripted with `values`."""
+    return FixedRandom
