@@ -106,6 +106,14 @@ def test_fake_gpus_per_node_allocatable_follows_on_each_within_2s(fake_gpus, nod
         fake_gpus.set(0, node=node)
 
 
+def domain_status(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict:
+    """A GPUDomain's status; {} while it cannot be read (not made yet, or the read failed)."""
+    try:
+        return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", name).get("status") or {}
+    except client.ApiException:
+        return {}
+
+
 def node_ready(core, node: str) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in core.read_node(node).status.conditions or [])
 
@@ -129,10 +137,7 @@ def test_node_agents_form_a_domain_across_nodes_and_a_stopped_or_partitioned_nod
     custom = client.CustomObjectsApi(api)
 
     def status():
-        try:
-            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus").get("status") or {}
-        except client.ApiException:
-            return {}
+        return domain_status(custom, namespace, "gpus")
 
     def member(node):
         return next((m for m in status().get("nodes", []) if m["name"] == node), {})
@@ -347,10 +352,7 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
     ttl = 3
 
     def status():
-        try:
-            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus").get("status") or {}
-        except client.ApiException:
-            return {}
+        return domain_status(custom, namespace, "gpus")
 
     def member(node):
         return next((m for m in status().get("nodes", []) if m["name"] == node), {})
