@@ -211,8 +211,8 @@ class WorkPods:
             return {name: len(uids) for name, uids in self.ran.items()}
 
 
-def enqueue(release: Release, keys: list[str], seconds: int = 1) -> None:
-    payload = {"gpus": 1, "command": ["sh", "-c", f"sleep {seconds}; fake-gpu smi -L"]}
+def enqueue(release: Release, keys: list[str], seconds: int = 1, gpus: int = 1) -> None:
+    payload = {"gpus": gpus, "command": ["sh", "-c", f"sleep {seconds}; fake-gpu smi -L"]}
     release.control_plane("".join(f"c.enqueue(t, {k!r}, {payload!r})\n" for k in keys))
 
 

@@ -17,8 +17,9 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import node_fault, provider, tool
+from e2e.conftest import fake_gpu_nodes
 from e2e.helpers import Sampler, apply, exec_python, wait_until
-from e2e.release import CA, WAIT, Active, Release, WorkPods, enqueue, leaderless, lost_and_doubled
+from e2e.release import CA, WAIT, Active, Release, WorkPods, enqueue, items, leaderless, lost_and_doubled
 
 pytestmark = pytest.mark.multinode
 
@@ -358,13 +359,8 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
         return next((m for m in status().get("nodes", []) if m["name"] == node), {})
 
     def work(key: str, seconds: int) -> str:
-        payload = {"gpus": 2, "command": ["sh", "-c", f"fake-gpu smi -L; sleep {seconds}"]}
-        release.control_plane(f"c.enqueue(t, {key!r}, {payload!r})\n")
+        enqueue(release, [key], seconds=seconds, gpus=2)
         return pod_name(key)
-
-    def item_state(key: str) -> str | None:
-        out = release.control_plane("import json; print(json.dumps(c.list_items(t)))")
-        return {i["idempotencyKey"]: i["state"] for i in json.loads(out.strip().splitlines()[-1])}.get(key)
 
     def running_on_victim(name: str) -> bool:
         try:
@@ -376,7 +372,7 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
     def back_in_service() -> bool:
         """The node Ready at the API server, labelled by its fake-gpu pod, its GPUs allocatable again."""
         return node_uid(core, victim) is not None and node_ready(core, victim) and \
-            victim in {n.metadata.name for n in fake_gpu_nodes_of(core)} and fake_gpus.allocatable(victim) == 2
+            victim in {n.metadata.name for n in fake_gpu_nodes(core, "fg")} and fake_gpus.allocatable(victim) == 2
 
     old_uid, lost_it = node_uid(core, victim), False
     try:
@@ -408,7 +404,7 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
             wait_until(lambda: not member(victim) and len(status().get("nodes", [])) == len(nodes) - 1
                        and status().get("status") == "NotReady", 150, f"{victim}'s member gone from the domain")
             figures["member removed"] = time.monotonic() - started
-            wait_until(lambda: item_state("on-the-lost-node") == "done", 120, "the interrupted item done (a run, not lost)")
+            wait_until(lambda: items(release).get("on-the-lost-node") == "done", 120, "the interrupted item done (a run, not lost)")
             figures["item done"] = time.monotonic() - started
 
             # Back: a deleted node's kubelet does not register again by itself; it boots (node-start) and does.
@@ -424,7 +420,7 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
             figures["member back"] = time.monotonic() - restarted
         assert node_uid(core, victim) != old_uid, "the node registered as a new object"
         fresh = work("after-the-node-came-back", 1)
-        wait_until(lambda: item_state("after-the-node-came-back") == "done", 120, "a new item done on the node that came back")
+        wait_until(lambda: items(release).get("after-the-node-came-back") == "done", 120, "a new item done on the node that came back")
         pods.stop()
         runs, executions = pods.runs(), pods.executions()
         samples = [v for _, v in sampled.samples if isinstance(v, list)]
@@ -449,9 +445,3 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
         for node in nodes:
             fake_gpus.set(0, node=node)
 
-
-def fake_gpu_nodes_of(core) -> list:
-    """Nodes labelled by the session's fake-gpu release (conftest's FakeGPUs installs it as `fg`)."""
-    from e2e.conftest import fake_gpu_nodes
-
-    return fake_gpu_nodes(core, "fg")

@@ -25,7 +25,7 @@ from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleCon
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.secrets import Secret
-from gpu_agent.foundations.version import version_info
+from gpu_agent.foundations.version import VersionAction, version_info
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
 from gpu_agent.roles import cluster_agent, local, node_agent
 from gpu_agent.roles.control_plane import main as control_plane
@@ -58,14 +58,9 @@ class InventoryConfig(GPUSourceConfig, RoleConfig):
     """`gpu-agent inventory`'s settings."""
 
 
-def _version_line() -> str:
-    v = version_info()
-    return f"gpu-agent {v['version']} (commit {v['commit']}, built {v['buildDate']})"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes")
-    parser.add_argument("--version", action="version", version=_version_line())
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     for name, (settings, _, help_text) in ROLES.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)

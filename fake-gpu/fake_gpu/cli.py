@@ -33,7 +33,7 @@ from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, Layou
 from fake_gpu.layout_source import LEGACY_CONFIGMAP
 from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import Inventory
-from gpu_agent.foundations.version import version_info
+from gpu_agent.foundations.version import VersionAction
 
 DEFAULT_NAMESPACE = os.environ.get("FAKE_GPU_NAMESPACE", "gpu-agent")
 
@@ -60,9 +60,7 @@ def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fake-gpu", description="fake GPUs that arrive and leave at runtime")
     # The same build identity as `gpu-agent --version`: one image carries both commands.
-    v = version_info()
-    parser.add_argument("--version", action="version",
-                        version=f"fake-gpu {v['version']} (commit {v['commit']}, built {v['buildDate']})")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--state-file", type=Path, default=None, help="local state file (default: $FAKE_GPU_STATE_FILE or .run/fake-gpus.json)")
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help=f"namespace of the fake-gpu install (cluster mode; default {DEFAULT_NAMESPACE!r}, env FAKE_GPU_NAMESPACE)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")

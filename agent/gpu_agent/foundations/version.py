@@ -11,6 +11,7 @@ Looked up once, in this order:
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -59,3 +60,21 @@ def version_info() -> dict[str, str]:
     if found:
         info.update(found)
     return info
+
+
+def version_line(program: str) -> str:
+    v = version_info()
+    return f"{program} {v['version']} (commit {v['commit']}, built {v['buildDate']})"
+
+
+class VersionAction(argparse.Action):
+    """`--version` that looks the build identity up only when asked: every other run of a command
+    skips the git calls a checkout's lookup makes (argparse's own action needs the text up front)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(version_line(parser.prog))
+        parser.exit()
