@@ -72,6 +72,14 @@ def exec_in(api: client.ApiClient, namespace: str, pod: str, container: str, arg
                   command=argv, stderr=True, stdin=False, stdout=True, tty=False, _request_timeout=60)
 
 
+def domain_status(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict:
+    """A GPUDomain's status; {} while it cannot be read (not made yet, or the read failed)."""
+    try:
+        return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", name).get("status") or {}
+    except client.ApiException:
+        return {}
+
+
 class Sampler:
     """Calls `probe` every `interval` seconds in a thread and keeps (monotonic time, value)."""
 

@@ -9,7 +9,7 @@ import uuid
 
 from kubernetes import client
 
-from e2e.helpers import wait_until
+from e2e.helpers import domain_status, wait_until
 from e2e.release import Release
 
 NA = "app.kubernetes.io/component=node-agent"
@@ -31,10 +31,7 @@ def test_node_agent_levels_0_and_3_show_their_lines_and_level_0_keeps_the_peer_l
     domain = ["--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(nodes)}"]
 
     def formed() -> bool:
-        try:
-            status = custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", "gpus").get("status") or {}
-        except client.ApiException:
-            return False
+        status = domain_status(custom, namespace, "gpus")
         return status.get("status") == "Ready" and len(status.get("nodes") or []) == len(nodes)
 
     def logs(pods) -> dict[str, str]:

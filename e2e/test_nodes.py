@@ -18,8 +18,9 @@ from kubernetes import client
 
 from e2e.cluster import node_fault, provider, tool
 from e2e.conftest import fake_gpu_nodes
-from e2e.helpers import Sampler, apply, exec_python, wait_until
+from e2e.helpers import Sampler, apply, domain_status, exec_python, wait_until
 from e2e.release import CA, WAIT, Active, Release, WorkPods, enqueue, items, leaderless, lost_and_doubled
+from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
 pytestmark = pytest.mark.multinode
 
@@ -105,14 +106,6 @@ def test_fake_gpus_per_node_allocatable_follows_on_each_within_2s(fake_gpus, nod
     print("\nallocatable followed in " + ", ".join(f"{n} {t:.2f} s" for n, t in times.items()))
     for node in nodes:
         fake_gpus.set(0, node=node)
-
-
-def domain_status(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict:
-    """A GPUDomain's status; {} while it cannot be read (not made yet, or the read failed)."""
-    try:
-        return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", name).get("status") or {}
-    except client.ApiException:
-        return {}
 
 
 def node_ready(core, node: str) -> bool:
@@ -341,8 +334,6 @@ def test_a_worker_deleted_or_force_lost_with_a_member_and_a_running_work_pod_lea
     member; a new item runs there."""
     if provider() != "ci":
         pytest.skip("losing a whole node needs the CI cluster (ci/scripts/node.sh)")
-    from gpu_agent.mechanisms.queues.pod_executor import pod_name
-
     first, victim = nodes[0], nodes[-1]
     for node in nodes:
         fake_gpus.set(2 if node == victim else 1, node=node)
