@@ -9,15 +9,21 @@ its entry is in (aggregate: its member applied, and the one aggregator's write h
 writer, and the 409 and 429 answers, and checks that no entry was lost and indices are
 unique. The simulator (domain_sim.py), calibrated with the measured R, follows.
 
-Then many domains at once (BENCH_MANY=64x18): M domains of n members each, formed together (the
-cluster agent's EveryDomainAggregator folding them all), against a floor measured in the same run:
-the same M x n member applies from as many threads and clients with nobody folding. And the size of
+Then many domains at once (BENCH_MANY=64x18, BENCH_MANY_RUNS=5 runs; BENCH_MANY= skips it): M domains
+of n members each, formed together (the cluster agent's EveryDomainAggregator folding them all, in a
+process of its own), against a floor measured in the same run: the same M x n member applies from as
+many threads and clients with nobody folding. Each side of each run has a namespace of its own,
+deleted and waited for before the next; odd runs measure the floor first. A watch of the domains,
+independent of the aggregator, counts their status writes and sees when each turns Ready (its
+readiness latency: its last member's apply -> Ready seen). The median ratio of the runs ends the
+table, because one run on a 2-core machine is noise. And the size of
 the largest status objects (144 nodes with 4 GPU UUIDs, in one clique and in 8 cliques of 18)
 against a quarter of etcd's 1.5 MiB request limit.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import multiprocessing
 import os
@@ -37,8 +43,10 @@ from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSIO
 from gpu_agent_hooks.cli import apply_crds
 
 KUBECONFIG = os.environ.get("KUBECONFIG_PATH", "/var/lib/gpu-agent-ci/admin.kubeconfig")
-NAMESPACE = "bench-domain"
 REPO = Path(__file__).resolve().parents[2]
+# Each invocation, and each run of the many-domains case, in a namespace of its own, deleted (and waited
+# for) before the next: a run never meets the last one's terminating namespace, nor its garbage collection.
+NAMESPACE = f"bench-domain-{random.Random().getrandbits(24):06x}"
 
 
 def new_client() -> client.ApiClient:
@@ -138,28 +146,113 @@ def run(n: int, strategy: str, rate: float) -> str:
             f"{lost:>5} {'yes' if unique else 'NO':>7} {ready:>9}{note}{f' ({gave_up} writers gave up at the deadline)' if gave_up else ''}")
 
 
-def fold_process(names: list[str], n: int, results: multiprocessing.Queue) -> None:
+def create_namespace(api: client.ApiClient, name: str) -> None:
+    client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)),
+                                           _request_timeout=REQUEST_TIMEOUT)
+
+
+def delete_namespace(api: client.ApiClient, name: str, timeout: float = 180.0) -> float:
+    """Delete the namespace and wait until it is gone (its objects' deletion is no next run's load);
+    returns the seconds it took."""
+    core = client.CoreV1Api(api)
+    started = time.monotonic()
+    try:
+        core.delete_namespace(name, _request_timeout=REQUEST_TIMEOUT)
+    except client.ApiException as e:
+        if e.status != 404:
+            raise
+    while time.monotonic() - started < timeout:
+        try:
+            core.read_namespace(name, _request_timeout=REQUEST_TIMEOUT)
+        except client.ApiException as e:
+            if e.status == 404:
+                return time.monotonic() - started
+            raise
+        time.sleep(0.5)
+    raise TimeoutError(f"namespace {name} still exists {timeout:.0f} s after its deletion")
+
+
+def fold_process(namespace: str, names: list[str], n: int, results: multiprocessing.Queue) -> None:
     """The cluster agent's side of the many-domains run: fold every domain; report when all are formed
     (CLOCK_MONOTONIC is one clock for every process of the machine)."""
-    folding = EveryDomainAggregator(new_client(), NAMESPACE, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))
+    folding = EveryDomainAggregator(new_client(), namespace, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))
     threading.Thread(target=folding.run, daemon=True).start()
     deadline = time.monotonic() + 60
-    while not set(names) <= set(folding.aggregators) and time.monotonic() < deadline:
-        time.sleep(0.05)  # every domain's aggregator listening before the writers start
+    def initialized() -> bool:  # every domain's aggregator listening, and its first status written
+        aggregators = [folding.aggregators.get(name) for name in names]
+        return all(a is not None and a.writes for a in aggregators)
+    while not initialized() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Where a domain's readiness latency goes: when the folder saw its last member, when its write holding
+    # every member returned.
+    saw_all: dict[str, float] = {}
+    wrote_all: dict[str, float] = {}
     results.put("ready")
 
-    def formed() -> int:
-        aggregators = [folding.aggregators.get(name) for name in names]
-        return sum(1 for a in aggregators
-                   if a is not None and len((((a.writer.cached or {}).get("status") or {}).get("nodes")) or []) == n)
+    def formed() -> int:  # polled every 5 ms
+        for name in names:
+            a = folding.aggregators.get(name)
+            if a is not None and len(a.members) == n:
+                saw_all.setdefault(name, time.monotonic())
+            if a is not None and len((((a.writer.cached or {}).get("status") or {}).get("nodes")) or []) == n:
+                wrote_all.setdefault(name, time.monotonic())
+        return len(wrote_all)
     while formed() < len(names) and time.monotonic() < deadline + 600:
         time.sleep(0.005)
-    results.put(("formed", time.monotonic(), sum(a.writes for a in folding.aggregators.values())))
+    formed_at = time.monotonic()
+    time.sleep(1.0)  # writes still due (none should be) are counted too
+    reasons: collections.Counter[str] = collections.Counter()
+    for a in folding.aggregators.values():
+        reasons.update(a.write_reasons)
+    results.put(("formed", formed_at, dict(reasons), saw_all, wrote_all))
     folding.stop()
 
 
-def many_domains(m: int, n: int) -> list[str]:
-    """M domains x n members at once, then the floor: the same member applies with no aggregator."""
+def watch_process(namespace: str, m: int, results: multiprocessing.Queue) -> None:
+    """What a reader of the GPUDomains sees, independent of the aggregator's own counts, in a process of
+    its own (the writers' threads would delay what it sees): each domain's status writes (its MODIFIED
+    events, when seen) and when it was first seen Ready. Reports once every domain is Ready, and one
+    second more of writes."""
+    from kubernetes import watch
+
+    api = new_client()
+    custom = client.CustomObjectsApi(api)
+    listed = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _request_timeout=REQUEST_TIMEOUT)
+    modified: list[tuple[str, float]] = []
+    ready_at: dict[str, float] = {}
+    w = watch.Watch()
+    results.put("watching")
+    all_ready = float("inf")
+    deadline = time.monotonic() + 660
+    while time.monotonic() < min(deadline, all_ready + 1.0):
+        for event in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                              resource_version=listed["metadata"]["resourceVersion"], timeout_seconds=1,
+                              _request_timeout=(5, 30)):
+            seen = time.monotonic()
+            obj = event["object"]
+            name = obj["metadata"]["name"]
+            listed["metadata"]["resourceVersion"] = obj["metadata"]["resourceVersion"]
+            if event["type"] == "MODIFIED":
+                modified.append((name, seen))
+            if (obj.get("status") or {}).get("status") == "Ready":
+                ready_at.setdefault(name, seen)
+                if len(ready_at) == m and all_ready == float("inf"):
+                    all_ready = seen
+    w.stop()
+    api.close()
+    results.put((modified, ready_at))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
+    """One run of M domains x n members formed at once, and the floor: the same member applies with no
+    aggregator, in the same run, each in a namespace of its own. Odd runs measure the floor first, so
+    neither side always goes first."""
+    admin = new_client()
     clients = []
 
     def client_for_domain() -> client.ApiClient:
@@ -169,57 +262,111 @@ def many_domains(m: int, n: int) -> list[str]:
         clients.append(api)
         return api
 
-    status_writes = [0]
-
-    def apply_all(tag: str, fold_them: bool) -> tuple[float, int, int]:
-        custom = client.CustomObjectsApi(new_client())
-        names = [f"many-{tag}-{d:03d}" for d in range(m)]
+    def apply_all(tag: str, fold_them: bool) -> dict[str, float]:
+        namespace = f"{NAMESPACE}-{tag}-{run}"
+        create_namespace(admin, namespace)
+        custom = client.CustomObjectsApi(admin)
+        names = [f"many-{d:03d}" for d in range(m)]
         for name in names:
-            make_domain(custom, name, n)
-        folding = None
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomain", "metadata": {"name": name},
+                "spec": {"expectedNodes": n}}, _request_timeout=REQUEST_TIMEOUT)
+        folding = watcher = None
         if fold_them:  # in a process of its own, as the cluster agent is: the writers' threads do not slow it
+            seen: multiprocessing.Queue = multiprocessing.Queue()
+            watcher = multiprocessing.Process(target=watch_process, args=(namespace, m, seen), daemon=True)
+            watcher.start()
+            assert seen.get(timeout=60) == "watching", "the watching process did not start"
             results: multiprocessing.Queue = multiprocessing.Queue()
-            folding = multiprocessing.Process(target=fold_process, args=(names, n, results), daemon=True)
+            folding = multiprocessing.Process(target=fold_process, args=(namespace, names, n, results), daemon=True)
             folding.start()
             assert results.get(timeout=60) == "ready", "the folding process did not start"
         domain_clients = [client_for_domain() for _ in range(m)]
-        writers = [(MemberWriter(domain_clients[d], NAMESPACE, names[d]), Entry(f"node-{d:03d}-{i:02d}", "", (), True,
-                                                                              f"rack-{d:03d}"))
+        writers = [(MemberWriter(domain_clients[d], namespace, names[d]),
+                    Entry(f"node-{d:03d}-{i:02d}", "", (), True, f"rack-{d:03d}"))
                    for d in range(m) for i in range(n)]
         ok = [False] * len(writers)
+        applied = [0.0] * len(writers)
 
         def write(k: int) -> None:
             ok[k] = writers[k][0].ensure(writers[k][1], deadline=time.monotonic() + 300)
+            applied[k] = time.monotonic()
 
         started = run_together(write, len(writers), 600)
-        finished = time.monotonic()
-        if folding is not None:
-            _, finished, status_writes[0] = results.get(timeout=600)
+        finished = max(applied)
+        out: dict[str, float] = {"lost": float(len(ok) - sum(ok)), "dup": 0.0}
+        if out["lost"]:
+            errors = sum(w.stats.errors for w, _ in writers)
+            print(f"  {tag}: {out['lost']:.0f} member applies gave up ({errors} errors)", flush=True)
+        if folding is not None and watcher is not None:
+            _, finished, reasons, saw_all, wrote_all = results.get(timeout=600)
+            out.update({f"why_{k}": float(v) for k, v in reasons.items()})
             folding.join(30)
-        elapsed = finished - started
-        lost = bad_indices = 0
-        if folding is not None:
-            for name in names:
-                obj = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name, _request_timeout=REQUEST_TIMEOUT)
+            modified, ready_at = seen.get(timeout=660)
+            watcher.join(30)
+            latencies, folder_saw, folder_wrote = [], [], []
+            for d, name in enumerate(names):
+                obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                          _request_timeout=REQUEST_TIMEOUT)
                 nodes = (obj.get("status") or {}).get("nodes") or []
-                lost += n - len(nodes)
+                out["lost"] += n - len(nodes)
                 for clique in {e.get("clique") for e in nodes}:
                     indices = [e["index"] for e in nodes if e.get("clique") == clique]
-                    bad_indices += len(indices) - len(set(indices))
-        gave_up = len(ok) - sum(ok)
-        if gave_up:
-            errors = sum(w.stats.errors for w, _ in writers)
-            print(f"  {tag}: {gave_up} member applies gave up ({errors} errors)", flush=True)
-        return elapsed, lost + gave_up, bad_indices
+                    out["dup"] += len(indices) - len(set(indices))
+                last_apply = max(applied[d * n:(d + 1) * n])
+                if name in ready_at:
+                    latencies.append(ready_at[name] - last_apply)
+                if name in saw_all and name in wrote_all:
+                    folder_saw.append(saw_all[name] - last_apply)
+                    folder_wrote.append(wrote_all[name] - saw_all[name])
+            # each domain's first status (NotReady, no member) is written before the release (see fold_process)
+            out["initial_writes"] = float(sum(1 for _, when in modified if when < started))
+            out["status_writes"] = float(sum(1 for _, when in modified if when >= started))
+            out["never_ready"] = float(m - len(latencies))
+            out["ready_p50"], out["ready_p99"] = percentile(latencies, 0.5), percentile(latencies, 0.99)
+            out["saw_p50"], out["saw_p99"] = percentile(folder_saw, 0.5), percentile(folder_saw, 0.99)
+            out["wrote_p50"], out["wrote_p99"] = percentile(folder_wrote, 0.5), percentile(folder_wrote, 0.99)
+        out["t"] = finished - started
+        for api in domain_clients:
+            api.close()
+        out["ns_gone_s"] = delete_namespace(admin, namespace)
+        return out
 
-    # formed first: the floor's domains must not exist while the cluster agent's folder watches them all
-    formed, lost, bad = apply_all("formed", fold_them=True)
-    floor, floor_lost, _ = apply_all("floor", fold_them=False)
-    for api in clients:
-        api.close()
-    return [f"{'M x n':>8} {'members':>8} {'t (s)':>7} {'floor (s)':>9} {'ratio':>6} {'writes':>7} {'lost':>5} {'dup idx':>7}",
-            f"{f'{m} x {n}':>8} {m * n:>8} {formed:>7.1f} {floor:>9.1f} {formed / floor:>6.2f} {m * n + status_writes[0]:>7} "
-            f"{lost + floor_lost:>5} {bad:>7}   (writes: {m * n} member applies + {status_writes[0]} status writes)"]
+    if run % 2 == 0:
+        formed = apply_all("formed", fold_them=True)
+        floor = apply_all("floor", fold_them=False)
+    else:
+        floor = apply_all("floor", fold_them=False)
+        formed = apply_all("formed", fold_them=True)
+    admin.close()
+    return {**{k: v for k, v in formed.items() if k.startswith(("why_", "saw_", "wrote_"))},
+            "initial_writes": formed["initial_writes"],
+            "t": formed["t"], "floor": floor["t"], "ratio": formed["t"] / floor["t"],
+            "status_writes": formed["status_writes"], "lost": formed["lost"] + floor["lost"], "dup": formed["dup"],
+            "ready_p50": formed["ready_p50"], "ready_p99": formed["ready_p99"], "never_ready": formed["never_ready"],
+            "first": 0.0 if run % 2 == 0 else 1.0}
+
+
+def many_domains(m: int, n: int, runs: int) -> list[str]:
+    print(f"{'run':>3} {'first':>6} {'t (s)':>7} {'floor (s)':>9} {'ratio':>6} {'status writes':>13} {'per domain':>10} "
+          f"{'ready p50':>9} {'ready p99':>9} {'lost':>5} {'dup idx':>7}", flush=True)
+    ratios = []
+    for run in range(runs):
+        r = many_domains_run(m, n, run)
+        ratios.append(r["ratio"])
+        never = f"   ({r['never_ready']:.0f} domains never seen Ready)" if r["never_ready"] else ""
+        why = ", ".join(f"{r[k]:.0f} {k[4:]}" for k in sorted(r) if k.startswith("why_"))
+        print(f"{run + 1:>3} {'floor' if r['first'] else 'formed':>6} {r['t']:>7.1f} {r['floor']:>9.1f} {r['ratio']:>6.2f} "
+              f"{r['status_writes']:>13.0f} {r['status_writes'] / m:>10.2f} {r['ready_p50']:>8.2f}s {r['ready_p99']:>8.2f}s "
+              f"{r['lost']:>5.0f} {r['dup']:>7.0f}   (aggregator: {why}; {r['initial_writes']:.0f} first statuses before;"
+              f" last apply -> folder saw it p50/p99 {r['saw_p50']:.2f}/{r['saw_p99']:.2f}s -> its write returned"
+              f" {r['wrote_p50']:.2f}/{r['wrote_p99']:.2f}s)"
+              f"{never}", flush=True)
+    ordered = sorted(ratios)
+    return [f"median ratio of {runs} runs: {ordered[len(ordered) // 2] if runs % 2 else sum(ordered[runs // 2 - 1:runs // 2 + 1]) / 2:.2f}"
+            f" (t: the aggregator's write holding every member of every domain; floor: the same {m * n} member applies"
+            f" unfolded; ready: a domain's last member applied -> seen Ready by a watch; status writes: MODIFIED events"
+            f" of the domains, seen by that watch)"]
 
 
 def status_sizes() -> list[str]:
@@ -242,28 +389,29 @@ def main() -> int:
     sizes = [int(x) for x in os.environ.get("BENCH_SIZES", "50,144,256").split(",") if x]  # "": many domains only
     api = new_client()
     apply_crds(api, REPO / "charts" / "gpu-agent" / "crds")
-    try:
-        client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
-    except client.ApiException as e:
-        if e.status != 409:
-            raise
-    rate = measure_rate()
-    print(f"R (one writer, read + update status, 5 s) = {rate:.1f}/s")
-    print(f"{'N':>5} {'strategy':<11} {'t (s)':>8} {'t/(N/R)':>8} {'calls/w':>8} {'409s':>7} {'429s':>5} {'lost':>5} "
-          f"{'unique':>7} {'domain':>9}")
-    for n in sizes:
-        for strategy in ("aggregate", *STRATEGIES):
-            print(run(n, strategy, rate), flush=True)
-    print()
-    print(sim_table(rate))
-    m, n = (int(x) for x in os.environ.get("BENCH_MANY", "64x18").split("x"))
-    print(f"\nmany domains at once: {m} domains x {n} members, against the floor of the same member applies unfolded")
-    for line in many_domains(m, n):
-        print(line, flush=True)
+    if sizes:
+        create_namespace(api, NAMESPACE)
+        rate = measure_rate()
+        print(f"R (one writer, read + update status, 5 s) = {rate:.1f}/s")
+        print(f"{'N':>5} {'strategy':<11} {'t (s)':>8} {'t/(N/R)':>8} {'calls/w':>8} {'409s':>7} {'429s':>5} {'lost':>5} "
+              f"{'unique':>7} {'domain':>9}")
+        for n in sizes:
+            for strategy in ("aggregate", *STRATEGIES):
+                print(run(n, strategy, rate), flush=True)
+        print()
+        print(sim_table(rate))
+        delete_namespace(api, NAMESPACE)
+    many = os.environ.get("BENCH_MANY", "64x18")
+    if many:
+        m, n = (int(x) for x in many.split("x"))
+        runs = int(os.environ.get("BENCH_MANY_RUNS", "5"))
+        print(f"\nmany domains at once: {m} domains x {n} members, {runs} runs, each against the floor of the same "
+              f"member applies unfolded, measured in the same run")
+        for line in many_domains(m, n, runs):
+            print(line, flush=True)
     print("\nstatus object size (what the aggregator writes):")
     for line in status_sizes():
         print(line)
-    client.CoreV1Api(api).delete_namespace(NAMESPACE)
     return 0
 
 

@@ -386,3 +386,119 @@ def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_no
         clock.advance_blocking(1.0)
         runner.join(2)
     assert not runner.is_alive()
+
+
+def test_write_schedule_timing_rules():
+    from gpu_agent.mechanisms.domain.aggregate import WriteSchedule
+
+    s = WriteSchedule(quiet=0.5, bound=5.0)
+    assert not s.waiting and not s.due(0.0, prompt=True) and s.wait(0.0) == float("inf")
+    s.changed(10.0)
+    assert s.due(10.0, prompt=True)  # a change a reader waits for: at once
+    assert not s.due(10.4, prompt=False) and s.wait(10.4) == pytest.approx(0.1)
+    assert s.due(10.5, prompt=False)  # the arrivals paused for `quiet`
+    for t in range(1, 25):  # arrivals every 0.2 s never pause: the bound writes
+        s.changed(10.0 + 0.2 * t)
+        assert s.due(10.0 + 0.2 * t, prompt=False) == (0.2 * t >= 5.0 - 1e-9)
+    s.written()
+    assert not s.waiting and not s.due(20.0, prompt=True)
+
+
+class DomainOnClock:
+    """An Aggregator on a ManualClock over a FakeCustom, members handed in by the test: `arrive`
+    returns once the aggregator has handled the change and waits on the clock again."""
+
+    def __init__(self, expected, quiet):
+        import threading
+
+        from gpu_agent.foundations.clock import ManualClock
+        from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+        self.clock = ManualClock()
+        self.fake = FakeCustom(domain(expected=expected))
+        self.folding = Aggregator(None, "default", "d1", interval=quiet, clock=self.clock, custom_api=self.fake)
+        self.folding._watch = lambda: None
+        self.folding._listed_members({"items": []})  # the watch's first list: no member yet
+        self.runner = threading.Thread(target=self.folding.run, daemon=True)
+        self.runner.start()
+        self._settle()
+        assert self.written == (1, "NotReady", [])  # a domain never folded: its first status at once
+
+    def _settle(self):
+        import time
+
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # poll to a deadline: handled the event, and waiting again
+            if not self.folding._changed.is_set() and self.clock.blocked:
+                self.clock.step_thread(0.0)
+                return
+            time.sleep(0.001)
+        raise AssertionError("the aggregator did not get back to waiting on its clock")
+
+    def arrive(self, name, kind="ADDED"):
+        self.folding._member_event(kind, {"metadata": {"name": f"d1-{name}"}, "spec": {"node": name, "ready": True}})
+        self._settle()
+
+    def step(self, seconds):
+        for _ in range(round(seconds / 0.1)):
+            self.clock.step_thread(0.1)
+
+    @property
+    def written(self):
+        status = self.fake.obj["status"]
+        return self.fake.replaces, status.get("status"), sorted(n["name"] for n in status["nodes"])
+
+    def stop(self):
+        self.folding.stop()
+        self.clock.advance_blocking(1.0)
+        self.runner.join(2)
+        assert not self.runner.is_alive()
+
+
+def test_a_domain_whose_members_stream_in_is_written_once_when_it_turns_ready():
+    d = DomainOnClock(expected=4, quiet=0.5)
+    try:
+        for name in "abc":
+            d.arrive(name)
+            d.step(0.2)  # closer together than `quiet`: nothing written yet
+        assert d.written == (1, "NotReady", [])
+        d.arrive("d")  # the fourth: Ready, written at once (no clock time passes)
+        assert d.written == (2, "Ready", ["a", "b", "c", "d"])
+        d.arrive("b", kind="DELETED")  # loses readiness: at once too
+        assert d.written == (3, "NotReady", ["a", "c", "d"])
+        assert d.folding.write_reasons == {"prompt": 3}
+    finally:
+        d.stop()
+
+
+def test_a_lone_change_to_a_notready_domain_is_written_once_the_arrivals_pause():
+    d = DomainOnClock(expected=4, quiet=0.5)
+    try:
+        d.arrive("a")
+        d.step(0.4)
+        assert d.written == (1, "NotReady", [])
+        d.step(0.2)
+        assert d.written == (2, "NotReady", ["a"])
+        assert d.folding.write_reasons == {"prompt": 1, "quiet": 1}
+    finally:
+        d.stop()
+
+
+def test_a_long_formation_is_written_at_the_bound_while_members_keep_arriving():
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    d = DomainOnClock(expected=100, quiet=0.5)
+    try:
+        arrived = []
+        for i in range(30):  # one every 0.2 s for 6 s: never a pause of `quiet`
+            arrived.append(f"n{i:02d}")
+            d.arrive(arrived[-1])
+            d.step(0.2)
+            if d.fake.replaces > 1:
+                break
+        replaces, status, names = d.written
+        assert replaces == 2 and status == "NotReady" and names == arrived
+        assert d.folding.write_reasons == {"prompt": 1, "bound": 1}
+        assert len(arrived) == round(Aggregator.COALESCE_BOUND / 0.2)  # written at the bound (5 s after the first), not before
+    finally:
+        d.stop()

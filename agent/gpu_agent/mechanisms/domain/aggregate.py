@@ -3,9 +3,10 @@
 Each node agent applies its own GPUDomainMember (server-side apply, one call, no read, no
 conflict: it is the object's only writer). One aggregator per domain watches the members and
 folds them into the GPUDomain's status: existing indices kept, new members given the lowest
-free index, departed members removed. It batches whatever changed in the last
-`interval` into one status write, so the shared object takes one write per batch instead of
-one per node (and its retries). As the only status writer it meets a conflict only if some
+free index, departed members removed. It writes a change a reader waits for at once (the domain
+turns Ready or loses readiness) and coalesces the rest until the arrivals pause or a bound passes
+(WriteSchedule), so the shared object takes about one write per state change instead of one per
+node (and its retries). As the only status writer it meets a conflict only if some
 other client (the cleanup hook, a user) wrote meanwhile: then it reads again and retries.
 
 This is what reaches the ideal N / R where optimistic concurrency alone cannot (see
@@ -24,12 +25,14 @@ the TTL, and a returning one Ready at its next heartbeat.
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import functools
 import math
 import random
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from kubernetes import client
@@ -69,8 +72,8 @@ class MemberWriter(DomainView):
     """A node agent's side: its own member object, applied in one call. It offers the same
     face as DomainWriter (ensure, remove, observe, cached), so the reconciler needs no mode."""
 
-    # The aggregator batches every 0.1 s; an entry still missing this long after our apply
-    # means something removed it, and the member is applied again.
+    # Every status the aggregator writes holds each member it has seen; an entry still missing from
+    # one this long after our apply means something removed it, and the member is applied again.
     REAPPLY_AFTER = 5.0
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, rng: random.Random | None = None,
@@ -232,8 +235,61 @@ class HeartbeatTracker:
         return frozenset(out)
 
 
+def readiness_moved(old: GPUDomain, new: GPUDomain) -> bool:
+    """Whether a status change is one a reader waits for: the domain turns Ready, loses readiness, or
+    changes while Ready (a member's IP, GPUs or index, which its peers act on); and the first status
+    of a domain never folded before, so its readers see it NotReady from the start."""
+    before, after = status_of(old).get("status"), status_of(new).get("status")
+    return before != after or after == "Ready"
+
+
+@dataclass
+class WriteSchedule:
+    """When a domain's pending status change is written; the timing rules, on the caller's clock:
+
+    - a prompt change (see readiness_moved) is written at once;
+    - any other change waits until no member has changed for `quiet` seconds (the arrivals paused),
+      or until `bound` seconds have passed since the first unwritten change, whichever comes first.
+
+    So a domain forming while its members stream in takes about one write when it turns Ready (plus
+    one per `bound` of a long formation) instead of one per batch, and a lone change (one node
+    joining, one leaving a NotReady domain) is written `quiet` seconds after it. Every write holds
+    every member seen so far, so a member waiting for one is never taken for removed (a node agent
+    re-applies only when a written status lacks it, MemberWriter.REAPPLY_AFTER after its apply)."""
+
+    quiet: float
+    bound: float
+    first: float | None = None  # monotonic time of the first unwritten change
+    last: float = 0.0  # ... and of the latest
+
+    @property
+    def waiting(self) -> bool:
+        return self.first is not None
+
+    def changed(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def due(self, now: float, *, prompt: bool) -> bool:
+        if self.first is None:
+            return False
+        return prompt or now - self.last >= self.quiet or now - self.first >= self.bound
+
+    def wait(self, now: float) -> float:
+        """Seconds until the pending change is due if nothing else arrives (inf when none is pending)."""
+        if self.first is None:
+            return math.inf
+        return max(0.0, min(self.last + self.quiet, self.first + self.bound) - now)
+
+    def written(self) -> None:
+        self.first = None
+
+
 class Aggregator:
     """Folds a domain's members into its status; one per domain (the cluster agent runs it)."""
+
+    COALESCE_BOUND = 5.0  # seconds; see WriteSchedule
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
@@ -253,6 +309,8 @@ class Aggregator:
         self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock,
                                    custom_api=custom_api)
         self.writes = 0
+        self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
+        self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND)
 
     def _spec(self, member: Any) -> MemberSpec | None:
         """A member's spec, or None (logged) for one without a node name: the CRD does not require
@@ -295,7 +353,11 @@ class Aggregator:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
         silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
-            changed = self.clock.wait_blocking(self._changed, 0.5)  # also the step at which silent members are noticed
+            self.pending.quiet = self.interval  # EveryDomainAggregator widens it as domains come
+            # 0.5 s at most: also the step at which silent members are noticed
+            if self.clock.wait_blocking(self._changed, min(0.5, self.pending.wait(self.clock.monotonic()))):
+                self._changed.clear()
+                self.pending.changed(self.clock.monotonic())
             with self._lock:
                 now_silent = self.heartbeats.silent(self.members)
             if now_silent != silent:
@@ -303,17 +365,40 @@ class Aggregator:
                     log.warning("member %s of %s: no heartbeat for its TTL; marking it NotReady", node, self.writer.where)
                 for node in sorted(silent - now_silent):
                     log.info("member %s of %s: heartbeat again", node, self.writer.where)
-                silent, changed = now_silent, True
-            if not changed:
+                silent = now_silent
+                self.pending.changed(self.clock.monotonic())
+            if not self.pending.waiting:
                 continue
-            self.clock.sleep_blocking(self.interval)  # batch whatever else arrives meanwhile into the same write
-            self._changed.clear()
             with self._lock:
                 members = dict(self.members)
+            current = self._current()
+            new = fold(current, members, silent) if current is not None else None
+            if current is not None and new is None:
+                self.pending.written()  # the status already says so
+                continue
+            # The domain turns Ready, loses readiness or changes while Ready: written at once, as is
+            # anything while the domain cannot be read (the writer's retries take over). Members still
+            # arriving at a NotReady domain: coalesced.
+            prompt = current is None or new is None or readiness_moved(current, new)
+            now = self.clock.monotonic()
+            if not self.pending.due(now, prompt=prompt):
+                continue
+            why = "prompt" if prompt else "quiet" if now - self.pending.last >= self.pending.quiet else "bound"
+            self.pending.written()
             # Stopped (no longer leading, the domain gone): the retries end with it.
             change = functools.partial(fold, members=members, silent=silent)
-            if self.writer.update(change, f"fold {len(members)} members", self._stop.is_set, None):
+            if self.writer.update(change, f"fold {len(members)} members ({why})", self._stop.is_set, None):
                 self.writes += 1
+                self.write_reasons[why] += 1
+
+    def _current(self) -> GPUDomain | None:
+        """The newest view of the domain: the writer's own last write, or a read the first time."""
+        if self.writer.cached is None:
+            try:
+                self.writer.read()
+            except Exception as e:  # noqa: BLE001 - the write that follows retries and logs
+                log.v(2, "reading %s before folding failed: %s", self.writer.where, e)
+        return self.writer.cached
 
     def stop(self) -> None:
         self._stop.set()
