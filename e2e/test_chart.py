@@ -62,6 +62,7 @@ BAD_VALUES = [
     (["--set", "controlPlane.enabled=false"], "controlPlane.url is required"),
     (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=http://cp"], "controlPlane.existingSecret is required"),
     (["--set", "unknownValue=1"], "unknownValue"),
+    (["--set", "controlPlane.faultInjection=yes"], "faultInjection"),
 ]
 
 
@@ -529,6 +530,16 @@ def test_hook_jobs_have_resources_and_placement_values():
     for spec in jobs:
         assert spec["containers"][0]["resources"]["requests"] and spec["containers"][0]["resources"]["limits"]
         assert spec["tolerations"] == [{"operator": "Exists"}] and spec["nodeSelector"] == {"pool": "system"}
+
+
+def test_the_control_planes_fault_injection_is_off_unless_asked_for():
+    def control_plane_args(*sets):
+        (cp,) = [d for d in render(*sets) if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
+        return cp["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not [a for a in control_plane_args() if "fault" in a]
+    assert not [a for a in control_plane_args("--set", "controlPlane.faultInjection=false") if "fault" in a]
+    assert "--fault-injection=true" in control_plane_args("--set", "controlPlane.faultInjection=true")
 
 
 def test_monitors_and_the_control_planes_claim_render_only_when_asked():

@@ -27,9 +27,9 @@ NO_SCHEMA_KINDS = "ServiceMonitor,PodMonitor"
 EXTERNAL_CP = ["--set", "controlPlane.url=https://cp.example:8700", "--set", "controlPlane.existingSecret=cp-token"]
 MATRIX = {
     "gpu-agent defaults (nvml, external control plane)": (CHART, EXTERNAL_CP),
-    "gpu-agent reference control plane, fake GPUs, a domain": (CHART, [
+    "gpu-agent reference control plane (fault injection on), fake GPUs, a domain": (CHART, [
         "--set", "controlPlane.enabled=true", "--set", "nodeAgent.gpuSource=fake", "--set", "domain.name=d1",
-        "--set", "domain.expectedNodes=2"]),
+        "--set", "domain.expectedNodes=2", "--set", "controlPlane.faultInjection=true"]),
     "gpu-agent production shape": (CHART, [
         "--set", "controlPlane.enabled=true", "--set", "controlPlane.persistence.enabled=true",
         "--set", "controlPlane.existingTokensSecret=tokens", "--set", "gracefulNoGPU=true",

@@ -134,6 +134,7 @@ def test_gpus_0_4_0_three_times_readiness_follows_through_the_service(release_at
 def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero, fake_gpus):
     r = release_at_zero
     r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "controlPlane.faultInjection=true",
               "--set", "clusterAgent.registrationRetryInitial=1", "--set", "clusterAgent.registrationRetryMax=8")
     wait_until(r.all_running, 90, "every release pod Running")
     wait_until(lambda: service_healthz(r) == 503, 30, "NotReady at 0 GPUs")
@@ -196,6 +197,7 @@ def test_a_renewal_completes_while_readiness_stays_503_and_200_comes_only_from_r
         pytest.skip("compares the agent's log times with this host's clock: the CI cluster shares the machine")
     r = release_at_zero
     r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "controlPlane.faultInjection=true",
               "--set", "clusterAgent.credentialRenewInterval=5", "--set", "clusterAgent.registrationRetryInitial=2",
               "--set", "clusterAgent.registrationRetryMax=4", "--set", "clusterAgent.reregistrationInterval=3600")
     wait_until(r.all_running, 90, "every release pod Running")

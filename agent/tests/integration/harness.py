@@ -111,7 +111,10 @@ class Rig:
         self._starts = 0
 
     # processes -------------------------------------------------------------------------------
-    def start_control_plane(self, *flags: str) -> ControlPlaneClient:
+    def start_control_plane(self, *flags: str, faults: bool = False) -> ControlPlaneClient:
+        """`faults`: with fault injection on (a test that arms faults through /admin/faults)."""
+        if faults:
+            flags = ("--fault-injection=true", *flags)
         self.cp_url = f"http://127.0.0.1:{self._cp_port}"
         self.cp = Process("control-plane", [sys.executable, "-m", "gpu_agent", "control-plane", "-v", "2",
                                             "--listen-address", f"127.0.0.1:{self._cp_port}",

@@ -59,7 +59,7 @@ def test_gpus_0_4_0_three_cycles_flip_readiness_and_liveness_holds(rig):
 
 
 def test_registration_outage_backs_off_then_recovers_within_cap_plus_one_second(rig):
-    cp = rig.start_control_plane()
+    cp = rig.start_control_plane(faults=True)
     cp.set_fault(rig.admin_token, mode="status", status=503, count=5, path="/v1/register")
     rig.set_gpus(2)
     agent = rig.start_agent("--registration-retry-initial", "0.2", "--registration-retry-max", "1.0",
@@ -78,7 +78,7 @@ def test_registration_outage_backs_off_then_recovers_within_cap_plus_one_second(
 
 
 def test_renewal_in_flight_when_gpus_arrive_never_overlaps_and_both_complete(rig):
-    cp = rig.start_control_plane("--credential-ttl", "2")
+    cp = rig.start_control_plane("--credential-ttl", "2", faults=True)
     rig.set_gpus(2)
     agent = rig.start_agent()
     rig.wait_health(200, 5)
@@ -108,7 +108,7 @@ def test_renewal_in_flight_when_gpus_arrive_never_overlaps_and_both_complete(rig
 
 
 def test_gpus_removed_while_registration_is_in_flight_discards_the_response(rig):
-    cp = rig.start_control_plane()
+    cp = rig.start_control_plane(faults=True)
     cp.set_fault(rig.admin_token, mode="delay", delaySeconds=1.5, count=1, path="/v1/register")
     rig.set_gpus(0)
     agent = rig.start_agent()
@@ -219,7 +219,7 @@ def test_malformed_fake_gpu_file_is_reported_and_the_agent_stays_live(rig):
 
 
 def test_malformed_control_plane_body_is_retried_and_the_agent_stays_live(rig):
-    cp = rig.start_control_plane()
+    cp = rig.start_control_plane(faults=True)
     cp.set_fault(rig.admin_token, mode="malformed", count=2, path="/v1/register")
     rig.set_gpus(1)
     agent = rig.start_agent("--registration-retry-initial", "0.1", "--registration-retry-max", "0.5")
@@ -230,7 +230,7 @@ def test_malformed_control_plane_body_is_retried_and_the_agent_stays_live(rig):
 
 
 def test_expired_credential_pauses_queues_then_recovers(rig):
-    cp = rig.start_control_plane("--credential-ttl", "1.5")
+    cp = rig.start_control_plane("--credential-ttl", "1.5", faults=True)
     rig.set_gpus(1)
     agent = rig.start_agent("--registration-retry-initial", "0.2", "--registration-retry-max", "0.4")
     rig.wait_health(200, 5)
@@ -240,8 +240,10 @@ def test_expired_credential_pauses_queues_then_recovers(rig):
     assert rig.healthz()[0] == 503
     assert rig.healthz()[1]["components"]["queues"]["reason"].startswith("paused")
     assert rig.livez() == 200
-    rig.wait_health(200, 10)  # faults run out; the expired credential is refused; it registers again
-    assert agent.grep("credential renewal refused .*expired")
+    # The expired credential is refused (401 before any fault: the ones left are not used up); it registers again.
+    wait_until(lambda: agent.grep("credential renewal refused .*expired"), 10, "the expired credential refused")
+    cp.clear_faults(rig.admin_token)  # before the new credential's first renewal (1.2 s on), which they would fail
+    rig.wait_health(200, 10)
     assert len(agent.grep("registered 1 GPUs")) == 2
     assert agent.alive()
 

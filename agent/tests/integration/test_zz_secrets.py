@@ -17,16 +17,18 @@ def test_no_token_in_any_log(tmp_path):
     # Exercise every token-bearing path at the highest verbosity, so this test holds on its own too.
     rig = Rig(tmp_path)
     try:
-        cp = rig.start_control_plane("--credential-ttl", "1", "-v", "7")
+        cp = rig.start_control_plane("--credential-ttl", "1", "-v", "7", faults=True)
         reg = cp.register(rig.registration_token, "probe", 1, Inventory())
         SECRETS.append(reg.credential.token.reveal())
         cp.enqueue(rig.admin_token, "k", {})
         rig.set_gpus(1)
         rig.start_agent(verbosity=7)
         rig.wait_health(200, 5)
-        cp.set_fault(rig.admin_token, mode="status", status=401, count=1, path="/v1/credentials/renew")
-        # Every token-bearing path has run once it has: a renewal refused, then registering again.
-        wait_until(lambda: rig.agent.grep("credential renewal refused"), 10, "a refused renewal")
+        # A renewal answered 503 lets the 1 s credential expire before the retry (1 s less jitter), which the
+        # control plane refuses (401, credential expired). Every token-bearing path has run once it has: a
+        # renewal failed, one refused, then registering again.
+        cp.set_fault(rig.admin_token, mode="status", status=503, count=1, path="/v1/credentials/renew")
+        wait_until(lambda: rig.agent.grep("credential renewal refused .*expired"), 10, "a refused renewal")
         wait_until(lambda: len(rig.agent.grep("registered 1 GPUs")) >= 2, 10, "registration after the refusal")
         wait_until(lambda: rig.agent.grep("control plane: POST /v1/queue/lease"), 10, "a logged lease round trip")
     finally:

@@ -27,8 +27,9 @@ def clock():
     return Clock()
 
 
-def start(db, clock, ttl=60.0):
-    server = ControlPlaneServer(ControlPlane(Store(db, clock), ServerSettings(REG, ADMIN, ttl, 30.0, 60.0)), "127.0.0.1", 0)
+def start(db, clock, ttl=60.0, faults=False):
+    server = ControlPlaneServer(ControlPlane(Store(db, clock), ServerSettings(REG, ADMIN, ttl, 30.0, 60.0,
+                                                                                fault_injection=faults)), "127.0.0.1", 0)
     server.start()
     return server
 
@@ -36,6 +37,14 @@ def start(db, clock, ttl=60.0):
 @pytest.fixture
 def cp(tmp_path, clock):
     server = start(tmp_path / "cp.sqlite", clock)
+    yield server, ControlPlaneClient(server.url, timeout=5)
+    server.stop()
+
+
+@pytest.fixture
+def cp_faults(tmp_path, clock):
+    """A control plane with fault injection on (a test facility, off by default)."""
+    server = start(tmp_path / "cp.sqlite", clock, faults=True)
     yield server, ControlPlaneClient(server.url, timeout=5)
     server.stop()
 
@@ -182,12 +191,12 @@ def test_bad_requests_name_the_field(cp):
 
 @pytest.mark.parametrize("fault,kind", [
     ({"mode": "status", "status": 503}, "unavailable"),
-    ({"mode": "status", "status": 429, "retryAfterSeconds": 1}, "unavailable"),
+    ({"mode": "status", "status": 599, "retryAfterSeconds": 1}, "unavailable"),
     ({"mode": "drop"}, "unavailable"),
     ({"mode": "malformed"}, "protocol"),
 ])
-def test_faults_fail_the_next_calls_then_stop(cp, fault, kind):
-    _, client = cp
+def test_faults_fail_the_next_calls_then_stop(cp_faults, fault, kind):
+    _, client = cp_faults
     client.set_fault(ADMIN, count=2, path="/v1/register", **fault)
     for _ in range(2):
         with pytest.raises(ControlPlaneError) as e:
@@ -197,12 +206,125 @@ def test_faults_fail_the_next_calls_then_stop(cp, fault, kind):
     client.register(REG, "c1", 1, INV)
 
 
-def test_delay_fault_makes_the_client_time_out(cp):
-    server, _ = cp
+def test_delay_fault_makes_the_client_time_out(cp_faults):
+    server, _ = cp_faults
     client = ControlPlaneClient(server.url, timeout=0.3)
     client.set_fault(ADMIN, mode="delay", delaySeconds=1, path="/v1/register")
     with pytest.raises(ControlPlaneError, match="timed out"):
         client.register(REG, "c1", 1, INV)
+
+
+def test_a_429_from_the_control_plane_is_unavailable_and_retried(cp, monkeypatch):
+    """A throttled call is retried like an outage. Fault injection answers 5xx only, so the 429 is stubbed."""
+    _, client = cp
+
+    class Resp:
+        status_code = 429
+        content = b'{"error": "slow down"}'
+        reason = "Too Many Requests"
+
+        def json(self):
+            return {"error": "slow down"}
+
+    monkeypatch.setattr(client._session, "request", lambda *a, **k: Resp())
+    with pytest.raises(ControlPlaneError) as e:
+        client.register(REG, "c1", 1, INV)
+    assert e.value.kind == "unavailable" and e.value.recoverable and e.value.status == 429
+    assert "slow down" in str(e.value)
+
+
+def _admin(method, server, path, headers=None, **kw):
+    return requests.request(method, server.url + path, headers={"Authorization": "Bearer " + ADMIN.reveal(),
+                                                                **(headers or {})}, timeout=5, **kw)
+
+
+def test_without_the_setting_fault_injection_is_refused_naming_it_and_nothing_is_armed(cp):
+    server, client = cp
+    for method, body in (("POST", {"mode": "status", "status": 503, "path": "/v1/status"}), ("DELETE", None)):
+        r = _admin(method, server, "/admin/faults", json=body)
+        assert r.status_code == 404, (method, r.text)
+        error = r.json()["error"]
+        assert "fault injection is off" in error and "--fault-injection=true" in error, error
+        assert "controlPlane.faultInjection=true" in error, error
+    r = _admin("POST", server, "/admin/faults", data=b"{nope", headers={"Content-Type": "application/json"})
+    assert r.status_code == 404, r.text  # the body is not even read
+    assert client.status(ADMIN)["items"]["queued"] == 0  # answered normally: no fault was armed
+    assert requests.post(server.url + "/admin/faults", json={"mode": "drop"}, timeout=5).status_code == 401
+    doc = _admin("GET", server, "/openapi.json").json()
+    for method in ("post", "delete"):
+        assert "404" in doc["paths"]["/admin/faults"][method]["responses"], method
+
+
+def test_an_armed_fault_never_answers_a_call_its_token_refuses(cp_faults):
+    server, client = cp_faults
+    client.set_fault(ADMIN, mode="status", status=503, count=1, path="/v1/status")
+    r = requests.get(server.url + "/v1/status", timeout=5)
+    assert r.status_code == 401, r.text  # no token: refused first
+    r = requests.get(server.url + "/v1/status", headers={"Authorization": "Bearer nope-not-a-token"}, timeout=5)
+    assert r.status_code == 401, r.text
+    r = requests.get(server.url + "/v1/status", headers={"Authorization": "Bearer " + REG.reveal()}, timeout=5)
+    assert r.status_code == 403, r.text  # a token of the wrong kind
+    assert _admin("GET", server, "/v1/status").status_code == 503  # the fault was still armed: refusals do not use it
+    assert _admin("GET", server, "/v1/status").status_code == 200
+
+
+def test_a_delay_fault_does_not_hold_back_a_refusal(cp_faults):
+    server, client = cp_faults
+    client.set_fault(ADMIN, mode="delay", delaySeconds=5, path="/v1/register")
+    r = requests.post(server.url + "/v1/register", json={}, timeout=2)
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("status,accepted", [(399, False), (400, False), (429, False), (499, False), (500, True),
+                                             (503, True), (599, True), (600, False), (1000, False)])
+def test_a_fault_status_is_a_server_error(cp_faults, status, accepted):
+    server, client = cp_faults
+    r = _admin("POST", server, "/admin/faults", json={"mode": "status", "status": status, "path": "/v1/status"})
+    if accepted:
+        assert r.status_code == 200, r.text
+        assert _admin("GET", server, "/v1/status").status_code == status
+    else:
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert "'status'" in error and "500 to 599" in error, error
+        assert client.status(ADMIN)["items"]["queued"] == 0  # nothing armed
+
+
+@pytest.mark.parametrize("argv,environ,on", [
+    ([], {}, False),
+    (["--fault-injection=true"], {}, True),
+    ([], {"GPU_AGENT_FAULT_INJECTION": "true"}, True),
+    (["--fault-injection=false"], {"GPU_AGENT_FAULT_INJECTION": "true"}, False),  # the flag wins
+])
+def test_fault_injection_is_a_setting_of_the_control_plane_off_by_default(tmp_path, argv, environ, on):
+    import argparse
+
+    from gpu_agent.foundations.config import add_arguments, load
+    from gpu_agent.roles import local
+    from gpu_agent.roles.control_plane import main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, main.SETTINGS)
+    args = parser.parse_args(["--database", str(tmp_path / "cp.sqlite"), "--listen-address", "127.0.0.1:0", *argv])
+    tokens = {"GPU_AGENT_REGISTRATION_TOKEN": REG.reveal(), "GPU_AGENT_ADMIN_TOKEN": ADMIN.reveal()}
+    cfg = load(main.SETTINGS, args, {**tokens, **environ}, as_=main.ControlPlaneConfig)
+    server = main.build_server(cfg, cfg.listenAddress)
+    server.start()
+    try:
+        assert server.cp.settings.fault_injection is on
+        r = _admin("DELETE", server, "/admin/faults")
+        assert r.status_code == (200 if on else 404), r.text
+    finally:
+        server.stop()
+    # `gpu-agent local` (make run) has the setting too, off unless asked for
+    assert next(s for s in local.SETTINGS if s.name == "faultInjection").default is False
+
+
+def test_the_document_bounds_the_fault_status_to_server_errors(cp):
+    server, _ = cp
+    schema = _admin("GET", server, "/openapi.json").json()["components"]["schemas"]["FaultRequest"]
+    status = schema["properties"]["status"]
+    assert (status["type"], status["minimum"], status["maximum"], status["default"]) == ("integer", 500, 599, 503)
 
 
 def test_malformed_response_error_names_the_field_and_not_the_body(cp, monkeypatch):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from gpu_agent import __version__
 
@@ -125,10 +125,23 @@ class LeaseRenewal(Model):
                                        description="the lease's new length from now; capped by the server's maxLeaseSeconds")
 
 
+FAULT_STATUSES = range(500, 600)
+
+
+def _server_error(value: int) -> int:
+    # The bounds are checked here rather than with ge/le so that the error gives the whole range.
+    if value not in FAULT_STATUSES:
+        raise ValueError(f"must be a server error status, {FAULT_STATUSES.start} to {FAULT_STATUSES.stop - 1}: "
+                         "an injected fault stands for a failing control plane, never for a refused request")
+    return value
+
+
 class FaultRequest(Model):
     mode: Literal["status", "delay", "drop", "malformed"]
     count: Int = Field(default=1, ge=1, le=1000)
-    status: Int = Field(default=503, ge=400, le=599)
+    status: Annotated[int, BeforeValidator(_whole_float_to_int), AfterValidator(_server_error)] = Field(
+        default=503, json_schema_extra={"minimum": FAULT_STATUSES.start, "maximum": FAULT_STATUSES.stop - 1},
+        description="the status the faulted calls answer with (mode status): a server error, 500 to 599")
     delaySeconds: float = Field(default=0.0, ge=0, le=60)
     path: str = Field(default="", max_length=200, description="only calls whose path starts with this")
     retryAfterSeconds: Annotated[int, annotated_types.Ge(0), annotated_types.Le(3600),
@@ -283,6 +296,11 @@ class Route:
 ITEM_ERRORS = {404: ("no such item", ErrorBody),
                409: ("the lease is no longer the item's current lease, or its term is over (fenced)", ErrorBody)}
 
+# What /admin/faults answers on a control plane that runs without faultInjection (the default).
+FAULT_INJECTION_OFF = ("fault injection is off on this control plane: it is a test facility, enabled with "
+                       "--fault-injection=true (GPU_AGENT_FAULT_INJECTION=true; chart: controlPlane.faultInjection=true)")
+FAULTS_OFF: tuple[str, type[Model] | None] = (FAULT_INJECTION_OFF, ErrorBody)
+
 ROUTES = [
     Route("GET", "/healthz", "healthz", "Liveness of the control plane", frozenset(),
           responses={200: ("ok", Healthy)}),
@@ -317,10 +335,12 @@ ROUTES = [
           frozenset({"credential"}), responses={200: ("the item's state", ItemState), 404: ("no such item", ErrorBody)}),
     Route("GET", "/v1/status", "status", "Queue counts and registrations", frozenset({"admin", "credential"}),
           responses={200: ("status", StatusResponse)}),
-    Route("POST", "/admin/faults", "arm_fault", "Inject a fault into the next matching calls (never /healthz or /admin)",
-          frozenset({"admin"}), FaultRequest, {200: ("armed", Armed)}),
-    Route("DELETE", "/admin/faults", "clear_faults", "Clear every armed fault", frozenset({"admin"}),
-          responses={200: ("cleared", Cleared)}),
+    Route("POST", "/admin/faults", "arm_fault",
+          "Inject a fault into the next matching authorized calls (never /healthz or /admin); a test facility, off unless "
+          "the control plane runs with faultInjection", frozenset({"admin"}), FaultRequest,
+          {200: ("armed", Armed), 404: FAULTS_OFF}),
+    Route("DELETE", "/admin/faults", "clear_faults", "Clear every armed fault (a test facility, as above)",
+          frozenset({"admin"}), responses={200: ("cleared", Cleared), 404: FAULTS_OFF}),
     Route("GET", "/openapi.json", "openapi", "This document", frozenset(TOKENS), responses={200: ("OpenAPI 3.1", None)}),
 ]
 

@@ -24,6 +24,8 @@ STORE_SETTINGS = [
     Setting("maxLeaseSeconds", "seconds", 300.0, "longest lease a consumer may ask for", 0.1, 86400),
     Setting("reregisterAfter", "seconds", 60.0, "re-registration interval suggested to agents", 1, 86400),
     Setting("maxLeaseWait", "seconds", 30.0, "longest a long-polled lease call is held", 0, 30),
+    Setting("faultInjection", "bool", False, "serve /admin/faults, through which the admin token makes the next calls "
+            "fail on purpose (a test facility; off: it answers 404)"),
 ]
 
 SETTINGS = [
@@ -43,6 +45,7 @@ class ServerConfig(Config):
     maxLeaseSeconds: float
     reregisterAfter: float
     maxLeaseWait: float
+    faultInjection: bool
 
 
 class ControlPlaneConfig(ServerConfig, RoleConfig):
@@ -65,6 +68,9 @@ def build_server(cfg: ServerConfig, listen: str) -> ControlPlaneServer:
             raise ConfigError(f"{name} is required: set {setting.env} or {file_setting.flag}")
     store = Store(Path(cfg.database))
     cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
-                                            cfg.maxLeaseSeconds, cfg.reregisterAfter, cfg.maxLeaseWait))
+                                            cfg.maxLeaseSeconds, cfg.reregisterAfter, cfg.maxLeaseWait,
+                                            fault_injection=cfg.faultInjection))
+    if cfg.faultInjection:
+        log.warning("fault injection is on: the admin token can make calls fail through /admin/faults (a test facility)")
     host, _, port = listen.rpartition(":")
     return ControlPlaneServer(cp, host, int(port))

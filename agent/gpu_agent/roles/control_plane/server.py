@@ -2,13 +2,18 @@
 
 A request passes these steps in order, and each can only answer with a documented error:
 
-    route (404, 405 with Allow) -> fault injection -> token (401, 403) -> body: type (415),
-    JSON (400), model (422) -> handler -> response model
+    route (404, 405 with Allow) -> token (401, 403) -> fault injection (/admin/faults: 404 while
+    off) -> body: type (415), JSON (400), model (422) -> handler -> response model
 
 The token is checked before the body is read, so an unauthenticated client never gets its body
-parsed. Every token is compared in constant time; credentials are looked up by hash. Faults armed
-through /admin/faults apply to the next matching calls (never to /healthz or /admin): answer with
-a status, delay, drop the connection mid-response, or return a malformed body.
+parsed. Every token is compared in constant time; credentials are looked up by hash.
+
+Fault injection is a test facility, off unless the control plane runs with faultInjection
+(`--fault-injection=true`; the chart's controlPlane.faultInjection): without it /admin/faults
+answers 404 naming the setting. Faults armed through /admin/faults apply to the next matching
+calls that passed the token check (never to /healthz or /admin): answer with a 5xx status, delay,
+drop the connection mid-response, or return a malformed body. A call its token would have refused
+gets its 401 or 403, never an injected answer, and does not use up a fault.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class ServerSettings:
     max_lease_seconds: float
     reregister_after: float
     max_lease_wait: float = 30.0  # longest a lease call is held (tests shorten it)
+    fault_injection: bool = False  # /admin/faults arms faults (a test facility); off: it answers 404
 
 
 class Refused(Exception):
@@ -302,7 +308,15 @@ class ControlPlane:
                 raise Refused(405, f"{method} is not allowed on {path}; use {', '.join(allowed)}",
                               [("Allow", ", ".join(allowed))])
             raise Refused(404, f"no endpoint {path}")
-        fault = None if route.name == "healthz" or path.startswith("/admin/") else self.faults.take(path)
+        # The token first: a call it refuses gets its 401 or 403, never an injected fault.
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        cluster_id = self.authorize(token, route.tokens) if route.tokens else None
+        if route.name in ("arm_fault", "clear_faults") and not self.settings.fault_injection:
+            raise Refused(404, api.FAULT_INJECTION_OFF)
+        fault = None
+        if self.settings.fault_injection and route.name != "healthz" and not path.startswith("/admin/"):
+            fault = self.faults.take(path)
         if fault is not None:
             log.v(2, "injecting fault %s into %s %s", fault.mode, method, path)
             if fault.mode == "status":
@@ -313,9 +327,6 @@ class ControlPlane:
                 return 200, []
             if fault.mode == "delay":
                 time.sleep(fault.delay)
-        auth = environ.get("HTTP_AUTHORIZATION", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        cluster_id = self.authorize(token, route.tokens) if route.tokens else None
         body = parse_body(environ, route.request) if route.request is not None else None
         code, model = getattr(self, route.name)(body=body, params=params, token=token, cluster_id=cluster_id)
         if fault is not None and fault.mode == "malformed":
