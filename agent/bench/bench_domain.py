@@ -12,8 +12,8 @@ unique. The simulator (domain_sim.py), calibrated with the measured R, follows.
 Then many domains at once (BENCH_MANY=64x18, BENCH_MANY_RUNS=5 runs; BENCH_MANY= skips it): M domains
 of n members each, formed together (the cluster agent's EveryDomainAggregator folding them all, in a
 process of its own), against a floor measured in the same run: the same M x n member applies from as
-many threads and clients with nobody folding. Each side of each run has a namespace of its own,
-deleted and waited for before the next; odd runs measure the floor first. A watch of the domains,
+many threads and clients with nobody folding, just before and just after (their mean is the run's
+floor). Each side of each run has a namespace of its own, deleted and waited for before the next. A watch of the domains,
 independent of the aggregator, counts their status writes and sees when each turns Ready (its
 readiness latency: its last member's apply -> Ready seen). The median ratio of the runs ends the
 table, because one run on a 2-core machine is noise. And the size of
@@ -176,6 +176,8 @@ def fold_process(namespace: str, names: list[str], n: int, results: multiprocess
     """The cluster agent's side of the many-domains run: fold every domain; report when all are formed
     (CLOCK_MONOTONIC is one clock for every process of the machine)."""
     folding = EveryDomainAggregator(new_client(), namespace, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))
+    if os.environ.get("BENCH_FOLD_MAX_INTERVAL"):
+        folding.MAX_INTERVAL = float(os.environ["BENCH_FOLD_MAX_INTERVAL"])
     threading.Thread(target=folding.run, daemon=True).start()
     deadline = time.monotonic() + 60
     def initialized() -> bool:  # every domain's aggregator listening, and its first status written
@@ -187,6 +189,7 @@ def fold_process(namespace: str, names: list[str], n: int, results: multiprocess
     # every member returned.
     saw_all: dict[str, float] = {}
     wrote_all: dict[str, float] = {}
+    cpu_before = time.process_time()  # this process's CPU: the folder's cost (with the 5 ms poll below)
     results.put("ready")
 
     def formed() -> int:  # polled every 5 ms
@@ -200,11 +203,12 @@ def fold_process(namespace: str, names: list[str], n: int, results: multiprocess
     while formed() < len(names) and time.monotonic() < deadline + 600:
         time.sleep(0.005)
     formed_at = time.monotonic()
+    cpu = time.process_time() - cpu_before
     time.sleep(1.0)  # writes still due (none should be) are counted too
     reasons: collections.Counter[str] = collections.Counter()
     for a in folding.aggregators.values():
         reasons.update(a.write_reasons)
-    results.put(("formed", formed_at, dict(reasons), saw_all, wrote_all))
+    results.put(("formed", formed_at, dict(reasons), saw_all, wrote_all, cpu))
     folding.stop()
 
 
@@ -250,8 +254,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
     """One run of M domains x n members formed at once, and the floor: the same member applies with no
-    aggregator, in the same run, each in a namespace of its own. Odd runs measure the floor first, so
-    neither side always goes first."""
+    aggregator, in the same run, measured just before and just after (their mean is the floor, so a drift
+    of the machine's speed within the run cancels), each in a namespace of its own."""
     admin = new_client()
     clients = []
 
@@ -299,7 +303,7 @@ def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
             errors = sum(w.stats.errors for w, _ in writers)
             print(f"  {tag}: {out['lost']:.0f} member applies gave up ({errors} errors)", flush=True)
         if folding is not None and watcher is not None:
-            _, finished, reasons, saw_all, wrote_all = results.get(timeout=600)
+            _, finished, reasons, saw_all, wrote_all, out["folder_cpu"] = results.get(timeout=600)
             out.update({f"why_{k}": float(v) for k, v in reasons.items()})
             folding.join(30)
             modified, ready_at = seen.get(timeout=660)
@@ -332,23 +336,20 @@ def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
         out["ns_gone_s"] = delete_namespace(admin, namespace)
         return out
 
-    if run % 2 == 0:
-        formed = apply_all("formed", fold_them=True)
-        floor = apply_all("floor", fold_them=False)
-    else:
-        floor = apply_all("floor", fold_them=False)
-        formed = apply_all("formed", fold_them=True)
+    before = apply_all("floor-before", fold_them=False)
+    formed = apply_all("formed", fold_them=True)
+    after = apply_all("floor-after", fold_them=False)
     admin.close()
-    return {**{k: v for k, v in formed.items() if k.startswith(("why_", "saw_", "wrote_"))},
-            "initial_writes": formed["initial_writes"],
-            "t": formed["t"], "floor": floor["t"], "ratio": formed["t"] / floor["t"],
-            "status_writes": formed["status_writes"], "lost": formed["lost"] + floor["lost"], "dup": formed["dup"],
-            "ready_p50": formed["ready_p50"], "ready_p99": formed["ready_p99"], "never_ready": formed["never_ready"],
-            "first": 0.0 if run % 2 == 0 else 1.0}
+    floor = (before["t"] + after["t"]) / 2
+    return {**{k: v for k, v in formed.items() if k.startswith(("why_", "saw_", "wrote_", "folder_"))},
+            "initial_writes": formed["initial_writes"], "t": formed["t"], "floors": (before["t"], after["t"]),
+            "floor": floor, "ratio": formed["t"] / floor, "status_writes": formed["status_writes"],
+            "lost": formed["lost"] + before["lost"] + after["lost"], "dup": formed["dup"],
+            "ready_p50": formed["ready_p50"], "ready_p99": formed["ready_p99"], "never_ready": formed["never_ready"]}
 
 
 def many_domains(m: int, n: int, runs: int) -> list[str]:
-    print(f"{'run':>3} {'first':>6} {'t (s)':>7} {'floor (s)':>9} {'ratio':>6} {'status writes':>13} {'per domain':>10} "
+    print(f"{'run':>3} {'t (s)':>7} {'floor (s): before, after, mean':>30} {'ratio':>6} {'status writes':>13} {'per domain':>10} "
           f"{'ready p50':>9} {'ready p99':>9} {'lost':>5} {'dup idx':>7}", flush=True)
     ratios = []
     for run in range(runs):
@@ -356,11 +357,12 @@ def many_domains(m: int, n: int, runs: int) -> list[str]:
         ratios.append(r["ratio"])
         never = f"   ({r['never_ready']:.0f} domains never seen Ready)" if r["never_ready"] else ""
         why = ", ".join(f"{r[k]:.0f} {k[4:]}" for k in sorted(r) if k.startswith("why_"))
-        print(f"{run + 1:>3} {'floor' if r['first'] else 'formed':>6} {r['t']:>7.1f} {r['floor']:>9.1f} {r['ratio']:>6.2f} "
+        floors = f"{r['floors'][0]:.1f}, {r['floors'][1]:.1f}, {r['floor']:.2f}"
+        print(f"{run + 1:>3} {r['t']:>7.1f} {floors:>30} {r['ratio']:>6.2f} "
               f"{r['status_writes']:>13.0f} {r['status_writes'] / m:>10.2f} {r['ready_p50']:>8.2f}s {r['ready_p99']:>8.2f}s "
               f"{r['lost']:>5.0f} {r['dup']:>7.0f}   (aggregator: {why}; {r['initial_writes']:.0f} first statuses before;"
               f" last apply -> folder saw it p50/p99 {r['saw_p50']:.2f}/{r['saw_p99']:.2f}s -> its write returned"
-              f" {r['wrote_p50']:.2f}/{r['wrote_p99']:.2f}s)"
+              f" {r['wrote_p50']:.2f}/{r['wrote_p99']:.2f}s; folder CPU {r['folder_cpu']:.1f}s)"
               f"{never}", flush=True)
     ordered = sorted(ratios)
     return [f"median ratio of {runs} runs: {ordered[len(ordered) // 2] if runs % 2 else sum(ordered[runs // 2 - 1:runs // 2 + 1]) / 2:.2f}"
