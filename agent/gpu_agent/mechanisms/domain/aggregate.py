@@ -434,7 +434,7 @@ class EveryDomainAggregator:
         self._stop = threading.Event()
 
     def window(self, domains: int) -> float:
-        return min(self.MAX_INTERVAL, self.interval * max(1.0, float(domains) ** (2 / 3)))
+        return min(self.MAX_INTERVAL, self.interval * max(1.0, math.pow(domains, 2 / 3)))
 
     def _sync(self, names: set[str]) -> None:
         with self._lock:
