@@ -214,19 +214,23 @@ def test_delay_fault_makes_the_client_time_out(cp_faults):
         client.register(REG, "c1", 1, INV)
 
 
+class StubResponse:
+    """What requests' Session.request returns, for answers the control plane itself never gives."""
+
+    def __init__(self, status_code, reason, content):
+        self.status_code, self.reason, self.content = status_code, reason, content
+
+    def json(self):
+        import json
+
+        return json.loads(self.content)
+
+
 def test_a_429_from_the_control_plane_is_unavailable_and_retried(cp, monkeypatch):
     """A throttled call is retried like an outage. Fault injection answers 5xx only, so the 429 is stubbed."""
     _, client = cp
-
-    class Resp:
-        status_code = 429
-        content = b'{"error": "slow down"}'
-        reason = "Too Many Requests"
-
-        def json(self):
-            return {"error": "slow down"}
-
-    monkeypatch.setattr(client._session, "request", lambda *a, **k: Resp())
+    monkeypatch.setattr(client._session, "request", lambda *a, **k: StubResponse(429, "Too Many Requests",
+                                                                                  b'{"error": "slow down"}'))
     with pytest.raises(ControlPlaneError) as e:
         client.register(REG, "c1", 1, INV)
     assert e.value.kind == "unavailable" and e.value.recoverable and e.value.status == 429
@@ -329,18 +333,8 @@ def test_the_document_bounds_the_fault_status_to_server_errors(cp):
 
 def test_malformed_response_error_names_the_field_and_not_the_body(cp, monkeypatch):
     _, client = cp
-
-    class Resp:
-        status_code = 200
-        content = b'{"registrationId": "r", "credential": {"token": "leaky-secret-token-value"}}'
-        reason = "OK"
-
-        def json(self):
-            import json
-
-            return json.loads(self.content)
-
-    monkeypatch.setattr(client._session, "request", lambda *a, **k: Resp())
+    monkeypatch.setattr(client._session, "request", lambda *a, **k: StubResponse(
+        200, "OK", b'{"registrationId": "r", "credential": {"token": "leaky-secret-token-value"}}'))
     with pytest.raises(ControlPlaneError) as e:
         client.register(REG, "c1", 1, INV)
     assert e.value.kind == "protocol" and "expiresInSeconds" in str(e.value)
