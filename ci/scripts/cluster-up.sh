@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A real single-node Kubernetes on a plain machine: etcd, kube-apiserver, controller-manager,
-# scheduler, containerd + runc + CNI bridge, kubelet, kube-proxy, CoreDNS. No systemd: every
-# daemon is started here and remembered by PID. Idempotent: a second run leaves one cluster.
+# scheduler, containerd + runc + CNI bridge, kubelet, kube-proxy, CoreDNS, and a NetworkPolicy
+# enforcer on every node (ci/scripts/netpol.sh). No systemd: every daemon is started here and
+# remembered by PID. Idempotent: a second run leaves one cluster.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -12,6 +13,7 @@ t0=$SECONDS
 bash "$here/scripts/install-deps.sh"
 bash "$here/scripts/build-kubernetes.sh"
 bash "$here/scripts/build-coredns.sh"
+bash "$here/scripts/build-kube-network-policies.sh"
 bash "$here/scripts/install-tools.sh"
 bash "$here/scripts/build-base-rootfs.sh"
 bash "$here/scripts/build-images.sh" system
@@ -80,6 +82,10 @@ start kube-scheduler kube-scheduler --kubeconfig="$CLUSTER_DIR/scheduler.kubecon
   --authentication-kubeconfig="$CLUSTER_DIR/scheduler.kubeconfig" --authorization-kubeconfig="$CLUSTER_DIR/scheduler.kubeconfig" \
   --leader-elect=false --bind-address=127.0.0.1 --profiling=false --v=1
 
+# --- NetworkPolicy enforcer of this node, before any pod runs ---------------------------------
+bash "$here/scripts/netpol.sh" rbac
+bash "$here/scripts/netpol.sh" up
+
 # --- node: containerd, CNI, kubelet, kube-proxy ---------------------------------------------
 write_node_config "$CLUSTER_DIR" "$NODE_NAME" "$POD_CIDR" / kubelet-serving
 start containerd containerd --config "$CLUSTER_DIR/containerd/config.toml"
@@ -112,4 +118,4 @@ done
 pids=()
 for i in "${workers[@]}"; do bash "$here/scripts/node.sh" up "$i" & pids+=($!); done
 for pid in "${pids[@]}"; do wait "$pid"; done
-log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, $NODES node(s) Ready, DNS answering"
+log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, $NODES node(s) Ready, DNS answering, NetworkPolicies enforced"

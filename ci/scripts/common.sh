@@ -4,10 +4,13 @@
 export CI_CACHE=${CI_CACHE:-/var/cache/gpu-agent-ci}
 export K8S_VERSION=${K8S_VERSION:-v1.36.2}
 export COREDNS_VERSION=${COREDNS_VERSION:-v1.12.4}
+# The NetworkPolicy enforcer every node runs (ci/scripts/netpol.sh), built from ci/kube-network-policies.
+export NETPOL_VERSION=${NETPOL_VERSION:-v0.8.0}
 export GOMODCACHE=${GOMODCACHE:-$CI_CACHE/gomod}
 export GOCACHE=${GOCACHE:-$CI_CACHE/gocache}
 export K8S_BIN=$CI_CACHE/kubernetes-$K8S_VERSION
 export TOOLS_BIN=$CI_CACHE/tools
+export NETPOL_BIN=$CI_CACHE/kube-network-policies-$NETPOL_VERSION/kube-network-policies
 export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }

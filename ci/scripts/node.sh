@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Worker nodes of the CI cluster, and the faults a node can have.
 #   node.sh up N          start worker wN (idempotent): its own network namespace, mount namespace,
-#                         cgroup root, containerd, kubelet and kube-proxy; joins the cluster
-#   node.sh stop wN       the node dies: its kubelet, kube-proxy, containerd and every pod process are
-#                         killed; the API still shows its pods as they were (what a dead node leaves)
+#                         cgroup root, NetworkPolicy enforcer (netpol.sh), containerd, kubelet and
+#                         kube-proxy; joins the cluster
+#   node.sh stop wN       the node dies: its kubelet, kube-proxy, containerd, enforcer and every pod
+#                         process are killed; the API still shows its pods as they were (what a dead node leaves)
 #   node.sh start wN      the node boots again: its daemons start, kubelet restarts its pods
 #   node.sh partition wN  its link goes down: everything runs, nothing reaches it or leaves it
 #   node.sh heal wN       its link comes back
@@ -85,6 +86,7 @@ daemons_up() {
     fi
   done
   local in_node=(nsenter -t "$(cat "$PIDS/$w-holder.pid")" -m -n --)
+  bash "$here/scripts/netpol.sh" up "$w"  # before any pod of the node runs
   start "$w-containerd" "${in_node[@]}" containerd --config "$dir/containerd/config.toml"
   wait_for 30 "$w's containerd" ctr --address "$sock" version
   start "$w-kubelet" "${in_node[@]}" kubelet --config="$dir/kubelet/config.yaml" --kubeconfig="$CLUSTER_DIR/kubelet-$name.kubeconfig" \
@@ -132,7 +134,8 @@ case $what in
     kill_daemon kube-proxy
     kill_node_processes
     kill_daemon containerd
-    log "node $name stopped (kubelet, kube-proxy, containerd and its pods killed)"
+    bash "$here/scripts/netpol.sh" kill "$w"
+    log "node $name stopped (kubelet, kube-proxy, containerd, its NetworkPolicy enforcer and its pods killed)"
     ;;
   start)
     running "$w-holder" || { echo "node.sh: $name does not exist (make cluster-up NODES=...)" >&2; exit 1; }
@@ -151,6 +154,7 @@ case $what in
     for d in kubelet kube-proxy; do stop_daemon "$w-$d"; done
     kill_node_processes
     stop_daemon "$w-containerd"
+    bash "$here/scripts/netpol.sh" down "$w"  # the enforcer, in the node's namespaces: before they go
     for c in $(cgroup_dirs); do [[ -d $c ]] && { find "$c" -depth -type d -exec rmdir {} + 2>/dev/null || true; }; done
     # the holder's namespace takes the node's mounts with it
     stop_daemon "$w-holder"
