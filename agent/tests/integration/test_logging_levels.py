@@ -46,8 +46,10 @@ def test_sigusr2_writes_every_threads_stack_and_the_agent_goes_on(rig):
     agent = rig.start_agent()
     rig.wait_health(200, 10)
     agent.proc.send_signal(signal.SIGUSR2)
-    wait_until(lambda: agent.grep(r"^Thread 0x|^Current thread 0x"), 5, "a stack dump in the log")
-    threads = agent.grep(r"^(Thread|Current thread) 0x")
-    assert len(threads) >= 3, threads  # the event loop, the endpoints, the GPU reader...
+    # The dump is read while the agent writes it: poll until it holds every thread we expect (the event loop,
+    # the endpoints, the GPU reader...), not just its first.
+    def threads() -> list[str]:
+        return agent.grep(r"^(Thread|Current thread) 0x")
+    wait_until(lambda: len(threads()) >= 3, 5, "a stack dump of 3 threads or more in the log")
     assert agent.alive()
     rig.wait_health(200, 5)
