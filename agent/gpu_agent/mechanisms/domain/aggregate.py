@@ -272,9 +272,17 @@ class WriteSchedule:
         self.last = now
 
     def due(self, now: float, *, prompt: bool) -> bool:
+        return self.why_due(now, prompt=prompt) is not None
+
+    def why_due(self, now: float, *, prompt: bool) -> str | None:
+        """Which rule makes the pending change due ("prompt", "quiet", "bound"), or None while it waits."""
         if self.first is None:
-            return False
-        return prompt or now - self.last >= self.quiet or now - self.first >= self.bound
+            return None
+        if prompt:
+            return "prompt"
+        if now - self.last >= self.quiet:
+            return "quiet"
+        return "bound" if now - self.first >= self.bound else None
 
     def wait(self, now: float) -> float:
         """Seconds until the pending change is due if nothing else arrives (inf when none is pending)."""
@@ -301,7 +309,6 @@ class Aggregator:
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
-        self.interval = interval
         self.members: dict[str, MemberSpec] = {}
         self._lock = threading.Lock()
         self._changed = threading.Event()
@@ -353,7 +360,6 @@ class Aggregator:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
         silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
-            self.pending.quiet = self.interval  # EveryDomainAggregator widens it as domains come
             # 0.5 s at most: also the step at which silent members are noticed
             if self.clock.wait_blocking(self._changed, min(0.5, self.pending.wait(self.clock.monotonic()))):
                 self._changed.clear()
@@ -381,9 +387,9 @@ class Aggregator:
             # arriving at a NotReady domain: coalesced.
             prompt = current is None or new is None or readiness_moved(current, new)
             now = self.clock.monotonic()
-            if not self.pending.due(now, prompt=prompt):
+            why = self.pending.why_due(now, prompt=prompt)
+            if why is None:
                 continue
-            why = "prompt" if prompt else "quiet" if now - self.pending.last >= self.pending.quiet else "bound"
             self.pending.written()
             # Stopped (no longer leading, the domain gone): the retries end with it.
             change = functools.partial(fold, members=members, silent=silent)
@@ -440,7 +446,7 @@ class EveryDomainAggregator:
         with self._lock:
             interval = self.window(len(names))
             for agg in self.aggregators.values():
-                agg.interval = interval
+                agg.pending.quiet = interval  # each aggregator's quiet period widens as domains come
             for name in sorted(names - set(self.aggregators)):
                 agg = Aggregator(self.api, self.namespace, name, interval=interval,
                                  heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
