@@ -47,6 +47,7 @@ from gpu_agent.mechanisms.registration.manager import RegistrationManager, Regis
 from gpu_agent.roles.endpoints import EndpointServer
 
 if TYPE_CHECKING:  # loaded when folding starts: the Kubernetes client costs memory (see make_executor)
+    from gpu_agent.foundations.events import EventRecorder
     from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
 
 log = get_logger(__name__)
@@ -183,6 +184,7 @@ class ClusterAgent:
         self.queue = self._queue()
         self.elector: LeaderElector | None = None
         self.aggregator: Aggregator | EveryDomainAggregator | None = None
+        self.recorder: EventRecorder | None = None  # the Events of what the aggregator writes
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
         # Their state as this agent sees it.
@@ -268,23 +270,31 @@ class ClusterAgent:
     def _start_folding(self) -> None:
         if not (self.cfg.domainName or self.cfg.foldAllDomains) or self.aggregator is not None:
             return
+        from gpu_agent.foundations.events import EventRecorder
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
 
         api = api_client(self.cfg.kubeconfig)
+        self.recorder = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
+                                      clock=self.clock)
+        threading.Thread(target=self.recorder.run, name="domain-events", daemon=True).start()
         if self.cfg.foldAllDomains:  # the named domain is one of them
             self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace,
                                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl,
-                                                    clock=self.clock, rng=self.random.for_("domains"))
+                                                    clock=self.clock, rng=self.random.for_("domains"),
+                                                    recorder=self.recorder)
             log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
         else:
             self.aggregator = Aggregator(api, self.cfg.domainNamespace, self.cfg.domainName,
                                          heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock,
-                                         rng=self.random.for_("domains"))
+                                         rng=self.random.for_("domains"), recorder=self.recorder)
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
 
     def _stop_folding(self) -> None:
+        if self.recorder is not None:
+            self.recorder.stop()  # what it has queued is dropped: the next leader tells what it writes
+            self.recorder = None
         if self.aggregator is not None:
             self.aggregator.stop()
             self.aggregator = None

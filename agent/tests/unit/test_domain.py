@@ -332,7 +332,7 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
             raise client.ApiException(status=404, reason="Not Found")
 
     quick = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
-    folding = Aggregator(None, "ns", "deleted-domain", interval=0.01, clock=quick, custom_api=Gone())
+    folding = Aggregator(None, "ns", "deleted-domain", interval=0.01, clock=quick, watch_domain=False, custom_api=Gone())
     folding._watch = lambda: None  # members are handed in below; no API server here
     folding._listed_members({"items": [{"metadata": {"name": "m"}, "spec": {"node": "n1"}}]})
     runner = threading.Thread(target=folding.run, daemon=True)
@@ -358,7 +358,7 @@ def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_no
 
     clock = ManualClock()
     fake = FakeCustom(domain(expected=1))
-    folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock, custom_api=fake)
+    folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock, watch_domain=False, custom_api=fake)
     folding._watch = lambda: None  # members are handed in below
     folding._listed_members({"items": [{"metadata": {"name": "d1-a"},
                                         "spec": {"node": "a", "ready": True, "heartbeat": "t1",
@@ -416,7 +416,7 @@ class DomainOnClock:
 
         self.clock = ManualClock()
         self.fake = FakeCustom(domain(expected=expected))
-        self.folding = Aggregator(None, "default", "d1", interval=quiet, clock=self.clock, custom_api=self.fake)
+        self.folding = Aggregator(None, "default", "d1", interval=quiet, clock=self.clock, watch_domain=False, custom_api=self.fake)
         self.folding._watch = lambda: None
         self.folding._listed_members({"items": []})  # the watch's first list: no member yet
         self.runner = threading.Thread(target=self.folding.run, daemon=True)

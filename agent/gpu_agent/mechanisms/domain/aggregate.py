@@ -31,6 +31,7 @@ import functools
 import math
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -39,8 +40,10 @@ from kubernetes import client
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
+from gpu_agent.mechanisms.domain.conditions import READY, find, generation_of, ready_condition, set_condition, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
     DomainNode,
@@ -57,6 +60,7 @@ from gpu_agent.mechanisms.domain.entries import (
     status_entry,
     status_of,
 )
+from gpu_agent.mechanisms.domain.transitions import transitions
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
@@ -149,8 +153,12 @@ def _clique_of(spec: MemberSpec) -> str:
     return str(spec.get("clique") or "")
 
 
-def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] = frozenset()) -> GPUDomain | None:
+def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] = frozenset(), *,
+         now: str | None = None) -> GPUDomain | None:
     """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
+
+    The status carries the Ready condition (conditions.py) and the generation it answers; `now` is the
+    lastTransitionTime of a condition whose status moves (the caller's wall clock).
 
     Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say. Indices
     are per clique: a member keeps its index while it stays in its clique, a new one (or one that
@@ -186,6 +194,15 @@ def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] 
         new_status["cliques"] = cliques
     else:
         new_status.pop("cliques", None)
+    generation = generation_of(obj)
+    old_conditions = status_of(obj).get("conditions")
+    cond_status, reason, message = ready_condition(
+        expected=expected, joined={n["name"]: n.get("status") == "Ready" for n in nodes}, waiting=waiting,
+        silent=silent & set(members), limit=limit, previous=find(old_conditions))
+    new_status["conditions"] = set_condition(old_conditions, READY, cond_status, reason, message, generation,
+                                             now or timestamp(time.time()))
+    if generation is not None:
+        new_status["observedGeneration"] = generation
     if new_status == status_of(obj):
         return None
     return {**obj, "status": new_status}
@@ -237,10 +254,12 @@ class HeartbeatTracker:
 
 def readiness_moved(old: GPUDomain, new: GPUDomain) -> bool:
     """Whether a status change is one a reader waits for: the domain turns Ready, loses readiness, or
-    changes while Ready (a member's IP, GPUs or index, which its peers act on); and the first status
-    of a domain never folded before, so its readers see it NotReady from the start."""
+    changes while Ready (a member's IP, GPUs or index, which its peers act on); the first status
+    of a domain never folded before, so its readers see it NotReady from the start; and the answer to
+    a new spec (observedGeneration), which kstatus and `kubectl wait` wait for."""
     before, after = status_of(old).get("status"), status_of(new).get("status")
-    return before != after or after == "Ready"
+    return (before != after or after == "Ready"
+            or status_of(old).get("observedGeneration") != status_of(new).get("observedGeneration"))
 
 
 @dataclass
@@ -301,9 +320,16 @@ class Aggregator:
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
-                 rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None) -> None:
-        """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
+                 rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None,
+                 recorder: EventRecorder | None = None, watch_domain: bool = True) -> None:
+        """`custom_api`: the API client's unless handed one (unit tests hand in fakes). `recorder`: where
+        the Events of each written change go (none: not told). `watch_domain`: watch the GPUDomain itself,
+        so a spec change (expectedNodes, maxNodesPerClique) is folded at once; False when the caller
+        forwards it (EveryDomainAggregator watches them all)."""
         self.api = api
+        self.recorder = recorder
+        self.watch_domain = watch_domain
+        self.folded_generation: int | None = None
         self.clock = clock or SystemClock()
         self.heartbeats = HeartbeatTracker(heartbeat_ttl_intervals, self.clock.monotonic)
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
@@ -356,8 +382,43 @@ class Aggregator:
                         on_event=self._member_event, stop=self._stop, clock=self.clock,
                         on_error=lambda e: log.warning("watching members of %s failed: %s", self.writer.where, e))
 
+    def domain_seen(self, obj: GPUDomain) -> None:
+        """The GPUDomain as a watch delivered it: kept as the newest view unless ours is newer, and folded
+        again when its spec changed (its generation moved) since the last fold."""
+        self.writer.observe(obj)
+        if generation_of(obj) != self.folded_generation:
+            self._changed.set()
+
+    def _watch_own_domain(self) -> None:
+        def listed(objs: Any) -> None:
+            for obj in items_of(objs):
+                self.domain_seen(obj)
+
+        def event(kind: str, obj: Any) -> None:
+            if kind != "DELETED":
+                self.domain_seen(obj)
+
+        list_then_watch(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
+                        field_selector=f"metadata.name={self.domain}", on_list=listed, on_event=event, stop=self._stop,
+                        clock=self.clock, retry_seconds=2.0,
+                        on_error=lambda e: log.warning("watching %s failed: %s", self.writer.where, e))
+
+    def _tell(self, before: GPUDomain | None, after: GPUDomain | None, silent: frozenset[str]) -> None:
+        """The Events of a written change (transitions.py)."""
+        if self.recorder is None or after is None:
+            return
+        now = self.clock.monotonic()
+        with self._lock:
+            silent_for = {n: now - self.heartbeats.seen[n][1] for n in silent if n in self.heartbeats.seen}
+        regarding = reference({**after, "apiVersion": after.get("apiVersion") or f"{GROUP}/{VERSION}",
+                               "kind": after.get("kind") or "GPUDomain"})
+        for t in transitions(before, after, silent_for):
+            self.recorder.record(regarding, t.type, t.reason, "Fold", t.note)
+
     def run(self) -> None:
         threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
+        if self.watch_domain:
+            threading.Thread(target=self._watch_own_domain, name="domain-watch", daemon=True).start()
         silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
             # 0.5 s at most: also the step at which silent members are noticed
@@ -378,9 +439,11 @@ class Aggregator:
             with self._lock:
                 members = dict(self.members)
             current = self._current()
-            new = fold(current, members, silent) if current is not None else None
+            stamp = timestamp(self.clock.wall())
+            new = fold(current, members, silent, now=stamp) if current is not None else None
             if current is not None and new is None:
                 self.pending.written()  # the status already says so
+                self.folded_generation = generation_of(current)
                 continue
             # The domain turns Ready, loses readiness or changes while Ready: written at once, as is
             # anything while the domain cannot be read (the writer's retries take over). Members still
@@ -392,10 +455,12 @@ class Aggregator:
                 continue
             self.pending.written()
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            change = functools.partial(fold, members=members, silent=silent)
+            change = functools.partial(fold, members=members, silent=silent, now=stamp)
             if self.writer.update(change, f"fold {len(members)} members ({why})", self._stop.is_set, None):
                 self.writes += 1
                 self.write_reasons[why] += 1
+                self.folded_generation = generation_of(self.writer.cached or {})
+                self._tell(current, self.writer.cached, silent)
 
     def _current(self) -> GPUDomain | None:
         """The newest view of the domain: the writer's own last write, or a read the first time."""
@@ -428,8 +493,10 @@ class EveryDomainAggregator:
     MAX_INTERVAL = 2.0
 
     def __init__(self, api: client.ApiClient, namespace: str, *, heartbeat_ttl_intervals: float = 3.0,
-                 interval: float = 0.1, clock: Clock | None = None, rng: random.Random | None = None) -> None:
+                 interval: float = 0.1, clock: Clock | None = None, rng: random.Random | None = None,
+                 recorder: EventRecorder | None = None) -> None:
         self.api = api
+        self.recorder = recorder
         self._seed = (rng or random.Random()).getrandbits(64)  # each domain's writer draws from its own source
         self.clock = clock or SystemClock()
         self.namespace = namespace
@@ -450,7 +517,7 @@ class EveryDomainAggregator:
             for name in sorted(names - set(self.aggregators)):
                 agg = Aggregator(self.api, self.namespace, name, interval=interval,
                                  heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
-                                 rng=random.Random(f"{self._seed}/{name}"))
+                                 rng=random.Random(f"{self._seed}/{name}"), recorder=self.recorder, watch_domain=False)
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)
@@ -463,11 +530,24 @@ class EveryDomainAggregator:
         with self._lock:
             names = set(self.aggregators)
         self._sync(names - {name} if kind == "DELETED" else names | {name})
+        self._forward([obj] if kind != "DELETED" else [])
+
+    def _forward(self, objs: list[Any]) -> None:
+        """Each domain as the watch delivered it, to its aggregator (a spec change is folded at once)."""
+        with self._lock:
+            targets = [(self.aggregators.get(o["metadata"]["name"]), o) for o in objs]
+        for agg, obj in targets:
+            if agg is not None:
+                agg.domain_seen(obj)
+
+    def _listed(self, listed: Any) -> None:
+        self._sync({d["metadata"]["name"] for d in items_of(listed)})
+        self._forward(items_of(listed))
 
     def run(self) -> None:
         custom = client.CustomObjectsApi(self.api)
         list_then_watch(custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
-                        on_list=lambda listed: self._sync({d["metadata"]["name"] for d in items_of(listed)}),
+                        on_list=self._listed,
                         on_event=self._event, stop=self._stop, retry_seconds=2.0, clock=self.clock,
                         on_error=lambda e: log.warning("watching GPUDomains of %s failed: %s", self.namespace, e))
 

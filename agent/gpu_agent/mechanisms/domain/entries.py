@@ -12,9 +12,20 @@ view is refused by the API server (409) instead of silently dropping a peer.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypedDict
+
+from gpu_agent.mechanisms.domain.conditions import (
+    READY,
+    Condition,
+    find,
+    generation_of,
+    ready_condition,
+    set_condition,
+    timestamp,
+)
 
 
 # The GPUDomain as the agents read and write it (crds/gpudomain.yaml; every field may be absent).
@@ -41,10 +52,12 @@ class DomainSpec(TypedDict, total=False):
 
 
 class DomainStatus(TypedDict, total=False):
-    status: str  # Ready | NotReady
+    status: str  # Ready | NotReady (0.2 readers; the Ready condition says the same, with why)
     readyNodes: int
     nodes: list[DomainNode]
     cliques: list[DomainClique]
+    conditions: list[Condition]
+    observedGeneration: int
 
 
 class GPUDomain(TypedDict, total=False):
@@ -136,10 +149,11 @@ def with_entry(obj: GPUDomain, entry: Entry) -> GPUDomain | None:
     new_nodes = sorted([*others, wanted], key=lambda n: (n.get("clique") or "", n["index"]))
     status, ready = overall(new_nodes, expected)
     old_status = status_of(obj)
-    if current == wanted and old_status.get("status") == status and old_status.get("readyNodes") == ready:
+    new_status = with_ready_condition(obj, {**old_status, "nodes": new_nodes, "status": status, "readyNodes": ready})
+    if current == wanted and new_status == old_status:
         return None
     out = copy.deepcopy(obj)
-    out["status"] = {**old_status, "nodes": new_nodes, "status": status, "readyNodes": ready}
+    out["status"] = new_status
     return out
 
 
@@ -151,7 +165,22 @@ def without_entry(obj: GPUDomain, name: str) -> GPUDomain | None:
     expected = int(spec_of(obj).get("expectedNodes") or 0)
     status, ready = overall(remaining, expected)
     out = copy.deepcopy(obj)
-    out["status"] = {**status_of(obj), "nodes": remaining, "status": status, "readyNodes": ready}
+    out["status"] = with_ready_condition(obj, {**status_of(obj), "nodes": remaining, "status": status, "readyNodes": ready})
+    return out
+
+
+def with_ready_condition(obj: GPUDomain, status: DomainStatus, now: str | None = None) -> DomainStatus:
+    """`status` (the optimistic writers' next status of `obj`) with its Ready condition and observedGeneration.
+    These writers enforce no clique bound and track no heartbeat, so no node ever waits or is silent."""
+    old = status_of(obj).get("conditions")
+    nodes = status.get("nodes") or []
+    cond = ready_condition(expected=int(spec_of(obj).get("expectedNodes") or 0),
+                           joined={n["name"]: n.get("status") == "Ready" for n in nodes}, waiting={},
+                           previous=find(old))
+    out: DomainStatus = {**status, "conditions": set_condition(old, READY, *cond, generation_of(obj),
+                                                               now or timestamp(time.time()))}
+    if (generation := generation_of(obj)) is not None:
+        out["observedGeneration"] = generation
     return out
 
 
