@@ -90,7 +90,7 @@ func run(in io.Reader, out io.Writer) error {
 		}
 		// apimachinery's decoder, not encoding/json's: it keeps whole numbers int64, which is what
 		// unstructured's accessors (metadata.generation, status.observedGeneration) expect; as
-		// float64 they would read as absent and every generation check would pass.
+		// float64 Compute refuses every object that has a generation.
 		var obj map[string]interface{}
 		if err := utiljson.Unmarshal(raw, &obj); err != nil {
 			return fmt.Errorf("decoding an object: %w", err)
