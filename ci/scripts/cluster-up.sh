@@ -14,6 +14,7 @@ bash "$here/scripts/install-deps.sh"
 bash "$here/scripts/build-kubernetes.sh"
 bash "$here/scripts/build-coredns.sh"
 bash "$here/scripts/build-kube-network-policies.sh"
+bash "$here/scripts/build-kstatus.sh"
 bash "$here/scripts/install-tools.sh"
 bash "$here/scripts/build-base-rootfs.sh"
 bash "$here/scripts/build-images.sh" system

@@ -11,6 +11,12 @@ export GOCACHE=${GOCACHE:-$CI_CACHE/gocache}
 export K8S_BIN=$CI_CACHE/kubernetes-$K8S_VERSION
 export TOOLS_BIN=$CI_CACHE/tools
 export NETPOL_BIN=$CI_CACHE/kube-network-policies-$NETPOL_VERSION/kube-network-policies
+# kstatus (ci/kstatus): Flux's and cli-utils' verdict on live objects, for the e2e suite (e2e/gitops.py).
+# Its main.go is ours, so the cache key is cli-utils' version plus a digest of ci/kstatus: an edit
+# there is a new path, which e2e/gitops.py then finds absent rather than running a stale build.
+export KSTATUS_VERSION=${KSTATUS_VERSION:-v0.37.2}
+_kstatus_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../kstatus" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
+export KSTATUS_BIN=$CI_CACHE/kstatus-$KSTATUS_VERSION-$_kstatus_src/kstatus
 export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
