@@ -27,7 +27,8 @@ def test_every_object_of_a_fresh_install_with_wait_is_current_the_moment_helm_re
     crds = [yaml.safe_load(p.read_text())["metadata"]["name"] for p in sorted((CHART / "crds").glob("*.yaml"))]
     try:
         started = time.monotonic()
-        helm("install", *release.args(), *WAIT)
+        # With a domain: Helm 4's --wait is kstatus too, so it returns once the GPUDomain is Ready as well.
+        helm("install", *release.args("--set", "domain.name=gpus", "--set", "domain.expectedNodes=1"), *WAIT)
         took = time.monotonic() - started
         manifest = helm("get", "manifest", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name).stdout
         objects = live(manifest, namespace, kubectl=kubectl[0], kubeconfig=release.kubeconfig)
@@ -38,7 +39,7 @@ def test_every_object_of_a_fresh_install_with_wait_is_current_the_moment_helm_re
               f"{table(rows)}")
         rendered = [d for d in yaml.safe_load_all(manifest) if d]
         assert len(rows) == len(rendered) + len(crds), "kstatus did not judge every object"
-        assert {r["kind"] for r in rows} >= {"Deployment", "DaemonSet", "CustomResourceDefinition"}
+        assert {r["kind"] for r in rows} >= {"Deployment", "DaemonSet", "CustomResourceDefinition", "GPUDomain"}
         assert [r for r in rows if r["status"] != "Current"] == []
     finally:
         release.uninstall_if_installed()
