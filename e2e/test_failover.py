@@ -385,10 +385,12 @@ def member_object(domain: str, node: str, name: str = "", label: str = "") -> di
             "spec": {"domain": domain, "node": node, "ready": True}}
 
 
-def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_alone(api, core, apps, kubeconfig, namespace):
+def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_alone(api, core, apps, kubeconfig, namespace,
+                                                                                   fake_gpus):
     """Each way a node agent's token once reached another node's member (issue 24) is refused by the policy, which
     renders with domain.joinMatching alone; the cluster agent's ServiceAccount and the admin are not bound by it."""
     group = ("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers")
+    fake_gpus.set(2)  # the cluster agent leads (install waits for it) only with GPUs
     cluster = install(api, core, apps, kubeconfig, namespace, "fo4", "--set", "domain.joinMatching=true")
     admin = client.CustomObjectsApi(api)
     try:
@@ -484,6 +486,7 @@ def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_al
                  for m in admin.list_namespaced_custom_object(*group)["items"]}
         assert pairs[("train", "rack1-n1")] == "train.rack1-n1" and pairs[("train-rack1", "n1")] == "train-rack1.n1"
     finally:
+        fake_gpus.set(0)
         teardown(cluster)
 
 
