@@ -160,7 +160,7 @@ def test_the_member_policy_renders_whenever_node_agents_write_members_and_checks
     assert "oldObject.spec.node" in variables["nodeBefore"] and "object.spec.node" in variables["nodeAfter"]
     assert "variables.nodeBefore == variables.node" in checks and "variables.nodeAfter == variables.node" in checks
     assert "variables.label == variables.domain" in checks and "!variables.domain.contains('.')" in checks
-    assert "request.operation == 'UPDATE' && variables.legacy" in checks  # 0.2's names: never on CREATE
+    assert "request.operation == 'UPDATE' && variables.legacy" in checks  # 0.1's names: never on CREATE
 
 
 def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_user_set_reach_the_config():

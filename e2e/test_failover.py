@@ -444,7 +444,7 @@ def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_al
                                                                    audiences=[], expiration_seconds=600))).status.token
         refused(lambda: client.CustomObjectsApi(token_client(api, unbound)).patch_namespaced_custom_object(
             *group, own, {"spec": {"ready": True}}), "only with a token bound to its Pod")
-        # 0.2's name of its own member: changed and deleted (a 0.2 agent mid-rollout), never created.
+        # 0.1's name of its own member: changed and deleted (a 0.1 agent mid-rollout), never created.
         legacy = f"pool-{node}"
         refused(lambda: as_agent.create_namespaced_custom_object(*group, member_object("pool", node, name=legacy)),
                 f"must be named {own}")
@@ -479,7 +479,7 @@ def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_al
         admin.patch_namespaced_custom_object(*group, theirs, {"spec": {"node": node}})
         admin.delete_namespaced_custom_object(*group, theirs)
 
-        # 0.2 named ("train", "rack1-n1") and ("train-rack1", "n1") alike: now two objects, one per writer.
+        # 0.1 named ("train", "rack1-n1") and ("train-rack1", "n1") alike: now two objects, one per writer.
         for domain, fake_node in (("train", "rack1-n1"), ("train-rack1", "n1")):
             assert MemberWriter(api, namespace, domain).ensure(Entry(fake_node, "", (), True))
         pairs = {(m["spec"]["domain"], m["spec"]["node"]): m["metadata"]["name"]

@@ -1,5 +1,5 @@
 """GPUDomainMember names and the aggregator's intake of members (members.py), the node agent's side of the
-upgrade from 0.2's names (MemberWriter), and the domains a node agent refuses to join (membership.py)."""
+upgrade from 0.1's names (MemberWriter), and the domains a node agent refuses to join (membership.py)."""
 
 import asyncio
 import logging
@@ -43,8 +43,8 @@ def warnings():
 
 # ---- names ---------------------------------------------------------------------------------------
 
-def test_the_pair_that_shared_a_name_in_0_2_gets_two_names():
-    assert legacy_member_name("train", "rack1-n1") == legacy_member_name("train-rack1", "n1")  # 0.2's collision
+def test_the_pair_that_shared_a_name_in_0_1_gets_two_names():
+    assert legacy_member_name("train", "rack1-n1") == legacy_member_name("train-rack1", "n1")  # 0.1's collision
     assert member_name("train", "rack1-n1") == "train.rack1-n1"
     assert member_name("train-rack1", "n1") == "train-rack1.n1"
 
@@ -76,7 +76,7 @@ nodes = st.lists(labels, min_size=1, max_size=3).map(".".join)
 @settings(max_examples=400, deadline=None)
 @given(st.tuples(labels, nodes), st.tuples(labels, nodes))
 def test_two_pairs_never_share_a_member_name(a, b):
-    """Small alphabets with '-' and '.' make the 0.2 kind of collision likely; member_name must avoid it."""
+    """Small alphabets with '-' and '.' make the 0.1 kind of collision likely; member_name must avoid it."""
     if a != b:
         assert member_name(*a) != member_name(*b)
 
@@ -109,7 +109,7 @@ def test_during_an_upgrade_the_canonical_member_wins_and_the_legacy_ones_deletio
     assert index.members() == {"n1": canonical["spec"]}
 
 
-def test_a_0_2_member_alone_is_read_and_its_deletion_removes_the_node():
+def test_a_0_1_member_alone_is_read_and_its_deletion_removes_the_node():
     index = MemberIndex("train", "train")
     legacy = obj("n1", name=legacy_member_name("train", "n1"))
     index.replace([legacy])
@@ -165,7 +165,7 @@ def test_the_aggregator_keeps_a_node_whose_legacy_member_is_deleted_and_its_hear
     assert folding.members == {} and "n1" not in folding.heartbeats.seen
 
 
-# ---- the node agent's side: 0.2's member deleted after the canonical one is applied ----------------
+# ---- the node agent's side: 0.1's member deleted after the canonical one is applied ----------------
 
 class Members:
     """An API server's GPUDomainMembers: apply, get, delete (with preconditions), recorded."""
@@ -201,7 +201,7 @@ def writer(fake):
     return MemberWriter(client.ApiClient(), "ns", "train", custom_api=fake)
 
 
-def test_the_new_agent_applies_its_canonical_member_then_deletes_its_own_0_2_member_once():
+def test_the_new_agent_applies_its_canonical_member_then_deletes_its_own_0_1_member_once():
     old = obj("n1", name="train-n1")
     old["metadata"].update(uid="u-old", resourceVersion="7")
     fake = Members([old])
@@ -213,8 +213,8 @@ def test_the_new_agent_applies_its_canonical_member_then_deletes_its_own_0_2_mem
     assert set(fake.objects) == {"train.n1"}
 
 
-def test_a_0_2_name_holding_another_pairs_member_is_left_alone():
-    other = obj("rack1-n1", name="train-rack1-n1")  # ("train", "rack1-n1") in 0.2: the name of ("train-rack1", "n1")
+def test_a_0_1_name_holding_another_pairs_member_is_left_alone():
+    other = obj("rack1-n1", name="train-rack1-n1")  # ("train", "rack1-n1") in 0.1: the name of ("train-rack1", "n1")
     fake = Members([other])
     w = writer(fake)
     w.domain = w.name = "train-rack1"
@@ -223,7 +223,7 @@ def test_a_0_2_name_holding_another_pairs_member_is_left_alone():
     assert w.legacy_done
 
 
-def test_a_failed_deletion_of_the_0_2_member_is_tried_again_at_the_next_apply_and_on_removal():
+def test_a_failed_deletion_of_the_0_1_member_is_tried_again_at_the_next_apply_and_on_removal():
     old = obj("n1", name="train-n1")
     old["metadata"].update(uid="u-old", resourceVersion="7")
     fake = Members([old], fail_delete=[client.ApiException(status=409, reason="Conflict"),

@@ -78,7 +78,7 @@ class MemberWriter(DomainView):
                  custom_api: client.CustomObjectsApi | None = None) -> None:
         """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
-        self.legacy_done = False  # 0.2's member of this node (legacy name) seen gone or deleted
+        self.legacy_done = False  # 0.1's member of this node (legacy name) seen gone or deleted
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
         self.heartbeat_interval = heartbeat_interval  # 0: no heartbeat
         self.api = api
@@ -136,7 +136,7 @@ class MemberWriter(DomainView):
         self.stats.writes += 1
 
     def _remove_legacy(self, node: str) -> bool:
-        """After the upgrade from 0.2: delete this node's member under 0.2's name, if it is this node's member of
+        """After an upgrade from 0.1: delete this node's member under 0.1's name, if it is this node's member of
         this domain (that name is not unique: another pair's may have it). True once it is gone or not ours."""
         name = legacy_member_name(self.domain, node)
         self.stats.calls += 1
@@ -152,13 +152,13 @@ class MemberWriter(DomainView):
                 GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=REQUEST_TIMEOUT,
                 body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
                     uid=old["metadata"]["uid"], resource_version=old["metadata"]["resourceVersion"])))
-            log.info("deleted %s, this node's member of %s under its 0.2 name", name, self.where)
+            log.info("deleted %s, this node's member of %s under its 0.1 name", name, self.where)
         except client.ApiException as e:
             if e.status not in (404, 409):  # gone, or changed since the read: the next apply looks again
-                log.warning("deleting %s, this node's 0.2 member of %s, failed: %s", name, self.where, e.reason)
+                log.warning("deleting %s, this node's 0.1 member of %s, failed: %s", name, self.where, e.reason)
             return bool(e.status == 404)
         except Exception as e:  # noqa: BLE001 - API trouble: the next apply looks again
-            log.warning("deleting %s, this node's 0.2 member of %s, failed: %s", name, self.where, e)
+            log.warning("deleting %s, this node's 0.1 member of %s, failed: %s", name, self.where, e)
             return False
         return True
 
@@ -171,7 +171,7 @@ class MemberWriter(DomainView):
             if e.status != 404:
                 log.warning("removing member %s of %s failed: %s", node, self.where, e.reason)
                 return False
-        if not self.legacy_done:  # a 0.2 member this agent never got to delete would keep the node in the domain
+        if not self.legacy_done:  # a 0.1 member this agent never got to delete would keep the node in the domain
             self.legacy_done = self._remove_legacy(node)
         return self.legacy_done
 

@@ -8,12 +8,14 @@ member of a domain whose name holds one). Only when that passes the 253 characte
 name may have is it cut, with a hash of the pair after the cut; see member_name for what the
 policy can then bind.
 
-0.2 named members `<domain>-<node>`, which two pairs can share ("train", "rack1-n1") and
-("train-rack1", "n1"). Upgrading, both names exist for one node for a while: a 0.2 node agent
-keeps renewing its legacy member until its Pod is replaced (the garbage collector then deletes
-that member with it), and a new one applies its canonical member and then deletes its own legacy
-one. MemberIndex keys the objects by name, so the legacy member's DELETED event cannot drop the
-node while its canonical member stands, and prefers the canonical member when both are there.
+0.1 (and 0.2's builds before issue 24) named members `<domain>-<node>`, which two pairs can share
+("train", "rack1-n1") and ("train-rack1", "n1"). Upgrading, both names exist for one node for a
+while: an old node agent keeps renewing its legacy member until its Pod is replaced (a member that
+Pod owns goes with it; 0.1's own none), and a new one applies its canonical member and then
+deletes its own legacy one (MemberWriter). The policy lets a node agent change or delete, never
+create, its own node's legacy member. MemberIndex keys the objects by name, so the legacy member's
+DELETED event cannot drop the node while its canonical member stands, and prefers the canonical
+member when both are there.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def member_name(domain: str, node: str) -> str:
 
 
 def legacy_member_name(domain: str, node: str) -> str:
-    """0.2's name for the same member, for the upgrade (not unique: see the module docstring)."""
+    """0.1's name for the same member, for the upgrade (not unique: see the module docstring)."""
     return f"{domain}-{node}"[:MAX_NAME]
 
 
