@@ -142,6 +142,14 @@ def test_an_unreadable_member_is_logged_once_however_often_it_changes_and_again_
     assert len(warnings) == 2 and list(index.members()) == ["n1"]
 
 
+def test_a_member_moved_to_another_node_under_its_old_name_leaves_the_fold_and_the_event_names_both_nodes():
+    index = MemberIndex("train", "train")
+    index.replace([obj("n1"), obj("n2")])
+    moved = obj("n2", name=member_name("train", "n1"))  # n1's object now saying n2 (only an admin could)
+    assert index.event("MODIFIED", moved) == {"n1"}  # n1's member changed; the object is no member of n2
+    assert index.members() == {"n2": obj("n2")["spec"]}
+
+
 def test_a_member_that_turns_unreadable_leaves_the_fold():
     index = MemberIndex("train", "train")
     index.event("ADDED", obj("n1"))

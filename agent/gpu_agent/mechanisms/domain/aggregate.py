@@ -351,23 +351,30 @@ class Aggregator:
         self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
         self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND)
 
-    def _intake(self, change: Callable[[], None]) -> None:
-        """Hand a change to the index; `members` becomes its one spec per node, heartbeats follow."""
+    def _listed_members(self, listed: Any) -> None:
         with self._lock:
-            change()
+            self.index.replace(items_of(listed))
             members = self.index.members()
             for node in set(self.members) - set(members):
                 self.heartbeats.forget(node)
             for node, spec in members.items():
-                self.heartbeats.saw(node, spec)  # only a changed beat counts: the other nodes' unchanged ones are none
+                self.heartbeats.saw(node, spec)
             self.members = members
         self._changed.set()
 
-    def _listed_members(self, listed: Any) -> None:
-        self._intake(lambda: self.index.replace(items_of(listed)))
-
     def _member_event(self, kind: str, member: dict[str, Any]) -> None:
-        self._intake(lambda: self.index.event(kind, member))
+        """Only the nodes the event touched are looked at again (the index keys objects by name: a node's
+        0.1 member deleted while its new one stands leaves the node as it was)."""
+        with self._lock:
+            for node in self.index.event(kind, member):
+                spec = self.index.member(node)
+                if spec is None:
+                    self.members.pop(node, None)
+                    self.heartbeats.forget(node)
+                else:
+                    self.members[node] = spec
+                    self.heartbeats.saw(node, spec)
+        self._changed.set()
 
     def _watch(self) -> None:
         list_then_watch(self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, MEMBERS,

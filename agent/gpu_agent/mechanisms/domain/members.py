@@ -83,6 +83,7 @@ class MemberIndex:
         self.domain = domain
         self.where = where
         self.objects: dict[str, MemberSpec] = {}
+        self.names: dict[str, set[str]] = {}  # node -> the names of its objects (two during an upgrade)
         self.logged: set[str] = set()
 
     def _read(self, obj: Any) -> tuple[str, MemberSpec | None]:
@@ -113,20 +114,30 @@ class MemberIndex:
 
     def replace(self, objects: Iterable[Any]) -> None:
         """A relist: these objects are all there is."""
-        self.objects = {}
+        self.objects, self.names = {}, {}
         for obj in objects:
-            name, spec = self._read(obj)
-            if spec is not None:
-                self.objects[name] = spec
+            self._set(*self._read(obj))
 
-    def event(self, kind: str, obj: Any) -> None:
-        name, spec = self._read(obj) if kind != "DELETED" else (self._name(obj), None)
-        if spec is None:
-            self.objects.pop(name, None)  # deleted, or no longer readable
-            if kind == "DELETED":
-                self.logged.discard(name)
-        else:
+    def event(self, kind: str, obj: Any) -> set[str]:
+        """A watch event; the nodes whose member it may have changed (see member())."""
+        name = self._name(obj)
+        before = self.objects.get(name)
+        spec = self._read(obj)[1] if kind != "DELETED" else None
+        if kind == "DELETED":
+            self.logged.discard(name)
+        self._set(name, spec)
+        return {s["node"] for s in (before, spec) if s is not None}
+
+    def _set(self, name: str, spec: MemberSpec | None) -> None:
+        old = self.objects.pop(name, None)
+        if old is not None:
+            names = self.names[old["node"]]
+            names.discard(name)
+            if not names:
+                del self.names[old["node"]]
+        if spec is not None:
             self.objects[name] = spec
+            self.names.setdefault(spec["node"], set()).add(name)
 
     @staticmethod
     def _name(obj: Any) -> str:
@@ -134,11 +145,14 @@ class MemberIndex:
         name = meta.get("name") if isinstance(meta, dict) else None
         return name if isinstance(name, str) and name else "?"
 
+    def member(self, node: str) -> MemberSpec | None:
+        """The node's spec: its canonical member's where it has both (an upgrade in progress)."""
+        names = self.names.get(node)
+        if not names:
+            return None
+        canonical = member_name(self.domain, node)
+        return self.objects[canonical if canonical in names else min(names)]
+
     def members(self) -> dict[str, MemberSpec]:
-        """node -> spec, the canonical member's where a node has both (an upgrade in progress)."""
-        out: dict[str, MemberSpec] = {}
-        for name, spec in sorted(self.objects.items()):
-            node = spec["node"]
-            if node not in out or name == member_name(self.domain, node):
-                out[node] = spec
-        return out
+        """node -> spec, as member() gives it."""
+        return {node: spec for node in sorted(self.names) if (spec := self.member(node)) is not None}
