@@ -112,8 +112,9 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
                        "the domain Ready again")
             domain_ready = time.monotonic() - started
             # Each new node agent applies its member under the new name (<domain>.<node>), then deletes its 0.1 one.
-            wait_until(lambda: members() == sorted(f"fabric.{n[len('fabric-'):]}" for n in old_members), 60,
-                       f"0.1's members {old_members} replaced by the new names")
+            renamed = {f"fabric.{n[len('fabric-'):]}" for n in old_members}
+            wait_until(lambda: (lambda now: renamed <= set(now) and not any(n.startswith("fabric-") for n in now))(members()),
+                       60, f"0.1's members {old_members} replaced by {sorted(renamed)}")
         samples = health.samples
         second = [f"up-b{i}" for i in range(4)]
         enqueue(release, second)
