@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from pathlib import Path
@@ -35,6 +36,29 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def token_client(api: client.ApiClient, token: str) -> client.ApiClient:
+    """`api`'s cluster, authenticated by `token` alone."""
+    config = copy.copy(api.configuration)
+    config.api_key, config.api_key_prefix = {"authorization": "Bearer " + token}, {}
+    config.cert_file = config.key_file = None  # a client certificate would authenticate first
+    return client.ApiClient(config)
+
+
+def pod_bound_client(api: client.ApiClient, pod: client.V1Pod, seconds: int = 600) -> client.ApiClient:
+    """A client authenticated as the kubelet authenticates `pod`: a token of its ServiceAccount bound to the Pod,
+    whose user carries the Pod's node (user extra authentication.kubernetes.io/node-name)."""
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        pod.spec.service_account_name, pod.metadata.namespace, client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=seconds, bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)))).status.token
+    return token_client(api, token)
+
+
+def impersonating(api: client.ApiClient, user: str) -> client.ApiClient:
+    """`api`'s credentials (an admin's), acting as `user` (e.g. system:serviceaccount:NS:NAME)."""
+    return client.ApiClient(api.configuration, header_name="Impersonate-User", header_value=user)
 
 
 def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, path: str,

@@ -138,6 +138,31 @@ def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_ren
     assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
 
 
+def test_the_member_policy_renders_whenever_node_agents_write_members_and_checks_before_and_after():
+    def policy(*sets):
+        docs = render(*sets)
+        return ([d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-own-member")],
+                [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and d["metadata"]["name"].endswith("-own-member")])
+
+    assert policy() == ([], [])  # no domain: node agents write no member
+    [joining], [binding] = policy("--set", "domain.joinMatching=true")  # no chart domain, members all the same
+    assert binding["spec"]["policyName"] == joining["metadata"]["name"]
+    assert policy("--set", "domain.name=fabric")[0] == [joining]
+    assert policy("--set", "domain.name=fabric", "--set", "domain.writeStrategy=dra") == ([], [])
+    assert policy("--set", "domain.joinMatching=true", "--set", "domain.memberAdmissionPolicy=false") == ([], [])
+    assert policy("--set", "domain.joinMatching=true", "--set", "nodeAgent.enabled=false") == ([], [])
+    spec = joining["spec"]
+    assert spec["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE", "UPDATE", "DELETE"]
+    assert spec["matchConditions"][0]["expression"] == (
+        "request.userInfo.username == 'system:serviceaccount:ns:t-gpu-agent-node-agent'")
+    checks = " ".join(v["expression"] for v in spec["validations"])
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert "oldObject.spec.node" in variables["nodeBefore"] and "object.spec.node" in variables["nodeAfter"]
+    assert "variables.nodeBefore == variables.node" in checks and "variables.nodeAfter == variables.node" in checks
+    assert "variables.label == variables.domain" in checks and "!variables.domain.contains('.')" in checks
+    assert "request.operation == 'UPDATE' && variables.legacy" in checks  # 0.1's names: never on CREATE
+
+
 def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_user_set_reach_the_config():
     def agents(*sets):
         docs = render(*sets)

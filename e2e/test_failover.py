@@ -31,8 +31,11 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import provider
-from e2e.helpers import Sampler, pod_http_get, wait_until
+from e2e.helpers import Sampler, impersonating, pod_bound_client, pod_http_get, token_client, wait_until
 from e2e.release import Release, WorkPods, enqueue, items, most_at_once, persistent_control_plane, remove_volume
+from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+from gpu_agent.mechanisms.domain.entries import Entry
+from gpu_agent.mechanisms.domain.members import member_name
 from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
 CA = "app.kubernetes.io/component=cluster-agent"
@@ -307,16 +310,11 @@ def test_a_hung_or_dead_node_agent_turns_its_member_and_the_domain_notready_and_
         owner = member["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("Pod", agent.metadata.name, agent.metadata.uid)
 
-        # Only its own member: a token bound to the node agent's pod (as kubelet gives it) may not write another node's.
-        token = core.create_namespaced_service_account_token(
-            agent.spec.service_account_name, namespace, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-                audiences=[], expiration_seconds=600, bound_object_ref=client.V1BoundObjectReference(
-                    kind="Pod", api_version="v1", name=agent.metadata.name, uid=agent.metadata.uid)))).status.token
-        config = copy.copy(api.configuration)
-        config.api_key, config.api_key_prefix = {"authorization": "Bearer " + token}, {}
-        config.cert_file = config.key_file = None  # a client certificate would authenticate first
-        as_agent = client.ApiClient(config)
-        forged = {"apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomainMember", "metadata": {"name": "fabric-elsewhere"},
+        # Only its own member: a token bound to the node agent's pod (as kubelet gives it) may not write another node's
+        # (every way of trying: test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_alone).
+        as_agent = pod_bound_client(api, agent)
+        forged = {"apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomainMember",
+                  "metadata": {"name": member_name("fabric", "some-other-node"), "labels": {"gpu-agent.io/domain": "fabric"}},
                   "spec": {"domain": "fabric", "node": "some-other-node", "ready": True}}
         with pytest.raises(client.ApiException) as refused:
             client.CustomObjectsApi(as_agent).create_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace,
@@ -376,6 +374,117 @@ def test_a_hung_or_dead_node_agent_turns_its_member_and_the_domain_notready_and_
         (after,) = domain_state(api, namespace)[1]
         print(f"force-deleted node agent: domain Ready again with the new pod's member after {time.monotonic() - started:.1f} s")
         assert after[:2] == before[:2]  # same node, same index
+    finally:
+        fake_gpus.set(0)
+        teardown(cluster)
+
+
+def member_object(domain: str, node: str, name: str = "", label: str = "") -> dict:
+    return {"apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomainMember",
+            "metadata": {"name": name or member_name(domain, node), "labels": {"gpu-agent.io/domain": label or domain}},
+            "spec": {"domain": domain, "node": node, "ready": True}}
+
+
+def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_alone(api, core, apps, kubeconfig, namespace,
+                                                                                   fake_gpus):
+    """Each way a node agent's token once reached another node's member (issue 24) is refused by the policy, which
+    renders with domain.joinMatching alone; the cluster agent's ServiceAccount and the admin are not bound by it."""
+    group = ("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers")
+    fake_gpus.set(2)  # the cluster agent leads (install waits for it) only with GPUs
+    cluster = install(api, core, apps, kubeconfig, namespace, "fo4", "--set", "domain.joinMatching=true")
+    admin = client.CustomObjectsApi(api)
+    try:
+        # The CRD refuses a domain whose members' names <domain>.<node> could not be told apart.
+        with pytest.raises(client.ApiException) as dotted:
+            admin.create_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains",
+                                                  {"apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomain",
+                                                   "metadata": {"name": "train.rack1"}, "spec": {}})
+        assert dotted.value.status == 422 and "must be a DNS label" in dotted.value.body, dotted.value.body
+        admin.create_namespaced_custom_object("gpu-agent.io", "v1beta1", namespace, "gpudomains", {
+            "apiVersion": "gpu-agent.io/v1beta1", "kind": "GPUDomain", "metadata": {"name": "pool"},
+            "spec": {"expectedNodes": 1}})
+        (agent,) = cluster.running(NA)
+        node = agent.spec.node_name
+        own = member_name("pool", node)
+        wait_until(lambda: [m for m in admin.list_namespaced_custom_object(*group)["items"] if m["metadata"]["name"] == own],
+                   60, f"the node agent's member {own} of the domain it joined by selector")
+        as_agent = client.CustomObjectsApi(pod_bound_client(api, agent))
+
+        def refused(call, *words: str) -> str:
+            with pytest.raises(client.ApiException) as e:
+                call()
+            assert e.value.status == 403 and all(w in e.value.body for w in words), e.value.body
+            return e.value.body
+
+        theirs = member_name("pool", "made-up-node")
+        admin.create_namespaced_custom_object(*group, member_object("pool", "made-up-node"))
+        # (a) another node's member moved to this node: the policy sees the object before the change too.
+        refused(lambda: as_agent.patch_namespaced_custom_object(*group, theirs, {"spec": {"node": node}}),
+                f"bound to node {node}", "this member is node made-up-node's")
+        # (b) another node's member deleted.
+        refused(lambda: as_agent.delete_namespaced_custom_object(*group, theirs), "this member is node made-up-node's")
+        # (c) its own member taken to another domain: relabelled, or spec.domain changed.
+        refused(lambda: as_agent.patch_namespaced_custom_object(
+            *group, own, {"metadata": {"labels": {"gpu-agent.io/domain": "elsewhere"}}}),
+            "label gpu-agent.io/domain must equal its spec.domain (pool)", "it is elsewhere")
+        refused(lambda: as_agent.patch_namespaced_custom_object(*group, own, {"spec": {"domain": "elsewhere"}}),
+                "must equal its spec.domain (elsewhere)")
+        # (d) squatting: a member of this node under another node's name, and another node's member.
+        squat = member_name("pool", "made-up-node-2")
+        refused(lambda: as_agent.create_namespaced_custom_object(*group, member_object("pool", node, name=squat)),
+                f"must be named {own}", f"not {squat}")
+        refused(lambda: as_agent.create_namespaced_custom_object(*group, member_object("pool", "made-up-node-2")),
+                "would be node made-up-node-2's")
+        # A member of a domain with a dot in its name (one made before the CRD refused them).
+        refused(lambda: as_agent.create_namespaced_custom_object(*group, member_object("train.rack1", node)),
+                "GPUDomain train.rack1 has a dot in its name")
+        # A token of the node agent's ServiceAccount that is not bound to its Pod names no node.
+        unbound = core.create_namespaced_service_account_token(agent.spec.service_account_name, namespace,
+                                                               client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+                                                                   audiences=[], expiration_seconds=600))).status.token
+        refused(lambda: client.CustomObjectsApi(token_client(api, unbound)).patch_namespaced_custom_object(
+            *group, own, {"spec": {"ready": True}}), "only with a token bound to its Pod")
+        # 0.1's name of its own member: changed and deleted (a 0.1 agent mid-rollout), never created.
+        legacy = f"pool-{node}"
+        refused(lambda: as_agent.create_namespaced_custom_object(*group, member_object("pool", node, name=legacy)),
+                f"must be named {own}")
+        admin.create_namespaced_custom_object(*group, member_object("pool", node, name=legacy))
+        as_agent.patch_namespaced_custom_object(*group, legacy, {"spec": {"ready": False}})
+        as_agent.delete_namespaced_custom_object(*group, legacy)
+        as_agent.patch_namespaced_custom_object(*group, own, {"spec": {"ready": True}})  # its own: allowed
+
+        # The policy binds only node agents: the cluster agent's ServiceAccount (given the verbs here; RBAC grants it
+        # only list and watch) and the admin move and delete another node's member.
+        ca_user = f"system:serviceaccount:{namespace}:{cluster.running(CA)[0].spec.service_account_name}"
+        rbac = client.RbacAuthorizationV1Api(api)
+        rbac.create_namespaced_role(namespace, client.V1Role(metadata=client.V1ObjectMeta(name="members-by-hand"), rules=[
+            client.V1PolicyRule(api_groups=["gpu-agent.io"], resources=["gpudomainmembers"], verbs=["patch", "delete"])]))
+        rbac.create_namespaced_role_binding(namespace, client.V1RoleBinding(
+            metadata=client.V1ObjectMeta(name="members-by-hand"),
+            role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="members-by-hand"),
+            subjects=[client.RbacV1Subject(kind="User", name=ca_user, api_group="rbac.authorization.k8s.io")]))
+        as_cluster_agent = client.CustomObjectsApi(impersonating(api, ca_user))
+
+        def moved() -> bool:
+            try:
+                as_cluster_agent.patch_namespaced_custom_object(*group, theirs, {"spec": {"node": node}})
+                return True
+            except client.ApiException as e:
+                if e.status == 403 and "gpudomainmembers" in e.body and "cannot patch" in e.body:
+                    return False  # RBAC has not seen the new Role yet
+                raise
+        wait_until(moved, 10, "the cluster agent's ServiceAccount moving another node's member (once RBAC has its Role)")
+        as_cluster_agent.delete_namespaced_custom_object(*group, theirs)
+        admin.create_namespaced_custom_object(*group, member_object("pool", "made-up-node"))
+        admin.patch_namespaced_custom_object(*group, theirs, {"spec": {"node": node}})
+        admin.delete_namespaced_custom_object(*group, theirs)
+
+        # 0.1 named ("train", "rack1-n1") and ("train-rack1", "n1") alike: now two objects, one per writer.
+        for domain, fake_node in (("train", "rack1-n1"), ("train-rack1", "n1")):
+            assert MemberWriter(api, namespace, domain).ensure(Entry(fake_node, "", (), True))
+        pairs = {(m["spec"]["domain"], m["spec"]["node"]): m["metadata"]["name"]
+                 for m in admin.list_namespaced_custom_object(*group)["items"]}
+        assert pairs[("train", "rack1-n1")] == "train.rack1-n1" and pairs[("train-rack1", "n1")] == "train-rack1.n1"
     finally:
         fake_gpus.set(0)
         teardown(cluster)

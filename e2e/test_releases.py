@@ -91,6 +91,10 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
             "spec": {"expectedNodes": 3, "nodeSelector": {"rack": "r1"}}})
         assert stored_versions(api) == {name: ["v1alpha1"] for name in CRDS}
         before_uid = domain("v1alpha1")["metadata"]["uid"]
+        members = lambda: sorted(m["metadata"]["name"] for m in custom.list_namespaced_custom_object(  # noqa: E731 - a one-line reader, local to the test
+            GROUP, "v1alpha1", namespace, "gpudomainmembers")["items"])
+        old_members = members()
+        assert old_members and all(n.startswith("fabric-") for n in old_members), old_members  # 0.1's names
 
         pods = WorkPods(core, namespace)
         first = [f"up-a{i}" for i in range(12)]
@@ -107,6 +111,10 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
             wait_until(lambda: (domain("v1beta1").get("status") or {}).get("status") == "Ready", 60,
                        "the domain Ready again")
             domain_ready = time.monotonic() - started
+            # Each new node agent applies its member under the new name (<domain>.<node>), then deletes its 0.1 one.
+            renamed = {f"fabric.{n[len('fabric-'):]}" for n in old_members}
+            wait_until(lambda: (lambda now: renamed <= set(now) and not any(n.startswith("fabric-") for n in now))(members()),
+                       60, f"0.1's members {old_members} replaced by {sorted(renamed)}")
         samples = health.samples
         second = [f"up-b{i}" for i in range(4)]
         enqueue(release, second)

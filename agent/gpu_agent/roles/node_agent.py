@@ -110,7 +110,8 @@ class NodeAgent:
                                         clock=self.clock)
 
             self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, named=cfg.domainName,
-                                           join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout)
+                                           join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout,
+                                           writes_members=cfg.domainWriteStrategy == "aggregate")
         self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
                                         on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),

@@ -22,6 +22,14 @@ def node(name, index, status="Ready"):
     return {"name": name, "ip": "", "index": index, "status": status, "gpuUUIDs": []}
 
 
+def member(node, domain="d1", name=None, **spec):
+    """A GPUDomainMember as the watch delivers it: named and labelled as a node agent writes it."""
+    from gpu_agent.mechanisms.domain.members import member_name
+
+    return {"metadata": {"name": name or member_name(domain, node), "labels": {"gpu-agent.io/domain": domain}},
+            "spec": {"domain": domain, "node": node, **spec}}
+
+
 def test_index_is_kept_and_gaps_are_filled_lowest_first():
     nodes = [node("a", 0), node("c", 2), node("d", 3)]
     assert lowest_free_index(nodes, "c") == 2
@@ -310,7 +318,7 @@ def test_a_member_without_a_spec_is_left_out_and_every_other_member_is_still_fol
     from gpu_agent.mechanisms.domain.aggregate import Aggregator
 
     folding = Aggregator(None, "ns", "gpus")
-    good = {"metadata": {"name": "gpus-n1"}, "spec": {"node": "n1", "gpuUUIDs": []}}
+    good = member("n1", "gpus", gpuUUIDs=[])
     folding._listed_members({"items": [{"metadata": {"name": "broken"}}, {"metadata": {"name": "no-node"}, "spec": {}},
                                        good, "not an object"]})
     assert folding.members == {"n1": good["spec"]}
@@ -334,7 +342,7 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
     quick = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
     folding = Aggregator(None, "ns", "deleted-domain", interval=0.01, clock=quick, watch_domain=False, custom_api=Gone())
     folding._watch = lambda: None  # members are handed in below; no API server here
-    folding._listed_members({"items": [{"metadata": {"name": "m"}, "spec": {"node": "n1"}}]})
+    folding._listed_members({"items": [member("n1", "deleted-domain")]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
     deadline = threading.Event()
@@ -360,9 +368,7 @@ def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_no
     fake = FakeCustom(domain(expected=1))
     folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock, watch_domain=False, custom_api=fake)
     folding._watch = lambda: None  # members are handed in below
-    folding._listed_members({"items": [{"metadata": {"name": "d1-a"},
-                                        "spec": {"node": "a", "ready": True, "heartbeat": "t1",
-                                                 "heartbeatIntervalSeconds": 1}}]})
+    folding._listed_members({"items": [member("a", ready=True, heartbeat="t1", heartbeatIntervalSeconds=1)]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
 
@@ -436,7 +442,7 @@ class DomainOnClock:
         raise AssertionError("the aggregator did not get back to waiting on its clock")
 
     def arrive(self, name, kind="ADDED"):
-        self.folding._member_event(kind, {"metadata": {"name": f"d1-{name}"}, "spec": {"node": name, "ready": True}})
+        self.folding._member_event(kind, member(name, ready=True))
         self._settle()
 
     def step(self, seconds):

@@ -163,6 +163,12 @@ its reason (the test command runs checkov and allows no other finding); call wit
 {{- join "\n" $lines -}}
 {{- end -}}
 
+{{/* Whether the members' admission policy is rendered: whenever node agents write GPUDomainMembers, the chart's
+     domain or those they join by selector. "true" or "". */}}
+{{- define "gpu-agent.memberPolicyOn" -}}
+{{- if and .Values.nodeAgent.enabled (include "gpu-agent.domainsOn" .) (eq .Values.domain.writeStrategy "aggregate") .Values.domain.memberAdmissionPolicy }}true{{ end }}
+{{- end }}
+
 {{/* The members' admission policy: cluster-scoped, so its name carries a hash of the namespace as well as the
 release's name, within 63 characters like every other name of the chart. */}}
 {{- define "gpu-agent.memberPolicyName" -}}

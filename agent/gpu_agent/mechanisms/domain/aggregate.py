@@ -60,16 +60,13 @@ from gpu_agent.mechanisms.domain.entries import (
     status_entry,
     status_of,
 )
+from gpu_agent.mechanisms.domain.members import DOMAIN_LABEL, MemberIndex, legacy_member_name, member_name
 from gpu_agent.mechanisms.domain.transitions import transitions
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
 
 log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
 FIELD_MANAGER = "gpu-agent-node"
-
-
-def member_name(domain: str, node: str) -> str:
-    return f"{domain}-{node}"[:253]
 
 
 class MemberWriter(DomainView):
@@ -81,8 +78,11 @@ class MemberWriter(DomainView):
     REAPPLY_AFTER = 5.0
 
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, rng: random.Random | None = None,
-                 clock: Clock | None = None, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0) -> None:
-        self.custom = client.CustomObjectsApi(api)
+                 clock: Clock | None = None, owner: dict[str, str] | None = None, heartbeat_interval: float = 0.0,
+                 custom_api: client.CustomObjectsApi | None = None) -> None:
+        """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
+        self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
+        self.legacy_done = False  # 0.1's member of this node (legacy name) seen gone or deleted
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
         self.heartbeat_interval = heartbeat_interval  # 0: no heartbeat
         self.api = api
@@ -106,6 +106,8 @@ class MemberWriter(DomainView):
             try:
                 self._apply(entry)
                 self.applied_at = self.clock.monotonic()
+                if not self.legacy_done:
+                    self.legacy_done = self._remove_legacy(entry.name)
                 return True
             except Exception as e:  # noqa: BLE001 - API trouble: back off and try again
                 self.stats.errors += 1
@@ -119,7 +121,7 @@ class MemberWriter(DomainView):
     def _apply(self, entry: Entry) -> None:
         body: dict[str, Any] = {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomainMember",
-            "metadata": {"name": member_name(self.domain, entry.name), "labels": {"gpu-agent.io/domain": self.domain}},
+            "metadata": {"name": member_name(self.domain, entry.name), "labels": {DOMAIN_LABEL: self.domain}},
             "spec": {"domain": self.domain, "node": entry.name, "ip": entry.ip, "ready": entry.ready,
                      "gpuUUIDs": list(entry.gpu_uuids)}}
         if entry.clique:  # left out when none: server-side apply then removes a clique the node no longer has
@@ -137,6 +139,33 @@ class MemberWriter(DomainView):
                                                    _content_type="application/apply-patch+yaml", _request_timeout=REQUEST_TIMEOUT)
         self.stats.writes += 1
 
+    def _remove_legacy(self, node: str) -> bool:
+        """After an upgrade from 0.1: delete this node's member under 0.1's name, if it is this node's member of
+        this domain (that name is not unique: another pair's may have it). True once it is gone or not ours."""
+        name = legacy_member_name(self.domain, node)
+        self.stats.calls += 1
+        try:
+            old = cast("dict[str, Any]", self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=REQUEST_TIMEOUT))
+            spec = old.get("spec") or {}
+            if (spec.get("node"), spec.get("domain")) != (node, self.domain):
+                return True
+            # Preconditions: only the object read, not one another writer put under the name since.
+            self.stats.calls += 1
+            self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=REQUEST_TIMEOUT,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
+                    uid=old["metadata"]["uid"], resource_version=old["metadata"]["resourceVersion"])))
+            log.info("deleted %s, this node's member of %s under its 0.1 name", name, self.where)
+        except client.ApiException as e:
+            if e.status not in (404, 409):  # gone, or changed since the read: the next apply looks again
+                log.warning("deleting %s, this node's 0.1 member of %s, failed: %s", name, self.where, e.reason)
+            return bool(e.status == 404)
+        except Exception as e:  # noqa: BLE001 - API trouble: the next apply looks again
+            log.warning("deleting %s, this node's 0.1 member of %s, failed: %s", name, self.where, e)
+            return False
+        return True
+
     def remove(self, node: str, deadline: float | None = None) -> bool:
         self.stats.calls += 1
         try:
@@ -146,7 +175,9 @@ class MemberWriter(DomainView):
             if e.status != 404:
                 log.warning("removing member %s of %s failed: %s", node, self.where, e.reason)
                 return False
-        return True
+        if not self.legacy_done:  # a 0.1 member this agent never got to delete would keep the node in the domain
+            self.legacy_done = self._remove_legacy(node)
+        return self.legacy_done
 
 
 def _clique_of(spec: MemberSpec) -> str:
@@ -335,45 +366,40 @@ class Aggregator:
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
         self.namespace = namespace
         self.domain = domain
-        self.members: dict[str, MemberSpec] = {}
+        self.members: dict[str, MemberSpec] = {}  # node -> spec: the index's members() after each change
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
         self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock,
                                    custom_api=custom_api)
+        self.index = MemberIndex(domain, self.writer.where)
         self.writes = 0
         self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
         self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND)
 
-    def _spec(self, member: Any) -> MemberSpec | None:
-        """A member's spec, or None (logged) for one without a node name: the CRD does not require
-        `spec`, and one such object must not stop the fold of every other member."""
-        spec = member.get("spec") if isinstance(member, dict) else None
-        if isinstance(spec, dict) and isinstance(spec.get("node"), str) and spec["node"]:
-            return cast(MemberSpec, spec)  # the API server checked it against the CRD's schema
-        name = ((member.get("metadata") or {}) if isinstance(member, dict) else {}).get("name", "?")
-        log.warning("member %s of %s has no spec.node; left out of the fold", name, self.writer.where)
-        return None
-
     def _listed_members(self, listed: Any) -> None:
         with self._lock:
-            specs = [spec for spec in map(self._spec, items_of(listed)) if spec is not None]
-            self.members = {spec["node"]: spec for spec in specs}
-            for node, spec in self.members.items():
+            self.index.replace(items_of(listed))
+            members = self.index.members()
+            for node in set(self.members) - set(members):
+                self.heartbeats.forget(node)
+            for node, spec in members.items():
                 self.heartbeats.saw(node, spec)
+            self.members = members
         self._changed.set()
 
     def _member_event(self, kind: str, member: dict[str, Any]) -> None:
-        spec = self._spec(member)
-        if spec is None:
-            return
+        """Only the nodes the event touched are looked at again (the index keys objects by name: a node's
+        0.1 member deleted while its new one stands leaves the node as it was)."""
         with self._lock:
-            if kind == "DELETED":
-                self.members.pop(spec["node"], None)
-                self.heartbeats.forget(spec["node"])
-            else:
-                self.members[spec["node"]] = spec
-                self.heartbeats.saw(spec["node"], spec)
+            for node in self.index.event(kind, member):
+                spec = self.index.member(node)
+                if spec is None:
+                    self.members.pop(node, None)
+                    self.heartbeats.forget(node)
+                else:
+                    self.members[node] = spec
+                    self.heartbeats.saw(node, spec)
         self._changed.set()
 
     def _watch(self) -> None:

@@ -10,6 +10,10 @@ node's labels (an empty selector matches every node, as a Pod's does). Users cre
 run time; a domain that stops matching (its selector or the node's labels changed, or it was
 deleted) is left: its reconciler stops and this node's entry is taken out.
 
+Writing GPUDomainMembers (the aggregate strategy), a node never joins a domain whose name is not a
+DNS label (one created before the CRD refused such names): its members' names `<domain>.<node>`
+would not be unique, and the chart's admission policy refuses them. It says so once per domain.
+
 Each reconciler is what one domain always had (reconciler.py): its own writer, its own peers file
 (the named domain's at `peersFile`, another's at `peersFile.<domain>`), its own retry loop.
 """
@@ -25,6 +29,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
+from gpu_agent.mechanisms.domain.members import domain_name_problem
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION
 
@@ -48,7 +53,8 @@ def wanted_domains(named: str, join_matching: bool, domains: dict[str, Any], lab
 
 class DomainMembership:
     def __init__(self, api: client.ApiClient | None, namespace: str, node: str, *, named: str, join_matching: bool,
-                 make_reconciler: Callable[[str], DomainReconciler], leave_timeout: float = 10.0) -> None:
+                 make_reconciler: Callable[[str], DomainReconciler], leave_timeout: float = 10.0,
+                 writes_members: bool = True) -> None:
         self.api = api
         self.namespace = namespace
         self.node = node
@@ -56,6 +62,8 @@ class DomainMembership:
         self.join_matching = join_matching
         self.make_reconciler = make_reconciler
         self.leave_timeout = leave_timeout
+        self.writes_members = writes_members
+        self.refused: set[str] = set()  # domains this node cannot join, said once each
         self.domains: dict[str, Any] = {}  # name -> spec.nodeSelector, as watched
         self.labels: dict[str, str] | None = None  # this node's, once seen
         self.joined: dict[str, tuple[DomainReconciler, asyncio.Task[None]]] = {}
@@ -122,6 +130,7 @@ class DomainMembership:
                 self._changed.clear()
                 with self._lock:
                     wanted = wanted_domains(self.named, self.join_matching, self.domains, self.labels)
+                wanted = {name for name in wanted if self._joinable(name)}
                 for name in sorted(wanted - set(self.joined)):
                     reconciler = self.make_reconciler(name)
                     reconciler.set_gpus(*self.gpus)
@@ -136,6 +145,13 @@ class DomainMembership:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _joinable(self, name: str) -> bool:
+        why = domain_name_problem(name) if self.writes_members else None
+        if why is not None and name not in self.refused:
+            self.refused.add(name)
+            log.warning("not joining GPUDomain %s/%s: %s", self.namespace, name, why)
+        return why is None
 
     async def _leave(self, name: str, why: str) -> None:
         reconciler, task = self.joined.pop(name)
