@@ -20,7 +20,13 @@ from gpu_agent.mechanisms.queues.pod_executor import LABEL, RELEASE_PATCH, RELEA
 from gpu_agent_hooks.migrate import MigrationError, migrate
 from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
 
-FIELD_MANAGER = "gpu-agent-hooks"
+# The CRDs are applied under Helm's own field manager. Helm 4 server-side applies crds/ on every install, as
+# "helm" and without --force-conflicts; if this hook owned the CRDs' fields under a name of its own, the first
+# `helm install` of a chart whose CRDs differ from the cluster's (a second release, a reinstall after uninstall,
+# which keeps the CRDs) would fail with "conflict with gpu-agent-hooks: .spec.versions" before any hook runs.
+# Under one manager the last apply wins, which is what this hook is for. (Clusters where 0.2's hook applied
+# them as "gpu-agent-hooks" move over at its first run here: a forced apply takes every field it sets.)
+FIELD_MANAGER = "helm"
 
 
 def say(msg: str) -> None:

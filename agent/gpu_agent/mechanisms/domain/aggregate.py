@@ -66,6 +66,7 @@ from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainVie
 
 log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
+PREFERRED_VERSION = "v1beta1"  # the CRDs' preferred served version (the highest: kube orders versions by stability)
 FIELD_MANAGER = "gpu-agent-node"
 
 
@@ -436,8 +437,9 @@ class Aggregator:
         now = self.clock.monotonic()
         with self._lock:
             silent_for = {n: now - self.heartbeats.seen[n][1] for n in silent if n in self.heartbeats.seen}
-        regarding = reference({**after, "apiVersion": after.get("apiVersion") or f"{GROUP}/{VERSION}",
-                               "kind": after.get("kind") or "GPUDomain"})
+        # The version `kubectl events --for gpudomain/NAME` resolves the kind to (the preferred one), not the one
+        # this writer reads at: kubectl selects events by involvedObject.apiVersion as well.
+        regarding = reference({**after, "apiVersion": f"{GROUP}/{PREFERRED_VERSION}", "kind": "GPUDomain"})
         for t in transitions(before, after, silent_for):
             self.recorder.record(regarding, t.type, t.reason, "Fold", t.note)
 
