@@ -16,7 +16,7 @@ from gpu_agent.mechanisms.domain.aggregate import fold
 from gpu_agent.mechanisms.domain.conditions import MESSAGE_LIMIT, find, ready_condition, set_condition
 from gpu_agent.mechanisms.domain.entries import Entry, with_entry, without_entry
 from gpu_agent.mechanisms.domain.transitions import transitions
-from tests.unit.test_domain import DomainOnClock, domain
+from tests.unit.test_domain import DomainOnClock, FakeCustom, domain
 
 
 def member(node, ready=True, clique=""):
@@ -234,3 +234,37 @@ def test_a_new_domain_is_initializing_until_a_member_is_folded(expected):
         assert ready_of(d.fake.obj)[:2] == ("Unknown", "Initializing")
     finally:
         d.stop()
+
+
+def test_a_domain_event_before_the_members_are_listed_writes_nothing():
+    """A new leader's folder: the domain's own watch may deliver it before the members are listed; folding
+    then would write an empty status over the previous leader's (every node dropped, its index lost)."""
+    import threading
+    import time
+
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator
+
+    clock = ManualClock()
+    formed = fold({**domain(expected=1), "metadata": {**domain()["metadata"], "generation": 1}}, {"a": member("a")}, now="t")
+    fake = FakeCustom(formed)
+    folding = Aggregator(None, "default", "d1", interval=0.1, clock=clock, watch_domain=False, custom_api=fake)
+    folding._watch = lambda: None  # the members' list comes late (below)
+    runner = threading.Thread(target=folding.run, daemon=True)
+    runner.start()
+    try:
+        folding.domain_seen(formed)
+        deadline = time.monotonic() + 5
+        while not (clock.blocked and not folding._changed.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.001)  # poll to a deadline: the loop handled the wake-up and waits on its clock again
+        for _ in range(10):
+            clock.step_thread(0.1)
+        assert fake.replaces == 0 and [n["name"] for n in fake.obj["status"]["nodes"]] == ["a"]
+        folding._listed_members({"items": [{"metadata": {"name": "d1.a", "labels": {"gpu-agent.io/domain": "d1"}},
+                                            "spec": member("a")}]})
+        for _ in range(10):
+            clock.step_thread(0.1)
+        assert fake.replaces == 0, "the members as listed match the status: still nothing to write"
+    finally:
+        folding.stop()
+        clock.advance_blocking(1.0)
+        runner.join(2)

@@ -368,6 +368,9 @@ class Aggregator:
         self.namespace = namespace
         self.domain = domain
         self.members: dict[str, MemberSpec] = {}  # node -> spec: the index's members() after each change
+        # No fold before the members' first list: a domain event (the watch of the domain itself) can wake the
+        # loop first, and folding no members would empty the status a previous leader wrote, indices and all.
+        self.members_listed = False
         self._lock = threading.Lock()
         self._changed = threading.Event()
         self._stop = threading.Event()
@@ -387,6 +390,7 @@ class Aggregator:
             for node, spec in members.items():
                 self.heartbeats.saw(node, spec)
             self.members = members
+            self.members_listed = True
         self._changed.set()
 
     def _member_event(self, kind: str, member: dict[str, Any]) -> None:
@@ -452,7 +456,8 @@ class Aggregator:
             # 0.5 s at most: also the step at which silent members are noticed
             if self.clock.wait_blocking(self._changed, min(0.5, self.pending.wait(self.clock.monotonic()))):
                 self._changed.clear()
-                self.pending.changed(self.clock.monotonic())
+                if self.members_listed:  # before the members' first list there is nothing to fold (see __init__)
+                    self.pending.changed(self.clock.monotonic())
             with self._lock:
                 now_silent = self.heartbeats.silent(self.members)
             if now_silent != silent:
