@@ -15,10 +15,17 @@ if status == nil then
   hs.message = "Waiting for the cluster agent's first status"
   return hs
 end
-if generation ~= nil and status.observedGeneration ~= nil and status.observedGeneration ~= generation then
-  hs.status = "Progressing"
-  hs.message = "Waiting for the cluster agent to fold generation " .. tostring(generation)
-    .. " (status is of generation " .. tostring(status.observedGeneration) .. ")"
+-- A status (or condition) of an older generation than the spec's: the agent has not answered the spec yet.
+local function behind(observed, what)
+  if generation ~= nil and observed ~= nil and observed ~= generation then
+    hs.status = "Progressing"
+    hs.message = "Waiting for the cluster agent to fold generation " .. tostring(generation)
+      .. " (" .. what .. " is of generation " .. tostring(observed) .. ")"
+    return true
+  end
+  return false
+end
+if behind(status.observedGeneration, "status") then
   return hs
 end
 local ready = nil
@@ -35,10 +42,7 @@ if ready == nil then
   return hs
 end
 -- The condition's own observedGeneration, where written, must be current too.
-if generation ~= nil and ready.observedGeneration ~= nil and ready.observedGeneration ~= generation then
-  hs.status = "Progressing"
-  hs.message = "Waiting for the cluster agent to fold generation " .. tostring(generation)
-    .. " (Ready is of generation " .. tostring(ready.observedGeneration) .. ")"
+if behind(ready.observedGeneration, "Ready") then
   return hs
 end
 local message = ready.message

@@ -31,7 +31,6 @@ import functools
 import math
 import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -43,7 +42,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
-from gpu_agent.mechanisms.domain.conditions import READY, find, generation_of, ready_condition, set_condition, timestamp
+from gpu_agent.mechanisms.domain.conditions import generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
     DomainNode,
@@ -59,6 +58,7 @@ from gpu_agent.mechanisms.domain.entries import (
     spec_of,
     status_entry,
     status_of,
+    with_ready_condition,
 )
 from gpu_agent.mechanisms.domain.members import DOMAIN_LABEL, MemberIndex, legacy_member_name, member_name
 from gpu_agent.mechanisms.domain.transitions import transitions
@@ -226,15 +226,7 @@ def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] 
         new_status["cliques"] = cliques
     else:
         new_status.pop("cliques", None)
-    generation = generation_of(obj)
-    old_conditions = status_of(obj).get("conditions")
-    cond_status, reason, message = ready_condition(
-        expected=expected, joined={n["name"]: n.get("status") == "Ready" for n in nodes}, waiting=waiting,
-        silent=silent & set(members), limit=limit, previous=find(old_conditions))
-    new_status["conditions"] = set_condition(old_conditions, READY, cond_status, reason, message, generation,
-                                             now or timestamp(time.time()))
-    if generation is not None:
-        new_status["observedGeneration"] = generation
+    new_status = with_ready_condition(obj, new_status, now, waiting=waiting, silent=silent & set(members), limit=limit)
     if new_status == status_of(obj):
         return None
     return {**obj, "status": new_status}

@@ -169,17 +169,20 @@ def without_entry(obj: GPUDomain, name: str) -> GPUDomain | None:
     return out
 
 
-def with_ready_condition(obj: GPUDomain, status: DomainStatus, now: str | None = None) -> DomainStatus:
-    """`status` (the optimistic writers' next status of `obj`) with its Ready condition and observedGeneration.
-    These writers enforce no clique bound and track no heartbeat, so no node ever waits or is silent."""
+def with_ready_condition(obj: GPUDomain, status: DomainStatus, now: str | None = None, *,
+                         waiting: dict[str, list[str]] | None = None, silent: Iterable[str] = (),
+                         limit: int | None = None) -> DomainStatus:
+    """`status` (the next status of `obj`) with its Ready condition and observedGeneration. `waiting`,
+    `silent` and `limit` are the folder's (aggregate.py): the optimistic writers enforce no clique bound
+    and track no heartbeat, so for them no node ever waits or is silent."""
     old = status_of(obj).get("conditions")
-    nodes = status.get("nodes") or []
+    generation = generation_of(obj)
     cond = ready_condition(expected=int(spec_of(obj).get("expectedNodes") or 0),
-                           joined={n["name"]: n.get("status") == "Ready" for n in nodes}, waiting={},
-                           previous=find(old))
-    out: DomainStatus = {**status, "conditions": set_condition(old, READY, *cond, generation_of(obj),
+                           joined={n["name"]: n.get("status") == "Ready" for n in status.get("nodes") or []},
+                           waiting=waiting or {}, silent=silent, limit=limit, previous=find(old))
+    out: DomainStatus = {**status, "conditions": set_condition(old, READY, *cond, generation,
                                                                now or timestamp(time.time()))}
-    if (generation := generation_of(obj)) is not None:
+    if generation is not None:
         out["observedGeneration"] = generation
     return out
 
