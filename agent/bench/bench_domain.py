@@ -36,8 +36,14 @@ from pathlib import Path
 from bench.domain_sim import table as sim_table
 from kubernetes import client, config
 
-from gpu_agent.foundations.kube import REQUEST_TIMEOUT
-from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator, MemberWriter, fold
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
+from gpu_agent.mechanisms.domain.aggregate import (
+    FOLDER_CONNECTIONS,
+    Aggregator,
+    EveryDomainAggregator,
+    MemberWriter,
+    fold,
+)
 from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSION, DomainWriter
 from gpu_agent_hooks.cli import apply_crds
@@ -175,7 +181,7 @@ def delete_namespace(api: client.ApiClient, name: str, timeout: float = 180.0) -
 def fold_process(namespace: str, names: list[str], n: int, results: multiprocessing.Queue) -> None:
     """The cluster agent's side of the many-domains run: fold every domain; report when all are formed
     (CLOCK_MONOTONIC is one clock for every process of the machine)."""
-    folding = EveryDomainAggregator(new_client(), namespace, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))
+    folding = EveryDomainAggregator(api_client(KUBECONFIG, connections=FOLDER_CONNECTIONS), namespace, interval=float(os.environ.get("BENCH_FOLD_INTERVAL", "0.1")))
     if os.environ.get("BENCH_FOLD_MAX_INTERVAL"):
         folding.MAX_INTERVAL = float(os.environ["BENCH_FOLD_MAX_INTERVAL"])
     threading.Thread(target=folding.run, daemon=True).start()

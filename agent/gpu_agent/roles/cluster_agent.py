@@ -272,9 +272,9 @@ class ClusterAgent:
             return
         from gpu_agent.foundations.events import EventRecorder
         from gpu_agent.foundations.kube import api_client
-        from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
+        from gpu_agent.mechanisms.domain.aggregate import FOLDER_CONNECTIONS, Aggregator, EveryDomainAggregator
 
-        api = api_client(self.cfg.kubeconfig)
+        api = api_client(self.cfg.kubeconfig, connections=FOLDER_CONNECTIONS)
         self.recorder = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
                                       clock=self.clock)
         threading.Thread(target=self.recorder.run, name="domain-events", daemon=True).start()

@@ -13,8 +13,8 @@ from gpu_agent.mechanisms.domain.reconciler import render_peers
 from gpu_agent.mechanisms.domain.writer import DomainWriter, make_backoff
 
 
-def domain(nodes=(), expected=2, rv=1):
-    return {"metadata": {"name": "d1", "namespace": "default", "resourceVersion": str(rv)},
+def domain(nodes=(), expected=2, rv=1, name="d1"):
+    return {"metadata": {"name": name, "namespace": "default", "resourceVersion": str(rv)},
             "spec": {"expectedNodes": expected}, "status": {"nodes": list(nodes)}}
 
 
@@ -314,16 +314,49 @@ def test_folding_many_domains_waits_longer_for_a_pause_so_their_status_writes_do
     assert folding.window(10_000) == EveryDomainAggregator.MAX_INTERVAL
 
 
+def test_one_watch_of_the_namespace_hands_each_member_to_its_domains_aggregator_whenever_that_starts(monkeypatch):
+    """EveryDomainAggregator watches the namespace's members once and routes them by their domain label: an
+    aggregator started after its members arrived begins with them, a relist replaces what each one has, and
+    a member relabelled into another domain leaves the first."""
+    from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
+
+    monkeypatch.setattr(Aggregator, "run", lambda self: None)  # no API server here: the folding loops stay off
+    folding = EveryDomainAggregator(None, "ns")
+
+    def nodes(domain):
+        return sorted(folding.aggregators[domain].members)
+
+    folding._listed_members({"items": [member("a", "d1"), member("b", "d2"), member("c", "d3")]})
+    folding._listed({"items": [domain(name="d1"), domain(name="d2")]})
+    assert (nodes("d1"), nodes("d2")) == (["a"], ["b"])
+    assert all(agg.members_listed for agg in folding.aggregators.values())
+    folding._member_event("ADDED", member("x", "d1"))
+    assert (nodes("d1"), nodes("d2")) == (["a", "x"], ["b"])
+    folding._event("ADDED", domain(name="d3"))  # a domain created after its member: it starts with it
+    assert nodes("d3") == ["c"]
+    moved = member("x", "d1")
+    moved["metadata"]["labels"]["gpu-agent.io/domain"] = "d2"
+    folding._member_event("MODIFIED", moved)
+    assert (nodes("d1"), nodes("d2")) == (["a"], ["b"])  # d2 does not take a member named for d1 (MemberIndex)
+    folding._member_event("DELETED", member("b", "d2"))
+    assert nodes("d2") == []
+    folding._listed_members({"items": [member("a", "d1"), member("y", "d3")]})  # a relist: all there is
+    assert (nodes("d1"), nodes("d2"), nodes("d3")) == (["a"], [], ["y"])
+    folding._event("DELETED", domain(name="d3"))
+    folding._member_event("ADDED", member("z", "d3"))  # kept for a d3 created again, handed to nobody now
+    assert sorted(folding.aggregators) == ["d1", "d2"] and sorted(folding.members["d3"]) == ["d3.y", "d3.z"]
+
+
 def test_a_member_without_a_spec_is_left_out_and_every_other_member_is_still_folded():
     from gpu_agent.mechanisms.domain.aggregate import Aggregator
 
     folding = Aggregator(None, "ns", "gpus")
     good = member("n1", "gpus", gpuUUIDs=[])
-    folding._listed_members({"items": [{"metadata": {"name": "broken"}}, {"metadata": {"name": "no-node"}, "spec": {}},
+    folding.listed_members({"items": [{"metadata": {"name": "broken"}}, {"metadata": {"name": "no-node"}, "spec": {}},
                                        good, "not an object"]})
     assert folding.members == {"n1": good["spec"]}
-    folding._member_event("MODIFIED", {"metadata": {"name": "broken"}, "spec": None})
-    folding._member_event("DELETED", {"metadata": {"name": "broken"}})
+    folding.member_event("MODIFIED", {"metadata": {"name": "broken"}, "spec": None})
+    folding.member_event("DELETED", {"metadata": {"name": "broken"}})
     assert folding.members == {"n1": good["spec"]}
 
 
@@ -342,7 +375,7 @@ def test_a_stopped_aggregator_ends_its_write_retries_for_a_domain_that_is_gone()
     quick = type("Quick", (SystemClock,), {"sleep_blocking": lambda self, s: threading.Event().wait(0.01)})()
     folding = Aggregator(None, "ns", "deleted-domain", interval=0.01, clock=quick, watch_domain=False, custom_api=Gone())
     folding._watch = lambda: None  # members are handed in below; no API server here
-    folding._listed_members({"items": [member("n1", "deleted-domain")]})
+    folding.listed_members({"items": [member("n1", "deleted-domain")]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
     deadline = threading.Event()
@@ -368,7 +401,7 @@ def test_the_aggregator_waits_on_its_injected_clock_and_marks_a_silent_member_no
     fake = FakeCustom(domain(expected=1))
     folding = Aggregator(None, "default", "d1", interval=0.1, heartbeat_ttl_intervals=3.0, clock=clock, watch_domain=False, custom_api=fake)
     folding._watch = lambda: None  # members are handed in below
-    folding._listed_members({"items": [member("a", ready=True, heartbeat="t1", heartbeatIntervalSeconds=1)]})
+    folding.listed_members({"items": [member("a", ready=True, heartbeat="t1", heartbeatIntervalSeconds=1)]})
     runner = threading.Thread(target=folding.run, daemon=True)
     runner.start()
 
@@ -424,7 +457,7 @@ class DomainOnClock:
         self.fake = FakeCustom(domain(expected=expected))
         self.folding = Aggregator(None, "default", "d1", interval=quiet, clock=self.clock, watch_domain=False, custom_api=self.fake)
         self.folding._watch = lambda: None
-        self.folding._listed_members({"items": []})  # the watch's first list: no member yet
+        self.folding.listed_members({"items": []})  # the watch's first list: no member yet
         self.runner = threading.Thread(target=self.folding.run, daemon=True)
         self.runner.start()
         self._settle()
@@ -442,7 +475,7 @@ class DomainOnClock:
         raise AssertionError("the aggregator did not get back to waiting on its clock")
 
     def arrive(self, name, kind="ADDED"):
-        self.folding._member_event(kind, member(name, ready=True))
+        self.folding.member_event(kind, member(name, ready=True))
         self._settle()
 
     def step(self, seconds):

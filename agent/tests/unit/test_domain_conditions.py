@@ -259,8 +259,8 @@ def test_a_domain_event_before_the_members_are_listed_writes_nothing():
         for _ in range(10):
             clock.step_thread(0.1)
         assert fake.replaces == 0 and [n["name"] for n in fake.obj["status"]["nodes"]] == ["a"]
-        folding._listed_members({"items": [{"metadata": {"name": "d1.a", "labels": {"gpu-agent.io/domain": "d1"}},
-                                            "spec": member("a")}]})
+        folding.listed_members({"items": [{"metadata": {"name": "d1.a", "labels": {"gpu-agent.io/domain": "d1"}},
+                                           "spec": member("a")}]})
         for _ in range(10):
             clock.step_thread(0.1)
         assert fake.replaces == 0, "the members as listed match the status: still nothing to write"

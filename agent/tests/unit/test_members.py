@@ -162,14 +162,14 @@ def test_the_aggregator_keeps_a_node_whose_legacy_member_is_deleted_and_its_hear
 
     folding = Aggregator(None, "ns", "train")
     legacy = obj("n1", name=legacy_member_name("train", "n1"), heartbeat="t0", heartbeatIntervalSeconds=1)
-    folding._listed_members({"items": [legacy]})
+    folding.listed_members({"items": [legacy]})
     assert folding.members == {"n1": legacy["spec"]}
     canonical = obj("n1", heartbeat="t1", heartbeatIntervalSeconds=1)
-    folding._member_event("ADDED", canonical)
-    folding._member_event("DELETED", legacy)
+    folding.member_event("ADDED", canonical)
+    folding.member_event("DELETED", legacy)
     assert folding.members == {"n1": canonical["spec"]}
     assert folding.heartbeats.seen["n1"][0] == "t1"
-    folding._member_event("DELETED", canonical)
+    folding.member_event("DELETED", canonical)
     assert folding.members == {} and "n1" not in folding.heartbeats.seen
 
 
