@@ -526,7 +526,10 @@ class EveryDomainAggregator:
     domain its label names), not one watch per domain: a thousand domains would otherwise hold a thousand
     connections and reader threads, and the API server would test every member event against each of
     their selectors. It keeps every member by domain, so an aggregator started for a new domain begins
-    with the members that arrived before it (node agents may apply theirs first).
+    with the members that arrived before it (node agents may apply theirs first). Measured with make
+    bench-domain (64 x 18, five runs): one watch per domain, median 1.21 to 1.44 times the floor, the
+    folder seeing a domain's last member 0.2 to 0.5 s after its apply; one watch, 0.92, and before the
+    node agent's own apply call has returned.
     """
 
     MAX_INTERVAL = 2.0
