@@ -253,6 +253,25 @@ def watch_process(namespace: str, m: int, results: multiprocessing.Queue) -> Non
     results.put((modified, ready_at))
 
 
+SERVERS = ("kube-apiserver", "etcd", "kube-controller-manager")
+
+
+def server_cpu() -> dict[str, float]:
+    """CPU seconds the control plane's processes have used, where they run on this machine (the CI cluster);
+    empty elsewhere. What each side of a run cost the API server and etcd, beside its time."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            comm = (proc / "comm").read_text().strip()
+            if comm in SERVERS:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                used[comm] = used.get(comm, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return used
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
@@ -302,6 +321,7 @@ def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
             ok[k] = writers[k][0].ensure(writers[k][1], deadline=time.monotonic() + 300)
             applied[k] = time.monotonic()
 
+        cpu_before = server_cpu()
         started = run_together(write, len(writers), 600)
         finished = max(applied)
         out: dict[str, float] = {"lost": float(len(ok) - sum(ok)), "dup": 0.0}
@@ -337,6 +357,9 @@ def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
             out["saw_p50"], out["saw_p99"] = percentile(folder_saw, 0.5), percentile(folder_saw, 0.99)
             out["wrote_p50"], out["wrote_p99"] = percentile(folder_wrote, 0.5), percentile(folder_wrote, 0.99)
         out["t"] = finished - started
+        cpu_after = server_cpu()  # the formed side: once every domain was formed (and 1 s of late writes)
+        out["server_cpu"] = sum(cpu_after.get(k, 0.0) - cpu_before.get(k, 0.0) for k in SERVERS)
+        out["apiserver_cpu"] = cpu_after.get("kube-apiserver", 0.0) - cpu_before.get("kube-apiserver", 0.0)
         for api in domain_clients:
             api.close()
         out["ns_gone_s"] = delete_namespace(admin, namespace)
@@ -351,6 +374,8 @@ def many_domains_run(m: int, n: int, run: int) -> dict[str, float]:
             "initial_writes": formed["initial_writes"], "t": formed["t"], "floors": (before["t"], after["t"]),
             "floor": floor, "ratio": formed["t"] / floor, "status_writes": formed["status_writes"],
             "lost": formed["lost"] + before["lost"] + after["lost"], "dup": formed["dup"],
+            "server_cpu": (before["server_cpu"], formed["server_cpu"], after["server_cpu"]),
+            "apiserver_cpu": (before["apiserver_cpu"], formed["apiserver_cpu"], after["apiserver_cpu"]),
             "ready_p50": formed["ready_p50"], "ready_p99": formed["ready_p99"], "never_ready": formed["never_ready"]}
 
 
@@ -368,7 +393,10 @@ def many_domains(m: int, n: int, runs: int) -> list[str]:
               f"{r['status_writes']:>13.0f} {r['status_writes'] / m:>10.2f} {r['ready_p50']:>8.2f}s {r['ready_p99']:>8.2f}s "
               f"{r['lost']:>5.0f} {r['dup']:>7.0f}   (aggregator: {why}; {r['initial_writes']:.0f} first statuses before;"
               f" last apply -> folder saw it p50/p99 {r['saw_p50']:.2f}/{r['saw_p99']:.2f}s -> its write returned"
-              f" {r['wrote_p50']:.2f}/{r['wrote_p99']:.2f}s; folder CPU {r['folder_cpu']:.1f}s)"
+              f" {r['wrote_p50']:.2f}/{r['wrote_p99']:.2f}s; folder CPU {r['folder_cpu']:.1f}s;"
+              f" API server + etcd + controller-manager CPU floor before/formed/after"
+              f" {'/'.join(f'{c:.1f}' for c in r['server_cpu'])}s, of it the API server"
+              f" {'/'.join(f'{c:.1f}' for c in r['apiserver_cpu'])}s)"
               f"{never}", flush=True)
     ordered = sorted(ratios)
     return [f"median ratio of {runs} runs: {ordered[len(ordered) // 2] if runs % 2 else sum(ordered[runs // 2 - 1:runs // 2 + 1]) / 2:.2f}"

@@ -443,6 +443,45 @@ def test_write_schedule_timing_rules():
     assert not s.waiting and not s.due(20.0, prompt=True)
 
 
+def test_with_shared_arrivals_a_write_nobody_waits_for_waits_for_the_whole_namespace_to_pause():
+    """One folder of many domains: a domain whose own members paused still waits while members arrive at any
+    other domain (all land on one API server), until they pause too or its bound passes."""
+    from gpu_agent.mechanisms.domain.aggregate import Arrivals, WriteSchedule
+
+    arrivals = Arrivals()
+    s = WriteSchedule(quiet=0.5, bound=5.0, shared=arrivals)
+    s.changed(10.0)
+    arrivals.saw(10.3)  # another domain's member
+    assert not s.due(10.5, prompt=False) and s.wait(10.5) == pytest.approx(0.3)
+    assert s.due(10.8, prompt=False)  # the namespace paused too
+    for t in range(1, 30):  # another domain forming without a pause: only the bound writes this one
+        arrivals.saw(10.0 + 0.2 * t)
+        assert s.due(10.0 + 0.2 * t, prompt=False) == (0.2 * t >= 5.0 - 1e-9)
+    assert s.due(10.2, prompt=True)  # a change a reader waits for does not wait for anyone
+
+
+def test_a_members_heartbeat_is_no_arrival_but_a_join_a_change_or_a_departure_is():
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.mechanisms.domain.aggregate import EveryDomainAggregator
+
+    clock = ManualClock()
+    folding = EveryDomainAggregator(None, "ns", clock=clock)
+    folding._listed_members({"items": []})
+    seen = []
+
+    def event(kind, obj):
+        clock.advance_blocking(1.0)  # no thread waits on it here
+        folding._member_event(kind, obj)
+        seen.append(folding.arrivals.last == clock.monotonic())
+
+    event("ADDED", member("a", "d1", ready=False, heartbeat="t1"))
+    event("MODIFIED", member("a", "d1", ready=False, heartbeat="t2"))
+    event("MODIFIED", member("a", "d1", ready=True, heartbeat="t2"))
+    event("MODIFIED", member("a", "d1", ready=True, heartbeat="t3"))
+    event("DELETED", member("a", "d1", ready=True, heartbeat="t3"))
+    assert seen == [True, False, True, False, True]
+
+
 class DomainOnClock:
     """An Aggregator on a ManualClock over a FakeCustom, members handed in by the test: `arrive`
     returns once the aggregator has handled the change and waits on the clock again."""

@@ -186,6 +186,17 @@ class MemberWriter(DomainView):
         return self.legacy_done
 
 
+def _same_but_heartbeat(before: dict[str, Any] | None, after: dict[str, Any]) -> bool:
+    """Whether a member's new version differs from the one before only in its heartbeat (a renewal, no arrival)."""
+    if before is None:
+        return False
+    renewal = ("heartbeat",)
+    old, new = before.get("spec") or {}, after.get("spec") or {}
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return old == new
+    return {k: v for k, v in old.items() if k not in renewal} == {k: v for k, v in new.items() if k not in renewal}
+
+
 def _clique_of(spec: MemberSpec) -> str:
     return str(spec.get("clique") or "")
 
@@ -292,12 +303,26 @@ def readiness_moved(old: GPUDomain, new: GPUDomain) -> bool:
 
 
 @dataclass
+class Arrivals:
+    """When a member last arrived or changed anywhere in a folder's view (monotonic seconds; a heartbeat
+    alone is no arrival), shared by the aggregators of one EveryDomainAggregator."""
+
+    last: float = -math.inf
+
+    def saw(self, now: float) -> None:
+        self.last = max(self.last, now)  # one float, written by the members' watch thread, read by the folders
+
+
+@dataclass
 class WriteSchedule:
     """When a domain's pending status change is written; the timing rules, on the caller's clock:
 
     - a prompt change (see readiness_moved) is written at once;
     - any other change waits until no member has changed for `quiet` seconds (the arrivals paused),
       or until `bound` seconds have passed since the first unwritten change, whichever comes first.
+      With `shared` arrivals (one folder of many domains) the pause is the namespace's: every domain's
+      writes land on one API server, so while members still stream into any domain, a write nobody waits
+      for waits (for the bound at most).
 
     So a domain forming while its members stream in takes about one write when it turns Ready (plus
     one per `bound` of a long formation) instead of one per batch, and a lone change (one node
@@ -309,6 +334,10 @@ class WriteSchedule:
     bound: float
     first: float | None = None  # monotonic time of the first unwritten change
     last: float = 0.0  # ... and of the latest
+    shared: Arrivals | None = None
+
+    def _paused_since(self) -> float:
+        return self.last if self.shared is None else max(self.last, self.shared.last)
 
     @property
     def waiting(self) -> bool:
@@ -328,7 +357,7 @@ class WriteSchedule:
             return None
         if prompt:
             return "prompt"
-        if now - self.last >= self.quiet:
+        if now - self._paused_since() >= self.quiet:
             return "quiet"
         return "bound" if now - self.first >= self.bound else None
 
@@ -336,7 +365,7 @@ class WriteSchedule:
         """Seconds until the pending change is due if nothing else arrives (inf when none is pending)."""
         if self.first is None:
             return math.inf
-        return max(0.0, min(self.last + self.quiet, self.first + self.bound) - now)
+        return max(0.0, min(self._paused_since() + self.quiet, self.first + self.bound) - now)
 
     def written(self) -> None:
         self.first = None
@@ -350,12 +379,14 @@ class Aggregator:
     def __init__(self, api: client.ApiClient, namespace: str, domain: str, *, interval: float = 0.1,
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
                  rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None,
-                 recorder: EventRecorder | None = None, watch_domain: bool = True, watch_members: bool = True) -> None:
+                 recorder: EventRecorder | None = None, watch_domain: bool = True, watch_members: bool = True,
+                 arrivals: Arrivals | None = None) -> None:
         """`custom_api`: the API client's unless handed one (unit tests hand in fakes). `recorder`: where
         the Events of each written change go (none: not told). `watch_domain`: watch the GPUDomain itself,
         so a spec change (expectedNodes, maxNodesPerClique) is folded at once; `watch_members`: watch its
         members (listed_members, member_event). Either False when the caller forwards them
-        (EveryDomainAggregator watches them all, one watch of each kind for the namespace)."""
+        (EveryDomainAggregator watches them all, one watch of each kind for the namespace). `arrivals`: the
+        namespace's, when the caller folds many domains (see WriteSchedule)."""
         self.api = api
         self.recorder = recorder
         self.watch_domain = watch_domain
@@ -378,7 +409,7 @@ class Aggregator:
         self.index = MemberIndex(domain, self.writer.where)
         self.writes = 0
         self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
-        self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND)
+        self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND, shared=arrivals)
 
     def listed_members(self, listed: Any) -> None:
         with self._lock:
@@ -549,6 +580,7 @@ class EveryDomainAggregator:
         # new domain's aggregator begins with.
         self.members: dict[str, dict[str, Any]] | None = None
         self._domain_of: dict[str, str] = {}  # member object name -> the domain its label named when last seen
+        self.arrivals = Arrivals()
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -564,7 +596,7 @@ class EveryDomainAggregator:
                 agg = Aggregator(self.api, self.namespace, name, interval=interval,
                                  heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
                                  rng=random.Random(f"{self._seed}/{name}"), recorder=self.recorder, watch_domain=False,
-                                 watch_members=False)
+                                 watch_members=False, arrivals=self.arrivals)
                 if self.members is not None:  # before the members' first list it is handed them with the rest
                     agg.listed_members({"items": list(self.members.get(name, {}).values())})
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
@@ -612,6 +644,8 @@ class EveryDomainAggregator:
                 return
             name, domain = self._member_key(obj)
             before = self._domain_of.pop(name, None)
+            if kind == "DELETED" or not _same_but_heartbeat(self.members.get(domain, {}).get(name), obj):
+                self.arrivals.saw(self.clock.monotonic())
             if before is not None and (before != domain or kind == "DELETED"):
                 self.members.get(before, {}).pop(name, None)
                 if before != domain and before in self.aggregators:
