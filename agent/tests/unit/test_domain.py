@@ -312,6 +312,8 @@ def test_folding_many_domains_waits_longer_for_a_pause_so_their_status_writes_do
     assert folding.window(1) == pytest.approx(0.1)  # one domain: as quick as the single aggregator
     assert folding.window(64) == pytest.approx(1.6)
     assert folding.window(10_000) == EveryDomainAggregator.MAX_INTERVAL
+    # ... and a write nobody waits for may wait longer while members keep arriving
+    assert (folding.bound(1), folding.bound(64), folding.bound(10_000)) == pytest.approx((5.0, 16.0, 20.0))
 
 
 def test_one_watch_of_the_namespace_hands_each_member_to_its_domains_aggregator_whenever_that_starts(monkeypatch):
@@ -329,6 +331,7 @@ def test_one_watch_of_the_namespace_hands_each_member_to_its_domains_aggregator_
     folding._listed_members({"items": [member("a", "d1"), member("b", "d2"), member("c", "d3")]})
     folding._listed({"items": [domain(name="d1"), domain(name="d2")]})
     assert (nodes("d1"), nodes("d2")) == (["a"], ["b"])
+    assert {(a.pending.quiet, a.pending.bound) for a in folding.aggregators.values()} == {(folding.window(2), 5.0)}
     assert all(agg.members_listed for agg in folding.aggregators.values())
     folding._member_event("ADDED", member("x", "d1"))
     assert (nodes("d1"), nodes("d2")) == (["a", "x"], ["b"])
