@@ -188,13 +188,10 @@ class MemberWriter(DomainView):
 
 def _same_but_heartbeat(before: dict[str, Any] | None, after: dict[str, Any]) -> bool:
     """Whether a member's new version differs from the one before only in its heartbeat (a renewal, no arrival)."""
-    if before is None:
-        return False
-    renewal = ("heartbeat",)
-    old, new = before.get("spec") or {}, after.get("spec") or {}
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return old == new
-    return {k: v for k, v in old.items() if k not in renewal} == {k: v for k, v in new.items() if k not in renewal}
+    def rest(obj: dict[str, Any]) -> Any:
+        spec = obj.get("spec") or {}
+        return {k: v for k, v in spec.items() if k != "heartbeat"} if isinstance(spec, dict) else spec
+    return before is not None and rest(before) == rest(after)
 
 
 def _clique_of(spec: MemberSpec) -> str:
@@ -380,13 +377,13 @@ class Aggregator:
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
                  rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None,
                  recorder: EventRecorder | None = None, watch_domain: bool = True, watch_members: bool = True,
-                 arrivals: Arrivals | None = None) -> None:
+                 arrivals: Arrivals | None = None, bound: float = COALESCE_BOUND) -> None:
         """`custom_api`: the API client's unless handed one (unit tests hand in fakes). `recorder`: where
         the Events of each written change go (none: not told). `watch_domain`: watch the GPUDomain itself,
         so a spec change (expectedNodes, maxNodesPerClique) is folded at once; `watch_members`: watch its
         members (listed_members, member_event). Either False when the caller forwards them
         (EveryDomainAggregator watches them all, one watch of each kind for the namespace). `arrivals`: the
-        namespace's, when the caller folds many domains (see WriteSchedule)."""
+        namespace's, when the caller folds many domains, with its `bound` (see WriteSchedule)."""
         self.api = api
         self.recorder = recorder
         self.watch_domain = watch_domain
@@ -409,7 +406,7 @@ class Aggregator:
         self.index = MemberIndex(domain, self.writer.where)
         self.writes = 0
         self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
-        self.pending = WriteSchedule(quiet=interval, bound=self.COALESCE_BOUND, shared=arrivals)
+        self.pending = WriteSchedule(quiet=interval, bound=bound, shared=arrivals)
 
     def listed_members(self, listed: Any) -> None:
         with self._lock:
@@ -551,7 +548,7 @@ class EveryDomainAggregator:
     turning Ready or losing readiness is written at once whatever the count). Measured with make
     bench-domain, 64 domains x 18 members formed at once: with writes every 0.1 to 1 s whatever
     changed, 200 to 600 status writes and 1.4 to 2.7 times the floor of the member applies alone; with
-    prompt writes and a 0.8 s quiet period, about 2 writes per domain; with 1.6 s, about 1.3.
+    prompt writes and a per-domain quiet period of 0.8 to 1.6 s, 1.3 to 2 writes per domain.
 
     One watch of every member of the namespace feeds them all (each member goes to the aggregator of the
     domain its label names), not one watch per domain: a thousand domains would otherwise hold a thousand
@@ -609,8 +606,7 @@ class EveryDomainAggregator:
                 agg = Aggregator(self.api, self.namespace, name, interval=interval,
                                  heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
                                  rng=random.Random(f"{self._seed}/{name}"), recorder=self.recorder, watch_domain=False,
-                                 watch_members=False, arrivals=self.arrivals)
-                agg.pending.bound = bound
+                                 watch_members=False, arrivals=self.arrivals, bound=bound)
                 if self.members is not None:  # before the members' first list it is handed them with the rest
                     agg.listed_members({"items": list(self.members.get(name, {}).values())})
                 threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
