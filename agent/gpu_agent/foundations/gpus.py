@@ -1,9 +1,20 @@
-"""The inventory shape every GPU source produces (NVML, fake file, cluster)."""
+"""The inventory shape every GPU source produces (NVML, fake file, cluster).
+
+Every GPU a source lists carries its health: `Healthy`, `Unhealthy` (a critical Xid or an ECC
+error, named in `health_reason`) or `Lost` (listed but not answering: fallen off the bus).
+A listed GPU that is not healthy is still in the inventory, so that status can name it; only
+the healthy ones count for work (`Inventory.healthy`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+LOST = "Lost"
+HEALTH_STATES = (HEALTHY, UNHEALTHY, LOST)
 
 
 @dataclass(frozen=True)
@@ -13,6 +24,13 @@ class GPU:
     memory_total_bytes: int
     mig_mode: bool = False
     index: int = 0
+    health: str = HEALTHY  # one of HEALTH_STATES
+    health_reason: str = ""  # why it is not healthy, e.g. "Xid 79 (GPU has fallen off the bus)"; "" when healthy
+    health_since: float = 0.0  # wall-clock seconds when `health` last changed; 0 when never known to change
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.health == HEALTHY
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -29,6 +47,15 @@ class Inventory:
     @property
     def count(self) -> int:
         return len(self.gpus)
+
+    @property
+    def healthy(self) -> tuple[GPU, ...]:
+        """The GPUs that can take work."""
+        return tuple(g for g in self.gpus if g.is_healthy)
+
+    @property
+    def unhealthy(self) -> tuple[GPU, ...]:
+        return tuple(g for g in self.gpus if not g.is_healthy)
 
     @property
     def uuids(self) -> frozenset[str]:
