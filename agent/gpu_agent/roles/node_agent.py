@@ -120,7 +120,7 @@ class NodeAgent:
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
 
     async def _gpus_changed(self, event: InventoryEvent) -> None:
-        self.metrics.gpus.set(event.inventory.count)
+        self.metrics.gpus.set(len(event.inventory.healthy))
         self.metrics.gpu_generation.set(event.generation)
         if self.domain is not None:
             self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0,
