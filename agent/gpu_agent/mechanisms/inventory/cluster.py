@@ -25,7 +25,7 @@ from typing import Any
 
 from kubernetes import client
 
-from gpu_agent.foundations.gpus import GPU, UNHEALTHY, Inventory
+from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.inventory.source import Reading
@@ -70,8 +70,8 @@ def inventory_of(table: dict[str, NodeGPUs]) -> Inventory:
         for i in range(counts.capacity):
             healthy = i < counts.allocatable
             gpus.append(GPU(uuid="GPU-" + str(uuid.uuid5(_NS, f"{node}/{i}")), name=f"{RESOURCE} {i} on {node}",
-                            memory_total_bytes=1, index=len(gpus),
-                            **({} if healthy else {"health": UNHEALTHY, "health_reason": reason})))
+                            memory_total_bytes=1, index=len(gpus), health=HEALTHY if healthy else UNHEALTHY,
+                            health_reason="" if healthy else reason))
     return Inventory(tuple(gpus))
 
 
