@@ -176,9 +176,11 @@ def health_release(api, core, apps, kubeconfig, namespace, fake_gpus):
         wait_until(lambda: (r.healthz()[1] or {}).get("active"), 60, "the cluster agent Ready and active on 4 GPUs")
         yield r, faults
     finally:
-        faults.clear()
-        r.uninstall_if_installed()
-        fake_gpus.set(0)
+        try:
+            faults.clear()
+        finally:
+            r.uninstall_if_installed()
+            fake_gpus.set(0)
 
 
 @pytest.mark.fast
