@@ -92,14 +92,27 @@ def test_a_driver_that_appears_late_is_picked_up():
     assert nvml.inits == 3  # initialised once, then kept
 
 
-def test_a_lost_gpu_is_an_error_and_nvml_is_reinitialised():
+def test_a_lost_gpu_stays_listed_as_lost_under_its_last_uuid_and_nvml_stays_initialised():
     nvml = FakeNVML([H200])
     src = NVMLSource(nvml)
     assert src.read().inventory.count == 1
     nvml.lost = True
     r = src.read()
-    assert "NVML error 15" in r.error and nvml.shutdowns == 1
+    assert r.error is None and [(g.uuid, g.health) for g in r.inventory.gpus] == [(H200["uuid"], "Lost")]
+    assert "GPU_IS_LOST" in r.inventory.gpus[0].health_reason and nvml.shutdowns == 0
     nvml.lost = False
+    r = src.read()
+    assert [(g.uuid, g.health) for g in r.inventory.gpus] == [(H200["uuid"], "Healthy")] and nvml.inits == 1
+
+
+def test_other_errors_while_reading_are_errors_and_nvml_is_reinitialised():
+    nvml = FakeNVML([H200])
+    src = NVMLSource(nvml)
+    assert src.read().inventory.count == 1
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: (_ for _ in ()).throw(NVMLError(999))
+    r = src.read()
+    assert "NVML error 999" in r.error and nvml.shutdowns == 1
+    del nvml.nvmlDeviceGetMemoryInfo
     assert src.read().inventory.count == 1 and nvml.inits == 2
 
 
@@ -154,5 +167,7 @@ def test_no_clique_when_gpus_disagree_are_still_registering_failed_or_have_no_fa
 def test_a_binding_without_the_fabric_call_means_no_fabric_and_other_fabric_errors_are_errors():
     r = NVMLSource(FakeNVML([H200])).read()  # FakeNVML has no nvmlDeviceGetGpuFabricInfo
     assert r.inventory.clique == "" and r.inventory.fabric.startswith("fabric not supported")
-    broken = reading_of({**H200, "fabric": FakeNVML.NVML_ERROR_GPU_IS_LOST})
-    assert broken.error is not None and "NVML error 15" in broken.error
+    lost = reading_of({**H200, "fabric": FakeNVML.NVML_ERROR_GPU_IS_LOST})
+    assert lost.error is None and [g.health for g in lost.inventory.gpus] == ["Lost"]
+    broken = reading_of({**H200, "fabric": 999})
+    assert broken.error is not None and "NVML error 999" in broken.error
