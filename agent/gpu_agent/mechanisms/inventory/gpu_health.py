@@ -10,7 +10,8 @@ into each GPU's `health`:
     Unhealthy ──(answering normally, no critical event for `recovery` seconds)──> Healthy
     Lost ──(listed and answering again)──> Healthy (Unhealthy until `recovery` seconds after a critical event)
 
-Nothing here restarts anything: a GPU that recovers (after a reset: the same UUID answering with
+A GPU leaves a state only after one read has reported it, so with a window of 0 s (the fake's) an
+event still shows in one reading. Nothing here restarts anything: a GPU that recovers (after a reset: the same UUID answering with
 no new critical event for `recovery` seconds) counts again, which the device plugin's users ask
 for (k8s-device-plugin 234, 1014). Ignored Xids (application errors) and single-bit ECC errors
 change nothing; they are counted. An event for a GPU the source does not list is logged once and
@@ -73,6 +74,7 @@ class _Track:
     last_critical: float | None = None  # monotonic time of the last critical event or fault seen
     critical_reason: str = ""
     index: int = 0
+    reported: bool = True  # a read has handed out the current health (so a window of 0 s still shows an event)
 
 
 class HealthTracker:
@@ -145,7 +147,7 @@ class HealthTracker:
                     if track.health == LOST:  # answering again, and faulty
                         self._move(g.uuid, track, UNHEALTHY, reason)
                 elif track.health != HEALTHY:
-                    quiet = track.last_critical is None or now - track.last_critical >= self.recovery
+                    quiet = track.reported and (track.last_critical is None or now - track.last_critical >= self.recovery)
                     if quiet:
                         self._move(g.uuid, track, HEALTHY, "answering normally" + (
                             f" with no critical event for {self.recovery:g}s" if track.last_critical is not None else ""))
@@ -153,6 +155,7 @@ class HealthTracker:
                         self._move(g.uuid, track, UNHEALTHY, f"answering again; {track.critical_reason} "
                                    f"{now - track.last_critical:.0f}s ago (recovery {self.recovery:g}s)"
                                    if track.last_critical is not None else track.critical_reason)
+                track.reported = True
                 out.append(replace(g, health=track.health, health_reason=track.reason, health_since=track.since))
             self._listed = frozenset(g.uuid for g in out)
             self._forget_unlisted()
@@ -183,6 +186,7 @@ class HealthTracker:
         track.health = to
         track.reason = "" if to == HEALTHY else reason
         track.since = self.clock.wall()
+        track.reported = False
         self.metrics.gpu_health_transition(to)
         if to == HEALTHY:
             log.info("GPU %s (index %d) %s -> Healthy: %s", uuid, track.index, before, reason)

@@ -90,7 +90,11 @@ class EventWatch:
                 self.tracker.clock.wait_blocking(self.stopping, 1.0)
                 continue
             self.waits += 1
-            self._deliver(data)
+            try:
+                self._deliver(data)
+            except Exception as e:  # noqa: BLE001 - one odd event must not end the watch for every GPU
+                self.errors = [*self.errors[-9:], f"{type(e).__name__}: {e}"]
+                log.warning("an NVML event could not be handled (%s: %s); the watch goes on", type(e).__name__, e)
 
     def _deliver(self, data: Any) -> None:
         n = self._nvml
