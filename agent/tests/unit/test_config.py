@@ -143,6 +143,6 @@ def test_gpu_health_settings_default_to_the_device_plugin_and_the_sources_window
         assert parse(["--config", str(f)]).gpuHealthIgnoredXids == expected
     for text in ("[13, x]", "[true]", "{a: 1}", "[1.5]"):
         f.write_text(f"gpuHealthIgnoredXids: {text}\n")
-        with pytest.raises(ConfigError, match="gpuHealthIgnoredXids .*from config file"):
+        with pytest.raises(ConfigError, match=r"gpuHealthIgnoredXids .*from config file"):
             parse(["--config", str(f)])
     assert "gpuHealthIgnoredXids: [13, 31, 43, 45, 68, 109]" in parse([]).describe()
