@@ -152,6 +152,7 @@ def test_list_and_watch_sends_again_when_only_a_gpus_health_changes(plugin):
     _, devices, runner = plugin
     channel, dp = stub(runner)
     stream = dp.ListAndWatch(api_pb2.Empty(), timeout=10)  # a send that never comes fails the test, not hangs it
+    assert list(next(stream).devices) == []  # the list when the stream opened
     healthy = inventory(3)
     devices.set(healthy)
     assert {d.health for d in next(stream).devices} == {"Healthy"}
