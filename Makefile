@@ -96,7 +96,7 @@ bench-domain: setup
 	$(MAKE) -C ci cluster-up
 	PYTHONPATH=agent $(BIN)/python agent/bench/bench_domain.py
 
-## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, then /healthz
+## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, health and events (3 s wait), then /healthz
 gpu-check:
 	bash scripts/gpu-check.sh
 

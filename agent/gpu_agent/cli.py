@@ -26,6 +26,7 @@ from gpu_agent.foundations.control_plane_client import ControlPlaneClient, Contr
 from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.version import VersionAction, version_info
+from gpu_agent.mechanisms.inventory.nvml import NVMLSource, describe_events
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
 from gpu_agent.roles import cluster_agent, local, node_agent
 from gpu_agent.roles.control_plane import main as control_plane
@@ -141,9 +142,15 @@ async def _serve(cfg: Config) -> None:
 def _print_inventory(cfg: InventoryConfig) -> int:
     source = make_source(cfg)
     reading = source.read()
-    doc = {"source": source.name, "count": reading.inventory.count, "gpus": reading.inventory.to_json(),
+    gpus = [{**g.to_json(), "health": g.health, **({"healthReason": g.health_reason} if g.health_reason else {})}
+            for g in reading.inventory.gpus]
+    doc = {"source": source.name, "count": reading.inventory.count, "gpus": gpus,
            "clique": reading.inventory.clique, "fabric": reading.inventory.fabric,
            "error": reading.error, "note": reading.note}
+    if isinstance(source, NVMLSource):  # the health events each GPU supports and those the source registered
+        doc["healthEvents"] = {uuid: {"supported": describe_events(mask),
+                                      "registered": describe_events(source.registered_events.get(uuid, 0))}
+                               for uuid, mask in source.supported_events.items()}
     source.close()
     print(json.dumps(doc, indent=2))
     return 1 if reading.error else 0

@@ -5,6 +5,7 @@ $FAKE_GPU_STATE_FILE, else .run/fake-gpus.json:
 
     fake-gpu set --count 4 [--product NAME] [--memory-mib N] [--clique NAME]
     fake-gpu cycle --from 0 --to 4 --times 3 [--interval 2]
+    fake-gpu fault --gpu 1 (--xid 79 | --ecc single|double | --lost)     fake-gpu fault --clear [--gpu 1]
     fake-gpu status
     fake-gpu --version
 
@@ -12,6 +13,11 @@ On a cluster with charts/fake-gpu installed, name the node (KUBECONFIG as usual)
 
     fake-gpu set --node NODE --count N [--clique rack-a]     fake-gpu status --node any
     fake-gpu cycle --node NODE --from 0 --to 4 --times 3
+    fake-gpu fault --node NODE --gpu 0 --xid 48              fake-gpu fault --node NODE --clear
+
+A fault is classified as the agents classify real errors (gpu_agent.foundations.xids): an application
+Xid (13, 31, 43, 45, 68, 109) or a single-bit ECC error changes nothing; Xid 79 and --lost make the GPU
+Lost; any other Xid and a double-bit ECC error make it Unhealthy. `--clear` makes it Healthy again.
 
 Inside the cluster: `fake-gpu --release R daemon` (the DaemonSet; it labels its node as GPU feature
 discovery would), `fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
@@ -27,13 +33,27 @@ import os
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fake_gpu.layout import DEFAULT_MEMORY_MIB, DEFAULT_PRODUCT, MAX_GPUS, LayoutError, build
+from fake_gpu.layout import (
+    DEFAULT_MEMORY_MIB,
+    DEFAULT_PRODUCT,
+    MAX_GPUS,
+    Fault,
+    LayoutError,
+    build,
+    classify,
+    faults_of,
+)
 from fake_gpu.layout_source import LEGACY_CONFIGMAP
 from gpu_agent.foundations import fake_state, klog
-from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.gpus import GPU, HEALTHY, Inventory
 from gpu_agent.foundations.version import VersionAction
+
+if TYPE_CHECKING:
+    from fake_gpu.cluster import ClusterLayout  # imported when used: it loads the Kubernetes client
 
 DEFAULT_NAMESPACE = os.environ.get("FAKE_GPU_NAMESPACE", "gpu-agent")
 
@@ -48,13 +68,44 @@ def _current(path: Path) -> Inventory:
 def _set_local(path: Path, count: int, product: str, memory_mib: int, max_gpus: int, clique: str | None) -> str:
     current = _current(path)
     inventory = build(current, count, product, memory_mib, random.Random(), max_gpus,
-                      current.clique if clique is None else clique)
+                      current.clique if clique is None else clique, faults_of(current))
+    _write_local(path, inventory)
+    return f"{path}: {inventory.count} fake GPUs" + (f", clique {inventory.clique}" if inventory.clique else "")
+
+
+def _write_local(path: Path, inventory: Inventory) -> None:
     try:
         fake_state.write_atomic(path, fake_state.render(inventory, node="local"))
     except OSError as e:
         raise LayoutError(f"cannot write the state file {path}: {e.strerror or e}; "
                           "choose a writable one with --state-file PATH") from None
-    return f"{path}: {inventory.count} fake GPUs" + (f", clique {inventory.clique}" if inventory.clique else "")
+
+
+def _fault_local(path: Path, gpu: int | None, fault: Fault | None, clear: bool) -> str:
+    current = fake_state.read(path)
+    if gpu is not None and not 0 <= gpu < current.count:
+        raise LayoutError(f"--gpu must be between 0 and {current.count - 1} ({path} has {current.count} fake GPUs), "
+                          f"got {gpu}")
+    if not clear and fault is None:
+        return ""  # an error that does not act: the file stays as it is
+
+    def mended(g: GPU) -> GPU:
+        if gpu is not None and g.index != gpu:
+            return g
+        if fault is None:
+            return replace(g, health=HEALTHY, health_reason="")
+        return replace(g, health=fault.health, health_reason=fault.reason)
+
+    _write_local(path, replace(current, gpus=tuple(mended(g) for g in current.gpus)))
+    return str(path)
+
+
+def _fault_message(where: str, gpu: int | None, fault: Fault | None, clear: bool, why: str) -> str:
+    if clear:
+        return f"{where}: " + ("every fault cleared (all GPUs Healthy)" if gpu is None else f"GPU {gpu} cleared (Healthy)")
+    if fault is None:
+        return f"{where}: GPU {gpu} unchanged: {why}"
+    return f"{where}: GPU {gpu} is now {fault.health}: {fault.reason}" + (f"; {why}" if why else "")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,13 +121,25 @@ def _parser() -> argparse.ArgumentParser:
     p_set = sub.add_parser("set", help="set the number of fake GPUs")
     p_cycle = sub.add_parser("cycle", help="go back and forth between two counts")
     p_status = sub.add_parser("status", help="print the current fake GPUs as JSON")
+    p_fault = sub.add_parser("fault", help="break one fake GPU as a real one breaks (an Xid, an ECC error, lost), or "
+                                           "clear faults")
+    p_fault.add_argument("--gpu", type=int, default=None, help="the GPU's index, 0-based (required but with --clear, "
+                                                               "which without it clears every GPU)")
+    what = p_fault.add_mutually_exclusive_group(required=True)
+    what.add_argument("--xid", type=int, default=None, help="a critical Xid: 79 makes the GPU Lost, 13, 31, 43, 45, 68 "
+                                                            "and 109 (application errors) change nothing, any other "
+                                                            "makes it Unhealthy")
+    what.add_argument("--ecc", choices=("single", "double"), default=None,
+                      help="an ECC error: double makes the GPU Unhealthy, single is corrected and changes nothing")
+    what.add_argument("--lost", action="store_true", help="the GPU stops answering (NVML_ERROR_GPU_IS_LOST)")
+    what.add_argument("--clear", action="store_true", help="make the GPU (or, without --gpu, every GPU) Healthy again")
     for p in (p_set, p_cycle):
         p.add_argument("--product", default=DEFAULT_PRODUCT, help=f"product name (default {DEFAULT_PRODUCT!r})")
         p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB, help=f"memory per GPU in MiB (default {DEFAULT_MEMORY_MIB})")
         p.add_argument("--max", type=int, default=MAX_GPUS, dest="max_gpus", help=f"largest count accepted locally (default {MAX_GPUS})")
         p.add_argument("--clique", default=None, help="the node's fake NVLink clique (a rack), e.g. rack-a; '' for none "
                                                       "(default: keep the current one)")
-    for p in (p_set, p_cycle, p_status):
+    for p in (p_set, p_cycle, p_status, p_fault):
         p.add_argument("--node", default=None, help="a cluster node: change its layout on the cluster instead of a local file")
         # Also after the subcommand, where people (and our own error messages) put it.
         p.add_argument("--state-file", type=Path, default=argparse.SUPPRESS, dest="state_file",
@@ -131,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
             from fake_gpu.cluster import ClusterLayout
 
             cluster = ClusterLayout(args.namespace, args.kubeconfig, args.release)
+        if args.command == "fault":
+            return _fault(args, path, cluster)
         if args.command == "status":
             if cluster is not None:
                 print(json.dumps(cluster.status(), indent=2))
             else:
                 inventory = fake_state.read(path)
-                print(json.dumps({"stateFile": str(path), "count": inventory.count, "gpus": inventory.to_json()}, indent=2))
+                gpus = json.loads(fake_state.render(inventory))["gpus"]  # with each faulted GPU's health
+                print(json.dumps({"stateFile": str(path), "count": inventory.count, "gpus": gpus}, indent=2))
             return 0
 
         def set_count(count: int) -> str:
@@ -164,4 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     except (LayoutError, fake_state.FakeStateError) as e:
         print(f"fake-gpu: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _fault(args: argparse.Namespace, path: Path, cluster: ClusterLayout | None) -> int:
+    if args.gpu is None and not args.clear:
+        raise LayoutError("--gpu INDEX is required (which GPU to break; `fake-gpu status` lists them)")
+    fault, why = (None, "") if args.clear else classify(args.xid, args.ecc, args.lost)
+    acts = args.clear or fault is not None
+    if cluster is not None:
+        cluster.fault(args.node, args.gpu, fault, write=acts)
+        where = f"node {args.node}"
+    else:
+        where = _fault_local(path, args.gpu, fault, args.clear) or str(path)
+    print(_fault_message(where, args.gpu, fault, args.clear, why))
     return 0

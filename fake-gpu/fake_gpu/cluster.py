@@ -1,4 +1,8 @@
-"""`fake-gpu set/cycle/status --node NODE`: change a node's desired layout on a cluster.
+"""`fake-gpu set/cycle/status/fault --node NODE`: change a node's desired layout on a cluster.
+
+A fault travels the same route as a count: into the node's entry of the layout ConfigMap, which the
+fake-gpu DaemonSet on that node watches and applies (state file for the node agent, ListAndWatch
+for kubelet), so a test can break one GPU of one node from outside the cluster.
 
 Everything is checked before anything is written: the node must exist, fake-gpu must be
 installed in the namespace (its layout ConfigMap exists; with several releases there, --release
@@ -14,8 +18,16 @@ from typing import Any
 from kubernetes import client, config
 
 from fake_gpu import node_labels
-from fake_gpu.layout import LayoutError
-from fake_gpu.layout_source import LAYOUT_SELECTOR, LEGACY_CONFIGMAP, NodeLayout, max_count, validate
+from fake_gpu.layout import Fault, LayoutError
+from fake_gpu.layout_source import (
+    LAYOUT_SELECTOR,
+    LEGACY_CONFIGMAP,
+    NodeLayout,
+    max_count,
+    parse_entry,
+    validate,
+    with_faults,
+)
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 
@@ -60,18 +72,57 @@ class ClusterLayout:
             raise
 
     def set(self, node: str, count: int, product: str, memory_mib: int, clique: str | None = None) -> NodeLayout:
-        """`clique` None keeps the node's current clique; "" takes it away."""
+        """`clique` None keeps the node's current clique; "" takes it away. The faults of GPUs that stay are kept."""
         self._check_node(node)
         cm = self._configmap()
+        try:
+            current = json.loads((cm.data or {}).get(node) or "{}")
+        except ValueError:
+            current = {}
+        if not isinstance(current, dict):
+            current = {}
         if clique is None:
-            try:
-                clique = json.loads((cm.data or {}).get(node) or "{}").get("clique", "")
-            except (ValueError, AttributeError):
-                clique = ""
-        layout = validate(NodeLayout(count, product, memory_mib, clique), max_count(cm.data or {}))
+            clique = current.get("clique", "")
+        faults: tuple[tuple[int, Fault], ...] = ()
+        try:
+            faults = tuple((i, f) for i, f in parse_entry((cm.data or {}).get(node) or "", node, 1 << 30).faults
+                           if i < count)
+        except LayoutError:
+            pass  # no entry yet, or a broken one that this write replaces
+        layout = validate(NodeLayout(count, product, memory_mib, clique, faults), max_count(cm.data or {}))
+        self._write(cm, node, layout)
+        return layout
+
+    def _write(self, cm: client.V1ConfigMap, node: str, layout: NodeLayout) -> None:
         # resourceVersion makes this a compare-and-swap: a concurrent edit is not overwritten.
         patch = {"metadata": {"resourceVersion": _meta(cm).resource_version}, "data": {node: layout.to_json()}}
         self.core.patch_namespaced_config_map(_meta(cm).name or "", self.namespace, patch, _request_timeout=REQUEST_TIMEOUT)
+
+    def fault(self, node: str, gpu: int | None, fault: Fault | None, *, write: bool = True) -> NodeLayout:
+        """Set `fault` on GPU `gpu` of `node` (None: clear it; with `gpu` None too, clear every fault of the node).
+        `write` False checks the node and the GPU and changes nothing (an error that does not act)."""
+        self._check_node(node)
+        cm = self._configmap()
+        data = cm.data or {}
+        if node not in data:
+            raise LayoutError(f"node {node} has no layout in the fake-gpu ConfigMap yet (it runs the default count); "
+                              f"set one first with `fake-gpu set --node {node} --count N`")
+        layout = parse_entry(data[node], node, max_count(data))
+        if gpu is not None and not 0 <= gpu < layout.count:
+            raise LayoutError(f"--gpu must be between 0 and {layout.count - 1} (node {node} has {layout.count} fake GPUs), "
+                              f"got {gpu}")
+        if not write:
+            return layout
+        faults = layout.fault_map
+        if fault is not None and gpu is not None:
+            faults[gpu] = fault
+        elif gpu is not None:
+            faults.pop(gpu, None)
+        else:
+            faults = {}
+        layout = validate(NodeLayout(layout.count, layout.product, layout.memory_mib, layout.clique, with_faults(faults)),
+                          max_count(data))
+        self._write(cm, node, layout)
         return layout
 
     def status(self) -> dict[str, Any]:

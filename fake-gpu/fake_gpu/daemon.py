@@ -4,7 +4,9 @@
                                                      +-> node labels (fake_gpu.node_labels)
 
 The state file is the one the node agent's fake source reads, on a host path both pods
-mount, so the device plugin's view and the agent's view are one and the same.
+mount, so the device plugin's view and the agent's view are one and the same: a fault in the
+layout (`fake-gpu fault --node`) reaches the agent as the GPU's health in the state file and
+kubelet as an Unhealthy device in ListAndWatch.
 """
 
 from __future__ import annotations
@@ -58,14 +60,20 @@ class LayoutApplier:
         if self.labeler is not None:
             self.labeler.set(desired(layout.count, layout.product, layout.memory_mib, self.release))
         inventory = build(self.current, layout.count, layout.product, layout.memory_mib, self.rng, max(layout.count, 1),
-                          layout.clique)
+                          layout.clique, layout.fault_map)
         if inventory == self.current and self.state_file.exists():
             return
         fake_state.write_atomic(self.state_file, fake_state.render(inventory, node=self.node))
+        before, before_clique = {g.uuid: g.health for g in self.current.gpus}, self.current.clique
         self.current = inventory
         self.devices.set(inventory)
-        log.info("node %s now has %d fake GPUs (%s)%s", self.node, inventory.count, layout.product,
-                 f", clique {layout.clique}" if layout.clique else "")
+        if [g.uuid for g in inventory.gpus] != list(before) or inventory.clique != before_clique:
+            log.info("node %s now has %d fake GPUs (%s)%s", self.node, inventory.count, layout.product,
+                     f", clique {layout.clique}" if layout.clique else "")
+        for g in inventory.gpus:
+            if before.get(g.uuid, "Healthy") != g.health:
+                log.info("node %s: fake GPU %d (%s) is now %s%s", self.node, g.index, g.uuid, g.health,
+                         f": {g.health_reason}" if g.health_reason else "")
 
 
 def watch_layout(api: client.ApiClient, namespace: str, configmap: str, applier: LayoutApplier,

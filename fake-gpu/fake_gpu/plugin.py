@@ -1,7 +1,9 @@
 """A kubelet device plugin advertising the node's fake GPUs as `nvidia.com/gpu`.
 
 One device per fake GPU, its UUID as the device ID. ListAndWatch streams the device list
-and sends a new one the moment the layout changes. Allocate hands the container
+and sends a new one the moment the layout changes: a GPU arriving or leaving, or a GPU's health
+(a faulted GPU is `Unhealthy`, so kubelet takes it out of allocatable; `Healthy` again after a clear,
+with no restart of anything). Allocate hands the container
 `NVIDIA_VISIBLE_DEVICES` with the allocated UUIDs and mounts the node's state file read-only,
 so `fake-gpu smi -L` inside it prints one `UUID: GPU-…` line per GPU it was given.
 
@@ -23,7 +25,7 @@ import grpc
 from google.protobuf.message import Message
 
 from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
-from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.gpus import GPU, Inventory
 from gpu_agent.foundations.klog import get_logger
 
 log = get_logger("fake_gpu.plugin")
@@ -31,6 +33,16 @@ log = get_logger("fake_gpu.plugin")
 RESOURCE = "nvidia.com/gpu"
 SOCKET_NAME = "fake-gpu.sock"
 STATE_IN_CONTAINER = "/run/fake-gpu/state.json"
+
+
+def _advertised(inventory: Inventory) -> tuple[tuple[str, bool], ...]:
+    """What kubelet is told: each device and whether it is healthy."""
+    return tuple((g.uuid, g.is_healthy) for g in inventory.gpus)
+
+
+def device_health(gpu: GPU) -> str:
+    """Kubelet knows two states; a Lost GPU is as unusable as an Unhealthy one."""
+    return "Healthy" if gpu.is_healthy else "Unhealthy"
 
 
 class Devices:
@@ -43,7 +55,7 @@ class Devices:
 
     def set(self, inventory: Inventory) -> None:
         with self._cond:
-            if inventory.uuids != self._inventory.uuids:
+            if _advertised(inventory) != _advertised(self._inventory):
                 self._inventory = inventory
                 self.version += 1
                 self._cond.notify_all()
@@ -75,8 +87,10 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  #
             if new_version == version:
                 continue
             version = new_version
-            log.info("advertising %d fake GPUs to kubelet", inventory.count)
-            yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=g.uuid, health="Healthy") for g in inventory.gpus])
+            unhealthy = len(inventory.unhealthy)
+            log.info("advertising %d fake GPUs to kubelet%s", inventory.count, f" ({unhealthy} Unhealthy)" if unhealthy else "")
+            yield api_pb2.ListAndWatchResponse(devices=[api_pb2.Device(ID=g.uuid, health=device_health(g))
+                                                        for g in inventory.gpus])
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         known = self.devices.get().uuids

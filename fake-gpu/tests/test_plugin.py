@@ -3,6 +3,7 @@
 import threading
 import time
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -145,3 +146,23 @@ def test_a_layout_with_a_clique_gives_the_node_that_clique():
     assert (layout.count, layout.clique) == (2, "rack-a")
     assert '"clique": "rack-a"' in layout.to_json()
     assert "clique" not in layout_for({"n1": '{"count": 2}'}, "n1", 0).to_json()
+
+
+def test_list_and_watch_sends_again_when_only_a_gpus_health_changes(plugin):
+    _, devices, runner = plugin
+    channel, dp = stub(runner)
+    stream = dp.ListAndWatch(api_pb2.Empty(), timeout=10)  # a send that never comes fails the test, not hangs it
+    assert list(next(stream).devices) == []  # the list when the stream opened
+    healthy = inventory(3)
+    devices.set(healthy)
+    assert {d.health for d in next(stream).devices} == {"Healthy"}
+    lost, unhealthy = replace(healthy.gpus[1], health="Lost"), replace(healthy.gpus[2], health="Unhealthy")
+    devices.set(Inventory((healthy.gpus[0], lost, unhealthy)))
+    started = time.monotonic()
+    sent = {d.ID: d.health for d in next(stream).devices}
+    assert time.monotonic() - started < 1.0
+    assert sent == {healthy.gpus[0].uuid: "Healthy", lost.uuid: "Unhealthy", unhealthy.uuid: "Unhealthy"}
+    devices.set(healthy)  # cleared: Healthy again, no restart
+    assert {d.health for d in next(stream).devices} == {"Healthy"}
+    stream.cancel()
+    channel.close()

@@ -25,6 +25,7 @@ import yaml
 
 from gpu_agent.foundations.klog import quote
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.xids import MAX_XID, parse_xids
 
 ENV_PREFIX = "GPU_AGENT_"
 
@@ -52,7 +53,7 @@ def _snake(name: str) -> str:
 @dataclass(frozen=True)
 class Setting:
     name: str  # camelCase, as in YAML and the chart's values
-    kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret"
+    kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret" | "xids"
     default: Any
     help: str
     min: float | None = None
@@ -84,6 +85,8 @@ class Setting:
             return "comma-separated Name=true|false with Name one of " + ", ".join(sorted(FEATURE_GATES))
         if self.kind == "address":
             return "HOST:PORT with a port between 0 and 65535"
+        if self.kind == "xids":
+            return f"Xid numbers between 1 and {MAX_XID}, comma-separated (a list in a config file), e.g. 13,31,43; empty for none"
         return "a non-empty string"
 
     def convert(self, raw: Any, origin: str) -> Any:
@@ -116,6 +119,19 @@ class Setting:
             if text in ("false", "0", "no", "off"):
                 return False
             raise bad()
+        if self.kind == "xids":
+            if isinstance(raw, (list, tuple)):  # a YAML list in a config file
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+                    raise bad()
+                raw = ",".join(str(x) for x in raw)
+            if isinstance(raw, int) and not isinstance(raw, bool):  # one Xid in a config file
+                raw = str(raw)
+            if not isinstance(raw, str):
+                raise bad()
+            try:
+                return parse_xids(raw)
+            except ValueError:
+                raise bad() from None
         if isinstance(raw, (dict, list, tuple, set)):
             raise bad()  # a structure where one value belongs (from a config file)
         text = "" if raw is None else str(raw)
@@ -148,7 +164,7 @@ class Setting:
 # The type a setting of each kind holds once loaded (an optional number is "" while unset).
 KIND_TYPES: dict[str, object] = {
     "seconds": float, "number": float, "int": int, "bool": bool, "secret": Secret, "featureGates": dict[str, bool],
-    "str": str, "path": str, "url": str, "address": str, "choice": str,
+    "str": str, "path": str, "url": str, "address": str, "choice": str, "xids": tuple[int, ...],
 }
 
 
@@ -200,7 +216,7 @@ class Config:
         """The effective configuration as readable `name: value` lines, secrets redacted."""
         out = []
         for name, value in self.redacted().items():
-            shown = json.dumps(value) if isinstance(value, (dict, list)) or value == "" else value
+            shown = json.dumps(value) if isinstance(value, (dict, list, tuple)) or value == "" else value
             out.append(f"{name}: {shown}")
         return out
 
@@ -217,6 +233,8 @@ class Config:
 def _help_default(s: Setting) -> str:
     if s.kind == "featureGates":
         return ",".join(f"{k}={str(v).lower()}" for k, v in sorted(FEATURE_GATES.items()))
+    if s.kind == "xids":
+        return ",".join(str(x) for x in s.default) or "none"
     if s.default in ("", None):
         return "unset"
     if isinstance(s.default, bool):

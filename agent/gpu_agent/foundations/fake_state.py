@@ -3,6 +3,11 @@
 The writer always replaces the file atomically (write a temporary file in the same
 folder, fsync, rename), so a reader sees the old layout or the new one, never half of
 one. The parser names the field at fault so that a bad file is easy to fix.
+
+Each GPU may carry a fault that `fake-gpu fault` injected: `health` (Unhealthy or Lost; absent
+means Healthy) and `healthReason` (what broke, e.g. "Xid 48 (double-bit ECC error)"). The file
+says what the GPU is now; the agent's fake source turns that into health transitions as it would
+NVML's answers and events.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_agent.foundations.files import write_atomic
-from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.gpus import GPU, HEALTH_STATES, HEALTHY, Inventory
 
 __all__ = ["API_VERSION", "FakeStateError", "Inventory", "default_path", "parse", "read", "render", "write_atomic"]
 
@@ -38,6 +43,7 @@ def default_path() -> Path:
 # parsed, so a bad file can cost neither memory nor time (a 100,000-GPU file once kept 100 MiB).
 MAX_FILE_BYTES = 1 << 20
 MAX_GPUS = 1024
+MAX_REASON = 256
 
 
 def parse(text: str, source: str = "fake GPU state") -> Inventory:
@@ -78,7 +84,16 @@ def parse(text: str, source: str = "fake GPU state") -> Inventory:
         mig = g.get("migMode", False)
         if not isinstance(mig, bool):
             raise FakeStateError(f"{where}.migMode must be true or false, got {mig!r}")
-        gpus.append(GPU(uuid=uuid, name=name, memory_total_bytes=mem, mig_mode=mig, index=i))
+        health = g.get("health", HEALTHY)
+        if health not in HEALTH_STATES:
+            raise FakeStateError(f"{where}.health must be one of {', '.join(HEALTH_STATES)}, got {health!r}; "
+                                 f"clear it with `fake-gpu fault --clear --gpu {i}`")
+        reason = g.get("healthReason", "")
+        if not isinstance(reason, str) or len(reason) > MAX_REASON or not reason.isprintable():
+            raise FakeStateError(f"{where}.healthReason must be a printable string of at most {MAX_REASON} "
+                                 f"characters; clear it with `fake-gpu fault --clear --gpu {i}`")
+        gpus.append(GPU(uuid=uuid, name=name, memory_total_bytes=mem, mig_mode=mig, index=i, health=health,
+                        health_reason="" if health == HEALTHY else reason or "fault injected by fake-gpu"))
     clique = doc.get("clique", "")
     if not isinstance(clique, str) or not (clique == "" or CLIQUE_RE.match(clique)):
         raise FakeStateError(f"{source}: field 'clique' must be empty or 1-64 letters, digits, '.', '_' or '-', "
@@ -105,7 +120,11 @@ def read(path: Path) -> Inventory:
 
 
 def render(inventory: Inventory, node: str = "") -> str:
-    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": inventory.to_json()}
+    gpus = inventory.to_json()
+    for doc_gpu, gpu in zip(gpus, inventory.gpus, strict=True):
+        if not gpu.is_healthy:
+            doc_gpu.update(health=gpu.health, healthReason=gpu.health_reason)
+    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": gpus}
     if inventory.clique:
         doc["clique"] = inventory.clique
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"

@@ -7,6 +7,8 @@ exports registration, credentials and the work queue. A node agent that exported
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -17,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from gpu_agent.foundations.gpus import HEALTH_STATES
 from gpu_agent.foundations.version import version_info
 
 
@@ -35,6 +38,30 @@ class NodeMetrics:
         self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
         self.gpu_drops = Counter("gpu_agent_gpu_drops", "GPU losses seen: absorbed (came back within gpuLossDebounce) "
                                  "or acted on (a real removal)", ["outcome"], registry=r)
+        # GPU health (mechanisms/inventory/gpu_health.py): labels are states and kinds, never UUIDs, so they stay few.
+        self.gpus_by_health = Gauge("gpu_agent_gpus_by_health", "GPUs the source lists, by health (Healthy, "
+                                    "Unhealthy, Lost) as last read", ["health"], registry=r)
+        self.gpu_health_transitions = Counter("gpu_agent_gpu_health_transitions", "GPU health transitions, by the "
+                                              "state entered", ["to"], registry=r)
+        self.gpu_health_events = Counter("gpu_agent_gpu_health_events", "NVML health events seen, by kind: "
+                                         "xid_critical, xid_ignored (gpuHealthIgnoredXids), ecc_single, ecc_double",
+                                         ["kind"], registry=r)
+        for state in HEALTH_STATES:
+            self.gpus_by_health.labels(state).set(0)
+            self.gpu_health_transitions.labels(state)
+        for kind in ("xid_critical", "xid_ignored", "ecc_single", "ecc_double"):
+            self.gpu_health_events.labels(kind)
+
+    # The health tracker's metrics sink (gpu_health.HealthMetrics).
+    def gpu_health_transition(self, to: str) -> None:
+        self.gpu_health_transitions.labels(to).inc()
+
+    def gpu_health_counts(self, counts: Mapping[str, int]) -> None:
+        for state, n in counts.items():
+            self.gpus_by_health.labels(state).set(n)
+
+    def gpu_health_event(self, kind: str) -> None:
+        self.gpu_health_events.labels(kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -176,7 +176,8 @@ class ClusterAgent:
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
         # The parts, as the module docstring draws them (the elector and the aggregator are made when
         # they start: both need the Kubernetes API).
-        self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health,
+        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock), clock=self.clock,
+                                        health=self.health,
                                         poll_interval=cfg.gpuPollInterval, on_change=self._gpus_changed,
                                         loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())

@@ -130,7 +130,8 @@ class NodeAgent:
                                            join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout,
                                            writes_members=cfg.domainWriteStrategy == "aggregate")
         self.metrics = NodeMetrics()
-        self.monitor = InventoryMonitor(make_source(cfg), clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
+        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock), clock=self.clock,
+                                        health=self.health, poll_interval=cfg.gpuPollInterval,
                                         on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")

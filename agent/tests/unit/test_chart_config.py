@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpu_agent.foundations.config import Setting
+from gpu_agent.foundations.xids import MAX_XID
 from gpu_agent.roles import cluster_agent, node_agent
 
 CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
@@ -36,6 +37,8 @@ def expected(s: Setting) -> dict[str, object]:
         return {"type": "boolean"}
     if s.kind == "choice":
         return {"type": "string", "enum": list(s.choices)}
+    if s.kind == "xids":
+        return {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": MAX_XID}}
     return {"type": "string"}
 
 

@@ -35,6 +35,10 @@ def test_precedence_file_then_env_then_flag(tmp_path):
     (["--listen-address", "localhost"], "listenAddress", "HOST:PORT"),
     (["--registration-retry-jitter", "1.5"], "registrationRetryJitter", "between 0 and 0.99"),
     (["--gpu-poll-interval", "nan"], "gpuPollInterval", "between 0.05 and 60"),
+    (["--gpu-health-ignored-xids", "13,x"], "gpuHealthIgnoredXids", "Xid numbers between 1 and 9999"),
+    (["--gpu-health-ignored-xids", "0"], "gpuHealthIgnoredXids", "Xid numbers between 1 and 9999"),
+    (["--gpu-health-ignored-xids", "13,²"], "gpuHealthIgnoredXids", "Xid numbers between 1 and 9999"),
+    (["--gpu-health-recovery", "-1"], "gpuHealthRecovery", "between 0 and 3600"),
 ])
 def test_bad_values_name_the_setting_and_the_range(argv, field, fragment):
     with pytest.raises(ConfigError) as e:
@@ -121,3 +125,24 @@ def test_a_typed_config_that_differs_from_its_table_is_refused_at_load():
     cfg = load(settings, argparse.Namespace(), {"GPU_AGENT_LEASE_SECONDS": "12"}, as_=Right)
     assert isinstance(cfg, Right) and cfg.leaseSeconds == 12.0 and cfg.replace(name="y").name == "y"
     assert isinstance(cfg.replace(name="y"), Right)
+
+
+def test_gpu_health_settings_default_to_the_device_plugin_and_the_sources_window(tmp_path):
+    from gpu_agent.mechanisms.inventory.select import health_recovery
+
+    cfg = parse([])
+    assert cfg.gpuHealthIgnoredXids == (13, 31, 43, 45, 68, 109) and health_recovery(cfg) == 0.0  # the fake's
+    assert health_recovery(parse(["--gpu-source", "nvml"])) == 60.0
+    assert health_recovery(parse(["--gpu-source", "nvml", "--gpu-health-recovery", "5"])) == 5.0
+    assert parse(["--gpu-health-ignored-xids", " 43, 13,13"]).gpuHealthIgnoredXids == (13, 43)
+    assert parse(["--gpu-health-ignored-xids", ""]).gpuHealthIgnoredXids == ()  # none ignored: every Xid acts
+    assert parse([], {"GPU_AGENT_GPU_HEALTH_IGNORED_XIDS": "109"}).gpuHealthIgnoredXids == (109,)
+    f = tmp_path / "c.yaml"
+    for text, expected in (("[13, 31]", (13, 31)), ("[]", ()), ("48", (48,)), ('"13,31"', (13, 31))):
+        f.write_text(f"gpuHealthIgnoredXids: {text}\n")  # the chart writes a YAML list
+        assert parse(["--config", str(f)]).gpuHealthIgnoredXids == expected
+    for text in ("[13, x]", "[true]", "{a: 1}", "[1.5]"):
+        f.write_text(f"gpuHealthIgnoredXids: {text}\n")
+        with pytest.raises(ConfigError, match=r"gpuHealthIgnoredXids .*from config file"):
+            parse(["--config", str(f)])
+    assert "gpuHealthIgnoredXids: [13, 31, 43, 45, 68, 109]" in parse([]).describe()

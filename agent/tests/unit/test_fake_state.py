@@ -1,5 +1,6 @@
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -95,3 +96,66 @@ def test_a_state_file_with_a_bad_clique_names_the_field(tmp_path):
     with pytest.raises(fake_state.FakeStateError) as e:
         fake_state.parse(json.dumps(doc))
     assert "field 'clique'" in str(e.value)
+
+
+def gpu_doc(**extra):
+    return {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "x", "memoryTotalBytes": 1, **extra}
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    ({"health": "Broken"}, "gpus[0].health must be one of Healthy, Unhealthy, Lost, got 'Broken'"),
+    ({"health": 3}, "gpus[0].health must be one of"),
+    ({"health": "Unhealthy", "healthReason": 48}, "gpus[0].healthReason must be a printable string"),
+    ({"health": "Unhealthy", "healthReason": "a\nb"}, "gpus[0].healthReason must be a printable string"),
+    ({"health": "Unhealthy", "healthReason": "x" * 257}, "of at most 256 characters"),
+])
+def test_a_bad_health_names_the_field_and_the_fix(extra, fragment):
+    with pytest.raises(fake_state.FakeStateError) as e:
+        fake_state.parse(json.dumps({"apiVersion": fake_state.API_VERSION, "gpus": [gpu_doc(**extra)]}))
+    assert fragment in str(e.value) and "fake-gpu fault --clear --gpu 0" in str(e.value)
+
+
+def test_health_round_trips_through_the_state_file_and_healthy_gpus_carry_no_health_fields():
+    inv = build(Inventory(), 3, "P", 1024, random.Random(1))
+    broken = Inventory((inv.gpus[0], replace(inv.gpus[1], health="Lost", health_reason="Xid 79 (GPU has fallen off the bus)"),
+                        replace(inv.gpus[2], health="Unhealthy", health_reason="Xid 48 (double-bit ECC error)")))
+    text = fake_state.render(broken)
+    assert "health" not in json.loads(text)["gpus"][0]
+    assert fake_state.parse(text).gpus == broken.gpus
+    doc = json.loads(text)
+    del doc["gpus"][2]["healthReason"]
+    assert fake_state.parse(json.dumps(doc)).gpus[2].health_reason == "fault injected by fake-gpu"
+
+
+def test_the_fake_source_reports_a_fault_while_the_file_carries_it_and_healthy_at_the_next_read_after(tmp_path):
+    path = tmp_path / "gpus.json"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "2"]) == 0
+    source = FakeFileSource(path)  # the fake's recovery: 0 s
+    assert [g.health for g in source.read().inventory.gpus] == ["Healthy", "Healthy"]
+    assert fake_gpu(["--state-file", str(path), "fault", "--gpu", "1", "--xid", "48"]) == 0
+    reading = source.read()
+    assert [(g.health, g.health_reason) for g in reading.inventory.gpus] == [
+        ("Healthy", ""), ("Unhealthy", "Xid 48 (double-bit ECC error)")]
+    assert reading.inventory.gpus[1].health_since > 0 and len(reading.inventory.healthy) == 1
+    assert source.read().inventory.gpus[1].health == "Unhealthy"  # it holds while the file says so
+    assert fake_gpu(["--state-file", str(path), "fault", "--gpu", "1", "--lost"]) == 0
+    assert source.read().inventory.gpus[1].health == "Lost"
+    assert fake_gpu(["--state-file", str(path), "fault", "--clear"]) == 0
+    assert [g.health for g in source.read().inventory.gpus] == ["Healthy", "Healthy"]
+
+
+def test_a_recovery_window_set_for_the_fake_source_holds_a_cleared_gpu_unhealthy(tmp_path):
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.mechanisms.inventory.gpu_health import HealthTracker
+
+    path = tmp_path / "gpus.json"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "1"]) == 0
+    clock = ManualClock()
+    source = FakeFileSource(path, HealthTracker(clock=clock, recovery=5, source="fake"))
+    assert fake_gpu(["--state-file", str(path), "fault", "--gpu", "0", "--ecc", "double"]) == 0
+    assert source.read().inventory.gpus[0].health == "Unhealthy"
+    assert fake_gpu(["--state-file", str(path), "fault", "--clear", "--gpu", "0"]) == 0
+    clock.advance_blocking(4.9)
+    assert source.read().inventory.gpus[0].health == "Unhealthy"
+    clock.advance_blocking(0.1)
+    assert source.read().inventory.gpus[0].health == "Healthy"

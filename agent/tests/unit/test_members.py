@@ -209,15 +209,17 @@ def writer(fake):
     return MemberWriter(client.ApiClient(), "ns", "train", custom_api=fake)
 
 
-def test_the_new_agent_applies_its_canonical_member_then_deletes_its_own_0_1_member_once():
+def test_the_new_agent_joins_with_one_call_then_deletes_its_own_0_1_member_once_at_its_first_heartbeat():
     old = obj("n1", name="train-n1")
     old["metadata"].update(uid="u-old", resourceVersion="7")
     fake = Members([old])
     w = writer(fake)
     assert w.ensure(Entry("n1", "", (), True))
-    assert fake.calls == [("apply", "train.n1"), ("get", "train-n1"), ("delete", "train-n1", "u-old")]
-    assert w.ensure(Entry("n1", "", (), True))  # the next heartbeat: no more looking
-    assert fake.calls[3:] == [("apply", "train.n1")]
+    assert fake.calls == [("apply", "train.n1")]  # the join: one call, what a forming domain waits on
+    assert w.ensure(Entry("n1", "", (), True))  # the first heartbeat looks for the 0.1 member
+    assert fake.calls[1:] == [("apply", "train.n1"), ("get", "train-n1"), ("delete", "train-n1", "u-old")]
+    assert w.ensure(Entry("n1", "", (), True))  # the next: no more looking
+    assert fake.calls[4:] == [("apply", "train.n1")]
     assert set(fake.objects) == {"train.n1"}
 
 
@@ -226,7 +228,7 @@ def test_a_0_1_name_holding_another_pairs_member_is_left_alone():
     fake = Members([other])
     w = writer(fake)
     w.domain = w.name = "train-rack1"
-    assert w.ensure(Entry("n1", "", (), True))
+    assert w.ensure(Entry("n1", "", (), True)) and w.ensure(Entry("n1", "", (), True))
     assert "train-rack1-n1" in fake.objects and not [c for c in fake.calls if c[0] == "delete"]
     assert w.legacy_done
 
@@ -237,6 +239,7 @@ def test_a_failed_deletion_of_the_0_1_member_is_tried_again_at_the_next_apply_an
     fake = Members([old], fail_delete=[client.ApiException(status=409, reason="Conflict"),
                                        client.ApiException(status=500, reason="Internal")])
     w = writer(fake)
+    assert w.ensure(Entry("n1", "", (), True)) and not w.legacy_done  # the join does not look
     assert w.ensure(Entry("n1", "", (), True)) and not w.legacy_done  # changed since the read
     assert w.ensure(Entry("n1", "", (), True)) and not w.legacy_done  # the API server's trouble
     assert w.remove("n1") and w.legacy_done  # removal deletes it too

@@ -324,6 +324,8 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   (list "verbosity" $v.logVerbosity "logVerbosity")
   (list "featureGates" (include "gpu-agent.featureGates" .) "featureGates")
   (list "gpuLossDebounce" $v.clusterAgent.gpuLossDebounce "clusterAgent.gpuLossDebounce")
+  (list "gpuHealthIgnoredXids" $v.gpuHealth.ignoredXids "gpuHealth.ignoredXids")
+  (list "gpuHealthRecovery" $v.gpuHealth.recovery "gpuHealth.recovery")
   (list "registrationRetryInitial" $v.clusterAgent.registrationRetryInitial "clusterAgent.registrationRetryInitial")
   (list "registrationRetryMax" $v.clusterAgent.registrationRetryMax "clusterAgent.registrationRetryMax")
   (list "reregistrationInterval" $v.clusterAgent.reregistrationInterval "clusterAgent.reregistrationInterval")
@@ -344,7 +346,9 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "fakeGpuStateFile" "/var/run/fake-gpu/fake-gpus.json" -}}
 {{- $named := list
   (list "verbosity" $v.logVerbosity "logVerbosity")
-  (list "gpuLossDebounce" $v.nodeAgent.gpuLossDebounce "nodeAgent.gpuLossDebounce") -}}
+  (list "gpuLossDebounce" $v.nodeAgent.gpuLossDebounce "nodeAgent.gpuLossDebounce")
+  (list "gpuHealthIgnoredXids" $v.gpuHealth.ignoredXids "gpuHealth.ignoredXids")
+  (list "gpuHealthRecovery" $v.gpuHealth.recovery "gpuHealth.recovery") -}}
 {{- if include "gpu-agent.domainsOn" . -}}
 {{- with $v.domain.name }}{{ $_ := set $wiring "domainName" . }}{{ end -}}
 {{- if $v.domain.joinMatching }}{{ $_ := set $wiring "joinMatchingDomains" true }}{{ end -}}

@@ -90,6 +90,7 @@ class MemberWriter(DomainView):
         """`custom_api`: the API client's unless handed one (unit tests hand in fakes)."""
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(api)
         self.legacy_done = False  # 0.1's member of this node (legacy name) seen gone or deleted
+        self.applies = 0  # successful applies of this writer
         self.owner = owner  # {"name", "uid"} of this agent's Pod: the member is deleted with it
         self.heartbeat_interval = heartbeat_interval  # 0: no heartbeat
         self.api = api
@@ -113,7 +114,10 @@ class MemberWriter(DomainView):
             try:
                 self._apply(entry)
                 self.applied_at = self.clock.monotonic()
-                if not self.legacy_done:
+                self.applies += 1
+                # Not at the join: a forming domain waits on that first apply, and the lookup doubled its
+                # calls. The next apply (the first heartbeat, or a resync) looks; so does removal.
+                if not self.legacy_done and self.applies > 1:
                     self.legacy_done = self._remove_legacy(entry.name)
                 return True
             except Exception as e:  # noqa: BLE001 - API trouble: back off and try again

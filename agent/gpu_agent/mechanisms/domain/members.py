@@ -11,9 +11,10 @@ policy can then bind.
 0.1 (and 0.2's builds before issue 24) named members `<domain>-<node>`, which two pairs can share
 ("train", "rack1-n1") and ("train-rack1", "n1"). Upgrading, both names exist for one node for a
 while: an old node agent keeps renewing its legacy member until its Pod is replaced (a member that
-Pod owns goes with it; 0.1's own none), and a new one applies its canonical member and then
-deletes its own legacy one (MemberWriter). The policy lets a node agent change or delete, never
-create, its own node's legacy member. MemberIndex keys the objects by name, so the legacy member's
+Pod owns goes with it; 0.1's own none), and a new one applies its canonical member and, at its
+first heartbeat (not at the join, which a forming domain waits on), deletes its own legacy one
+(MemberWriter). The policy lets a node agent change or delete, never create, its own node's
+legacy member. MemberIndex keys the objects by name, so the legacy member's
 DELETED event cannot drop the node while its canonical member stands, and prefers the canonical
 member when both are there.
 """
