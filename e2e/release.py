@@ -25,6 +25,11 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
 CA = "app.kubernetes.io/component=cluster-agent"
+# What Python run in the control plane's pod starts with: a client `c` and the admin token `t`.
+CONTROL_PLANE_PRELUDE = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
+                         "from gpu_agent.foundations.secrets import Secret\n"
+                         "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
+                         "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
 WAIT = ["--wait", "--timeout", "3m"]
 
 
@@ -87,21 +92,20 @@ class Release:
         code, body = pod_http_get(self.core, self.namespace, pod, 8080, "metrics") if pod else (0, "")
         return body if code == 200 and isinstance(body, str) else ""
 
-    def control_plane(self, code: str) -> str:
-        """Run Python in the control plane's pod with a client `c` and the admin token `t`; raises
-        if it fails (the output would otherwise be taken for an answer)."""
+    def control_plane_pod(self) -> str:
+        """The control plane's pod, once one is Ready."""
         def ready_pod():
             pods = [p for p in self.pods("app.kubernetes.io/component=control-plane")
                     if p.metadata.deletion_timestamp is None and all(c.ready for c in p.status.container_statuses or [])
                     and p.status.container_statuses]
             return pods[0].metadata.name if pods else None
 
-        pod = wait_until(ready_pod, 60, "the control plane Ready")
-        prelude = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
-                   "from gpu_agent.foundations.secrets import Secret\n"
-                   "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
-                   "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
-        out = exec_python(self.api, self.namespace, pod, prelude + code)
+        return wait_until(ready_pod, 60, "the control plane Ready")
+
+    def control_plane(self, code: str) -> str:
+        """Run Python in the control plane's pod with a client `c` and the admin token `t`; raises
+        if it fails (the output would otherwise be taken for an answer)."""
+        out = exec_python(self.api, self.namespace, self.control_plane_pod(), CONTROL_PLANE_PRELUDE + code)
         if "Traceback (most recent call last)" in out:
             raise AssertionError(f"control plane call failed: {out[-600:]}")
         return out

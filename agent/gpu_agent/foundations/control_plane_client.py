@@ -189,6 +189,8 @@ class ControlPlaneClient:
         return Credential(Secret(token), float(expires_in))
 
     def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory) -> Registration:
+        """Tell the control plane of the GPUs in `inventory`, all of them: the caller decides which count
+        (the registration manager passes the healthy ones; health is not part of the wire format)."""
         where = "POST /v1/register"
         _, doc = self._call("POST", "/v1/register", token,
                             {"clusterId": cluster_id, "generation": generation, "gpus": inventory.to_json()})

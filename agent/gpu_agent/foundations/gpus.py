@@ -8,6 +8,7 @@ the healthy ones count for work (`Inventory.healthy`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,3 +64,31 @@ class Inventory:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
+
+
+def short_uuid(uuid: str) -> str:
+    """A UUID cut for a one-line reason ("GPU-ab12cd34…"); /healthz details carry the whole one."""
+    return uuid if len(uuid) <= 13 else uuid[:12] + "…"
+
+
+def describe_unhealthy(gpus: Iterable[GPU], limit: int = 400) -> str:
+    """The GPUs that are not healthy, for a reason a person reads: "GPU-ab12cd34… Lost (Xid 79 ...),
+    GPU-cd34ef56… Unhealthy (Xid 48 ...)". GPUs that share a state and a reason are named once
+    ("4 GPUs Unhealthy (node n1: ...)" past three of them), and the text stops near `limit`
+    characters with how many were left out, so a reason stays one readable line however many GPUs
+    a cluster has."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for g in gpus:
+        if not g.is_healthy:
+            groups.setdefault((g.health, g.health_reason), []).append(g.uuid)
+    parts = []
+    for (health, reason), uuids in groups.items():
+        who = ", ".join(short_uuid(u) for u in uuids) if len(uuids) <= 3 else f"{len(uuids)} GPUs"
+        parts.append(f"{who} {health}" + (f" ({reason[:160]})" if reason else ""))
+    out = ""
+    for i, part in enumerate(parts):
+        if out and len(out) + len(part) + 2 > limit:
+            rest = sum(len(uuids) for uuids in list(groups.values())[i:])
+            return f"{out}, and {rest} more GPU{'s' if rest != 1 else ''} not healthy"
+        out = f"{out}, {part}" if out else part
+    return out

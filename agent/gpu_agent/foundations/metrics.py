@@ -34,7 +34,7 @@ class NodeMetrics:
         info = version_info()
         Gauge("gpu_agent_build_info", "Always 1; the labels say which build runs", ["version", "commit", "build_date", "role"],
               registry=r).labels(info["version"], info["commit"], info["buildDate"], role).set(1)
-        self.gpus = Gauge("gpu_agent_gpus", "GPUs currently visible to the agent", registry=r)
+        self.gpus = Gauge("gpu_agent_gpus", "Healthy GPUs the agent sees (those that count for work)", registry=r)
         self.gpu_generation = Gauge("gpu_agent_gpu_generation", "Generation of the GPU inventory (bumped on every change)", registry=r)
         self.gpu_drops = Counter("gpu_agent_gpu_drops", "GPU losses seen: absorbed (came back within gpuLossDebounce) "
                                  "or acted on (a real removal)", ["outcome"], registry=r)

@@ -5,7 +5,8 @@
     LeaderElector (a Lease, when leaderElection is on) -> (leading) ---------+--> Aggregator (domain status)
 
 It is live from the first moment (`/livez` 200). Ready (`/healthz` 200) means "this replica does
-its job": the cluster has GPUs, registration for the current GPU generation has succeeded and a
+its job": the cluster has healthy GPUs (an unhealthy one, Xid or ECC or lost, counts for nothing;
+when none is healthy the reason names each and why), registration for the current GPU generation has succeeded and a
 valid credential is installed (NVCA's definition), and it either leads or is a hot standby. Only
 the leader is *active*: its queues are open and it leases work (`active` in /healthz, the metric
 `gpu_agent_active`). A standby registers too (it takes over with its credential in hand) but
@@ -223,7 +224,7 @@ class ClusterAgent:
         log.v(2, "gate %s by %s (%s %.3fs)", e.event, e.purpose, "held" if e.event == "released" else "waited", e.waited)
 
     async def _gpus_changed(self, event: InventoryEvent) -> None:
-        self.metrics.gpus.set(event.inventory.count)
+        self.metrics.gpus.set(len(event.inventory.healthy))  # what it registers: only healthy GPUs count
         self.metrics.gpu_generation.set(event.generation)
         await self.registration.gpus_changed(event.generation, event.inventory)
 

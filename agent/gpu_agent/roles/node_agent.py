@@ -2,8 +2,10 @@
 
     GPU source -> InventoryMonitor -> /healthz (gpus entry with UUIDs), /metrics
 
-It is ready whenever its GPU source can be read, with any number of GPUs (zero included): it
-reports the truth about the node. A source that cannot be read makes it NotReady, with the
+It is ready whenever its GPU source can be read, with any number of GPUs (zero included, or none
+healthy): it reports the truth about the node. Its domain member is Ready only while the node has
+a healthy GPU; the member carries the healthy count (`healthyGPUs`) and, when NotReady or not
+every GPU is healthy, why (`message`, naming each such GPU and its error). A source that cannot be read makes it NotReady, with the
 reason. With `domainName` set it also keeps this node's entry in that shared GPUDomain
 (mechanisms/domain) and removes it on shutdown, bounded by `shutdownTimeout`; with
 `joinMatchingDomains` it also joins every GPUDomain of `domainNamespace` whose nodeSelector matches
@@ -20,6 +22,7 @@ from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, RoleConfig, Setting
+from gpu_agent.foundations.gpus import describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
@@ -75,6 +78,20 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     kubeconfig: str
 
 
+def member_message(event: InventoryEvent) -> str:
+    """Why this node's member is NotReady, or which of its GPUs are not healthy; "" when all is well."""
+    inventory = event.inventory
+    if event.error:
+        return f"GPU source cannot be read: {event.error}"
+    if inventory.count == 0:
+        return "no GPUs" + (f": {event.note}" if event.note else "")
+    if not inventory.unhealthy:
+        return ""
+    if not inventory.healthy:
+        return f"no healthy GPU: {describe_unhealthy(inventory.unhealthy)}"
+    return f"{len(inventory.healthy)} of {inventory.count} GPUs healthy; not healthy: {describe_unhealthy(inventory.unhealthy)}"
+
+
 class NodeAgent:
     def __init__(self, cfg: NodeAgentConfig, clock: Clock | None = None) -> None:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
@@ -121,11 +138,12 @@ class NodeAgent:
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
 
     async def _gpus_changed(self, event: InventoryEvent) -> None:
-        self.metrics.gpus.set(event.inventory.count)
+        healthy = len(event.inventory.healthy)
+        self.metrics.gpus.set(healthy)
         self.metrics.gpu_generation.set(event.generation)
         if self.domain is not None:
-            self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and event.inventory.count > 0,
-                                 clique=event.inventory.clique)
+            self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and healthy > 0,
+                                 clique=event.inventory.clique, healthy=healthy, message=member_message(event))
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("effective configuration (secrets redacted):")

@@ -1,4 +1,5 @@
-"""GPU losses are debounced, arrivals are not (mechanisms/inventory/monitor.py), on the manual clock.
+"""GPU losses are debounced, arrivals are not (mechanisms/inventory/monitor.py), on the manual clock;
+a GPU turning unhealthy is a loss, one recovering an arrival.
 
 The source is a script of readings, one per poll; the evidence is the events the monitor hands
 to its subscriber (what registration sees) and the drop outcomes it reports, not its own state.
@@ -7,9 +8,10 @@ to its subscriber (what registration sees) and the drop outcomes it reports, not
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.gpus import GPU, HEALTHY, LOST, UNHEALTHY, Inventory
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.mechanisms.inventory.monitor import InventoryMonitor
 from gpu_agent.mechanisms.inventory.source import Reading
@@ -157,3 +159,133 @@ async def test_window_zero_acts_on_every_change_at_the_next_poll():
         await run_for(rig, POLL)
         assert [c for _, _, c in rig.events] == [4, 0] and rig.events[-1][0] - t <= POLL
         assert [o for _, o in rig.drops] == ["acted"]
+
+
+# ---- health: a GPU that stops being healthy is a loss; one that recovers acts at once ----------------------
+
+XID79 = "Xid 79 (GPU has fallen off the bus)"
+XID48 = "Xid 48 (double-bit ECC error)"
+
+
+def faulted(n: int, broken: dict[int, tuple[str, str]]) -> Inventory:
+    """`n` GPUs, those in `broken` (index -> (health, reason)) not healthy."""
+    return Inventory(tuple(GPU(f"GPU-{i:04d}", "H100", 80 << 30, index=i,
+                               health=broken.get(i, (HEALTHY, ""))[0], health_reason=broken.get(i, (HEALTHY, ""))[1],
+                               health_since=1_700_000_000.0 if i in broken else 0.0) for i in range(n)))
+
+
+def healthy_counts(rig: Rig) -> list[int]:
+    return [h for _, _, _, h in rig.seen]
+
+
+class HealthRig(Rig):
+    """The subscriber also records how many GPUs of each event are healthy (what registration registers)."""
+
+    def __init__(self, window: float = WINDOW, zero_is_ready: bool = False) -> None:
+        super().__init__(window)
+        self.monitor.zero_is_ready = zero_is_ready
+        self.seen: list[tuple[float, int, int, int]] = []  # (time, generation, count, healthy)
+
+    async def _changed(self, e) -> None:
+        await super()._changed(e)
+        self.seen.append((self.clock.monotonic(), e.generation, e.inventory.count, len(e.inventory.healthy)))
+
+    def put(self, inventory: Inventory) -> None:
+        self.source.reading = Reading(inventory)
+
+
+async def start_faulted(rig: HealthRig, inventory: Inventory) -> None:
+    rig.put(inventory)
+    rig.task = asyncio.create_task(rig.monitor.run())
+    await poll()
+    await run_for(rig, POLL)
+
+
+async def test_a_gpu_turning_unhealthy_is_a_loss_held_for_the_window_then_acted_on():
+    async with HealthRig() as rig:
+        await start_faulted(rig, faulted(4, {}))
+        rig.put(faulted(4, {1: (LOST, XID79)}))
+        t_fault = rig.clock.monotonic()
+        await run_for(rig, 2.0)
+        assert healthy_counts(rig) == [4], "a health loss inside the window must not be published"
+        gpus_entry = rig.health.get("gpus")
+        assert gpus_entry.ready and "drop pending: 3 healthy of 4 GPUs" in gpus_entry.reason
+        assert "GPU-0001 Lost (Xid 79" in gpus_entry.reason
+        assert gpus_entry.details["pendingDrop"]["seenHealthy"] == 3
+        await run_for(rig, 6.0)
+        assert [(g, c, h) for _, g, c, h in rig.seen] == [(1, 4, 4), (2, 4, 3)]
+        assert WINDOW <= rig.seen[-1][0] - t_fault <= WINDOW + 2 * POLL
+        assert [o for _, o in rig.drops] == ["acted"]
+        gpus_entry = rig.health.get("gpus")
+        assert gpus_entry.ready and gpus_entry.reason == f"3 of 4 GPUs healthy; not healthy: GPU-0001 Lost ({XID79})"
+        assert gpus_entry.details["healthy"] == 3 and gpus_entry.details["count"] == 4
+
+
+async def test_a_health_blip_shorter_than_the_window_is_absorbed():
+    async with HealthRig() as rig:
+        await start_faulted(rig, faulted(4, {}))
+        rig.put(faulted(4, {0: (UNHEALTHY, XID48), 2: (UNHEALTHY, XID48)}))
+        await run_for(rig, 2.0)
+        rig.put(faulted(4, {}))
+        await run_for(rig, 8.0)
+        assert [(g, h) for _, g, _, h in rig.seen] == [(1, 4)]
+        assert [o for _, o in rig.drops] == ["absorbed"]
+
+
+async def test_a_recovery_acts_at_the_next_poll_even_with_a_window():
+    async with HealthRig() as rig:
+        await start_faulted(rig, faulted(4, {3: (UNHEALTHY, XID48)}))
+        assert healthy_counts(rig) == [3]  # the first reading is published at once, whatever it holds
+        rig.put(faulted(4, {}))
+        t = rig.clock.monotonic()
+        await run_for(rig, POLL)
+        assert [(g, h) for _, g, _, h in rig.seen] == [(1, 3), (2, 4)] and rig.seen[-1][0] - t <= POLL
+        assert rig.drops == []  # a recovery is no drop
+        assert rig.health.get("gpus").reason == "4 GPUs available"
+
+
+async def test_a_new_reason_or_state_of_a_gpu_already_unhealthy_is_a_change_but_no_loss():
+    async with HealthRig() as rig:
+        await start_faulted(rig, faulted(4, {3: (UNHEALTHY, XID48)}))
+        rig.put(faulted(4, {3: (LOST, XID79)}))
+        t = rig.clock.monotonic()
+        await run_for(rig, POLL)
+        assert [(g, h) for _, g, _, h in rig.seen] == [(1, 3), (2, 3)] and rig.seen[-1][0] - t <= POLL
+        assert rig.drops == []
+
+
+async def test_only_the_healthy_since_timestamp_changing_is_no_change():
+    async with HealthRig() as rig:
+        await start_faulted(rig, faulted(4, {3: (UNHEALTHY, XID48)}))
+        later = faulted(4, {3: (UNHEALTHY, XID48)})
+        later = Inventory(tuple(dataclasses.replace(g, health_since=g.health_since + 5 if g.health_since else 0.0)
+                                for g in later.gpus))
+        rig.put(later)
+        await run_for(rig, 2.0)
+        assert len(rig.seen) == 1
+
+
+async def test_none_healthy_is_not_ready_and_the_reason_names_each_gpu_and_its_error():
+    async with HealthRig(window=0.0) as rig:
+        await start_faulted(rig, faulted(2, {}))
+        rig.put(faulted(2, {0: (LOST, XID79), 1: (UNHEALTHY, XID48)}))
+        await run_for(rig, POLL)
+        assert [(c, h) for _, _, c, h in rig.seen] == [(2, 2), (2, 0)]
+        gpus_entry = rig.health.get("gpus")
+        assert not gpus_entry.ready
+        assert gpus_entry.reason == f"no healthy GPU: GPU-0000 Lost ({XID79}), GPU-0001 Unhealthy ({XID48})"
+        assert gpus_entry.details["gpus"] == [
+            {"uuid": "GPU-0000", "health": LOST, "reason": XID79, "since": "2023-11-14T22:13:20.000+00:00"},
+            {"uuid": "GPU-0001", "health": UNHEALTHY, "reason": XID48, "since": "2023-11-14T22:13:20.000+00:00"}]
+        rig.put(faulted(2, {}))
+        await run_for(rig, POLL)
+        gpus_entry = rig.health.get("gpus")
+        assert gpus_entry.ready and gpus_entry.details["gpus"][0] == {"uuid": "GPU-0000", "health": HEALTHY, "reason": "",
+                                                                      "since": None}
+
+
+async def test_a_node_agent_with_none_healthy_stays_ready_and_says_why():
+    async with HealthRig(window=0.0, zero_is_ready=True) as rig:
+        await start_faulted(rig, faulted(1, {0: (LOST, XID79)}))
+        gpus_entry = rig.health.get("gpus")
+        assert gpus_entry.ready and gpus_entry.reason == f"no healthy GPU: GPU-0000 Lost ({XID79})"

@@ -26,8 +26,10 @@ class RecordingReconciler:
     def __init__(self, name, events):
         self.name, self.events = name, events
 
-    def set_gpus(self, uuids, ready, clique=""):
+    def set_gpus(self, uuids, ready, clique="", healthy=None, message=""):
         self.events.append(("gpus", self.name, tuple(uuids), ready, clique))
+        if healthy is not None or message:
+            self.events.append(("health", self.name, healthy, message))
 
     async def run(self):
         self.events.append(("run", self.name))
@@ -70,3 +72,20 @@ async def test_a_node_joins_a_domain_when_its_labels_match_and_leaves_it_when_th
     for _ in range(20):
         await asyncio.sleep(0.01)
     assert ("removed", "d-b") in events and membership.joined == {}
+
+
+async def test_the_gpus_health_reaches_every_joined_domain_and_one_joined_later(tasks):
+    events = []
+    membership = DomainMembership(None, "ns", "n1", named="chart", join_matching=False,
+                                  make_reconciler=lambda name: RecordingReconciler(name, events))
+    membership.set_gpus(["GPU-1", "GPU-2"], False, "", 0, "no healthy GPU: GPU-1 Lost, GPU-2 Lost")
+    tasks.start(membership.run())
+    await settle()
+    assert ("health", "chart", 0, "no healthy GPU: GPU-1 Lost, GPU-2 Lost") in events
+    membership.set_gpus(["GPU-1", "GPU-2"], True, "", 2, "")
+    assert events[-2:] == [("gpus", "chart", ("GPU-1", "GPU-2"), True, ""), ("health", "chart", 2, "")]
+    membership.join_matching = True
+    membership._node_seen({"metadata": {"name": "n1", "labels": {"rack": "a"}}})
+    membership._domains_listed({"items": [{"metadata": {"name": "d-a"}, "spec": {"nodeSelector": {"rack": "a"}}}]})
+    await settle()
+    assert ("health", "d-a", 2, "") in events

@@ -8,7 +8,7 @@ import pytest
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.control_plane_client import Credential, Registration, Unauthorized, Unavailable
 from gpu_agent.foundations.gate import Gate
-from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.gpus import GPU, LOST, UNHEALTHY, Inventory
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
@@ -17,8 +17,16 @@ from gpu_agent.mechanisms.registration.manager import RegistrationManager, Regis
 UNAVAILABLE = Unavailable("POST /v1/register: 503 injected fault", 503)
 
 
-def inventory(n, tag="a"):
-    return Inventory(tuple(GPU(f"GPU-{tag}{i:07d}-0000-0000-0000-000000000000", "fake", 1 << 30, index=i) for i in range(n)))
+def inventory(n, tag="a", broken=None):
+    """`n` GPUs; those in `broken` (index -> (health, reason)) not healthy."""
+    broken = broken or {}
+    return Inventory(tuple(GPU(f"GPU-{tag}{i:07d}-0000-0000-0000-000000000000", "fake", 1 << 30, index=i,
+                               **({"health": broken[i][0], "health_reason": broken[i][1]} if i in broken else {}))
+                           for i in range(n)))
+
+
+XID79 = "Xid 79 (GPU has fallen off the bus)"
+XID48 = "Xid 48 (double-bit ECC error)"
 
 
 class ScriptedControlPlane:
@@ -35,6 +43,7 @@ class ScriptedControlPlane:
         self.inside = 0
         self.max_inside = 0
         self.issued = 0
+        self.registered = []  # (generation, the UUIDs the agent told of) per register call
 
     def _credential(self):
         self.issued += 1
@@ -51,6 +60,7 @@ class ScriptedControlPlane:
             self.inside -= 1
 
     async def register(self, token, cluster_id, generation, inv):
+        self.registered.append((generation, [g.uuid for g in inv.gpus]))
         await self._enter("register", self.hold_register)
         outcome = self.register_script.pop(0) if self.register_script else "ok"
         if isinstance(outcome, Exception):
@@ -248,3 +258,59 @@ async def test_refused_renewal_registers_again(harness):
         assert h.cp.times("renew") == [5]
         assert h.cp.times("register") == [0, 5]
         assert h.ready
+
+
+# ---- only healthy GPUs count ---------------------------------------------------------------------------------
+
+async def test_only_the_healthy_gpus_are_registered(harness):
+    async with harness() as h:
+        await h.manager.gpus_changed(1, inventory(4, broken={1: (LOST, XID79)}))
+        await h.clock.advance(1)
+        assert h.cp.registered == [(1, [f"GPU-a{i:07d}-0000-0000-0000-000000000000" for i in (0, 2, 3)])]
+        assert h.ready and h.health.get("registration").ready
+
+
+async def test_a_health_change_registers_the_new_healthy_set_and_a_recovery_counts_again(harness):
+    async with harness() as h:
+        await h.manager.gpus_changed(1, inventory(4))
+        await h.clock.advance(1)
+        await h.manager.gpus_changed(2, inventory(4, broken={3: (UNHEALTHY, XID48)}))
+        await h.clock.advance(1)
+        await h.manager.gpus_changed(3, inventory(4))
+        await h.clock.advance(1)
+        assert [(g, len(uuids)) for g, uuids in h.cp.registered] == [(1, 4), (2, 3), (3, 4)]
+        assert h.manager.registered_generation == 3 and h.ready
+
+
+async def test_none_healthy_is_like_none_at_all_and_the_reason_names_each_gpu_and_its_error(harness):
+    async with harness() as h:
+        await h.manager.gpus_changed(1, inventory(2))
+        await h.clock.advance(1)
+        assert h.ready
+        await h.manager.gpus_changed(2, inventory(2, broken={0: (LOST, XID79), 1: (UNHEALTHY, XID48)}))
+        await h.clock.advance(60)
+        assert len(h.cp.registered) == 1, "nothing is registered while no GPU is healthy"
+        assert not h.ready and not h.manager.registered
+        reason = h.transitions[-1][2]
+        assert reason == (f"no healthy GPU: GPU-a0000000… Lost ({XID79}), GPU-a0000001… Unhealthy ({XID48}); "
+                          "registration deferred until one is healthy")
+        assert h.health.get("registration").reason == reason
+        await h.manager.gpus_changed(3, inventory(2, broken={0: (LOST, XID79)}))  # one recovers
+        await h.clock.advance(1)
+        assert h.ready and h.cp.registered[-1] == (3, ["GPU-a0000001-0000-0000-0000-000000000000"])
+
+
+async def test_the_reason_stays_one_bounded_line_however_many_gpus_are_unhealthy(harness):
+    async with harness() as h:
+        broken = {i: (UNHEALTHY, f"Xid {i} (a reason of its own)") for i in range(64)}
+        await h.manager.gpus_changed(1, inventory(64, broken=broken))
+        await h.clock.advance(1)
+        reason = h.health.get("registration").reason  # NotReady from the start: no transition to read it from
+        assert len(reason) < 520, len(reason)
+        shown = reason.count("Unhealthy (Xid")
+        assert 3 <= shown < 64 and f"and {64 - shown} more GPUs not healthy" in reason
+        # GPUs that share a state and a reason are counted once, not listed
+        same = {i: (UNHEALTHY, "node n1: 4 nvidia.com/gpu in capacity, 0 allocatable") for i in range(4)}
+        await h.manager.gpus_changed(2, inventory(4, broken=same))
+        await h.clock.advance(1)
+        assert h.health.get("registration").reason.startswith("no healthy GPU: 4 GPUs Unhealthy (node n1: 4 nvidia.com/gpu in capacity")

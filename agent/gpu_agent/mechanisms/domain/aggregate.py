@@ -68,6 +68,7 @@ log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
 PREFERRED_VERSION = "v1beta1"  # the CRDs' preferred served version (the highest: kube orders versions by stability)
 FIELD_MANAGER = "gpu-agent-node"
+MAX_MESSAGE = 1024  # a member's spec.message, as the CRD bounds it: a longer one is cut, never refused
 # The open connections the folder's API client keeps: its watches, and a burst of domains turning Ready
 # written at once. A smaller pool closes each connection it cannot keep and the next write pays a new TLS
 # handshake: measured with make bench-domain (64 domains) at 10 (the client's default on 2 CPUs), about
@@ -136,6 +137,10 @@ class MemberWriter(DomainView):
                      "gpuUUIDs": list(entry.gpu_uuids)}}
         if entry.clique:  # left out when none: server-side apply then removes a clique the node no longer has
             body["spec"]["clique"] = entry.clique
+        if entry.healthy_gpus is not None:
+            body["spec"]["healthyGPUs"] = entry.healthy_gpus
+        if entry.message:  # left out when all is well: server-side apply then removes the last one
+            body["spec"]["message"] = entry.message[:MAX_MESSAGE]
         if self.owner:
             body["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": self.owner["name"],
                                                     "uid": self.owner["uid"]}]

@@ -78,6 +78,8 @@ class MemberSpec(TypedDict, total=False):
     clique: str
     heartbeat: str
     heartbeatIntervalSeconds: float
+    healthyGPUs: int  # of gpuUUIDs, those that can take work (absent: an agent from before GPU health)
+    message: str  # why the node is NotReady or not every GPU is healthy; absent when all is well
 
 
 def spec_of(obj: GPUDomain) -> DomainSpec:
@@ -94,11 +96,17 @@ OCC_STRATEGIES = ("dra", "fulljitter")
 
 @dataclass(frozen=True)
 class Entry:
+    """One node's entry. `gpu_uuids` lists every GPU the node has, healthy or not (the peers are the
+    node's whatever its GPUs' health); `healthy_gpus` counts those that can take work and `message`
+    says why the node is NotReady or which GPUs are not healthy. Those two reach the node's
+    GPUDomainMember, not the domain's status (`as_status`), whose shape 0.1 readers know."""
     name: str
     ip: str
     gpu_uuids: tuple[str, ...]
     ready: bool
     clique: str = ""  # the node's NVLink clique; "" for none
+    healthy_gpus: int | None = None  # None: not known (the optimistic writers never write it)
+    message: str = ""
 
     def as_status(self, index: int) -> DomainNode:
         return status_entry(self.name, self.ip, index, self.ready, self.gpu_uuids, self.clique)

@@ -67,7 +67,7 @@ class DomainMembership:
         self.domains: dict[str, Any] = {}  # name -> spec.nodeSelector, as watched
         self.labels: dict[str, str] | None = None  # this node's, once seen
         self.joined: dict[str, tuple[DomainReconciler, asyncio.Task[None]]] = {}
-        self.gpus: tuple[list[str], bool, str] = ([], False, "")
+        self.gpus: tuple[list[str], bool, str, int | None, str] = ([], False, "", None, "")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = asyncio.Event()
         self._stop = threading.Event()
@@ -113,10 +113,13 @@ class DomainMembership:
                         on_error=lambda e: log.warning("watching node %s failed: %s", self.node, e), retry_seconds=2.0)
 
     # ---- the loop (asyncio) ------------------------------------------------------------------------
-    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "") -> None:
-        self.gpus = (uuids, ready, clique)
+    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "", healthy: int | None = None,
+                 message: str = "") -> None:
+        """This node's GPUs for every domain it joined: all its UUIDs, whether it is Ready (it has a
+        healthy GPU), how many are healthy and why it is NotReady or some are not."""
+        self.gpus = (uuids, ready, clique, healthy, message)
         for reconciler, _ in self.joined.values():
-            reconciler.set_gpus(uuids, ready, clique)
+            reconciler.set_gpus(uuids, ready, clique, healthy, message)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()

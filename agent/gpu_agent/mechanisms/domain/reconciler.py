@@ -61,6 +61,10 @@ class DomainReconciler:
         self._peer_count = -1
         self._health(False, f"joining {writer.where}")
 
+    def _entry_shown(self, entry: Entry) -> str:
+        why = f" ({entry.message})" if entry.message and not entry.ready else ""
+        return f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'}{why} in {self.writer.where}"
+
     def _health(self, ready: bool, reason: str, **details: object) -> None:
         if self.health_component is not None:
             self._registry.set(self.health_component, ready, reason, **details)
@@ -71,8 +75,9 @@ class DomainReconciler:
         log.v(4, "domain reconcile requested: %s (generation %d)", why, self.generation)
         self._wake.set()
 
-    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "") -> None:
-        entry = Entry(self.node, self.ip, tuple(sorted(uuids)), ready, clique)
+    def set_gpus(self, uuids: list[str], ready: bool, clique: str = "", healthy: int | None = None,
+                 message: str = "") -> None:
+        entry = Entry(self.node, self.ip, tuple(sorted(uuids)), ready, clique, healthy, message)
         if entry != self.entry:
             self.entry = entry
             self.trigger("GPUs changed")
@@ -83,8 +88,7 @@ class DomainReconciler:
         self._write_peers(obj)
         present = has_entry(obj, self.entry)
         if present:
-            self._health(True, f"entry {self.entry.name} {'Ready' if self.entry.ready else 'NotReady'} "
-                               f"in {self.writer.where}", **self.writer.stats.__dict__)
+            self._health(True, self._entry_shown(self.entry), **self.writer.stats.__dict__)
         if self.writer.needs_reapply(obj, self.entry) and self._loop is not None:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
 
@@ -135,8 +139,7 @@ class DomainReconciler:
                 ok = await asyncio.to_thread(self.writer.ensure, entry, lambda generation=generation: self.generation != generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
-                    self._health(True, f"entry {entry.name} {'Ready' if entry.ready else 'NotReady'} "
-                                       f"in {self.writer.where}", **self.writer.stats.__dict__)
+                    self._health(True, self._entry_shown(entry), **self.writer.stats.__dict__)
                     if self.writer.cached is not None:
                         self._write_peers(self.writer.cached)
         finally:

@@ -3,19 +3,29 @@ Ready nodes, kept current by a watch on Nodes (not by polling the API).
 
 A watch thread folds Node events into an in-memory table; `read()` only reads that table,
 so the monitor's frequent reads cost no API calls. The inventory carries one entry per
-allocatable GPU, named by node and index: allocatable counts carry no UUIDs (per-GPU UUIDs
-are the node agents' to report).
+GPU, named by node and index: allocatable counts carry no UUIDs (per-GPU UUIDs are the node
+agents' to report).
+
+Health, as kubelet reports it: a device plugin that marks a GPU Unhealthy (critical Xid, ECC,
+fallen off the bus) makes kubelet lower the node's allocatable but not its capacity. So a Ready
+node's GPUs in capacity beyond its allocatable are listed as Unhealthy entries, whose reason says
+where they went ("node n1: 4 nvidia.com/gpu in capacity, 0 allocatable ..."): they count for
+nothing (registration takes the healthy ones), and when none is healthy the agent's NotReady
+reason names the nodes. Kubelet reads the same way for a second or so after it restarts (the
+plugin's devices are unhealthy until it registers again), which the monitor's loss window absorbs.
+A node that is not Ready, or cordoned, lists nothing: its GPUs are not the cluster's to use.
 """
 
 from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
 
-from gpu_agent.foundations.gpus import GPU, Inventory
+from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.inventory.source import Reading
@@ -25,22 +35,43 @@ RESOURCE = "nvidia.com/gpu"
 _NS = uuid.UUID("6f1c8c1e-6a53-4a8e-9d55-0f5b1d8b9a10")
 
 
-def node_gpus(node: Any) -> int:
-    ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
-    if not ready or node.spec.unschedulable:
-        return 0
+@dataclass(frozen=True)
+class NodeGPUs:
+    allocatable: int  # what the device plugin reports Healthy
+    capacity: int  # every device it reports; at least `allocatable`
+
+
+def _count(resources: Any) -> int:
     try:
-        return int((node.status.allocatable or {}).get(RESOURCE, "0"))
+        return max(0, int((resources or {}).get(RESOURCE, "0")))
     except ValueError:
         return 0
 
 
-def inventory_of(table: dict[str, int]) -> Inventory:
+def node_gpus(node: Any) -> NodeGPUs:
+    ready = any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
+    if not ready or node.spec.unschedulable:
+        return NodeGPUs(0, 0)
+    allocatable = _count(node.status.allocatable)
+    return NodeGPUs(allocatable, max(allocatable, _count(node.status.capacity)))
+
+
+def unallocatable_reason(node: str, gpus: NodeGPUs) -> str:
+    return (f"node {node}: {gpus.capacity} {RESOURCE} in capacity, {gpus.allocatable} allocatable "
+            "(marked unhealthy by its device plugin, or the plugin is not registered)")
+
+
+def inventory_of(table: dict[str, NodeGPUs]) -> Inventory:
+    """Each node's allocatable GPUs Healthy (indices 0..allocatable-1), the rest of its capacity Unhealthy."""
     gpus: list[GPU] = []
     for node in sorted(table):
-        for i in range(table[node]):
+        counts = table[node]
+        reason = unallocatable_reason(node, counts) if counts.capacity > counts.allocatable else ""
+        for i in range(counts.capacity):
+            healthy = i < counts.allocatable
             gpus.append(GPU(uuid="GPU-" + str(uuid.uuid5(_NS, f"{node}/{i}")), name=f"{RESOURCE} {i} on {node}",
-                            memory_total_bytes=1, index=len(gpus)))
+                            memory_total_bytes=1, index=len(gpus), health=HEALTHY if healthy else UNHEALTHY,
+                            health_reason="" if healthy else reason))
     return Inventory(tuple(gpus))
 
 
@@ -51,7 +82,7 @@ class ClusterSource:
         self.core = client.CoreV1Api(api)
         self.resync_seconds = resync_seconds
         self._lock = threading.Lock()
-        self._table: dict[str, int] = {}
+        self._table: dict[str, NodeGPUs] = {}
         self._error: str | None = None
         self._listed = False
         self._stop = threading.Event()
@@ -88,7 +119,7 @@ class ClusterSource:
         if error:
             return Reading(Inventory(), error=error)
         inventory = inventory_of(table)
-        return Reading(inventory, note=None if inventory.count else f"no Ready node has allocatable {RESOURCE}")
+        return Reading(inventory, note=None if inventory.count else f"no Ready node has {RESOURCE}")
 
     def close(self) -> None:
         self._stop.set()

@@ -1,23 +1,27 @@
 """One monitor polls one source and turns changes into generation-numbered events.
 
-A change is a change of the UUID set (which covers the count) or of the source's error
-state. Each change bumps the generation and is handed to every subscriber as an
-`InventoryEvent`; registration uses the generation to discard responses to a stale view.
-An unreadable source counts as zero GPUs: the agent never serves work on GPUs it cannot see.
+A change is a change of the UUID set (which covers the count), of any GPU's health (its state
+or its reason: Healthy, Unhealthy with the Xid or error, Lost), or of the source's error state.
+Each change bumps the generation and is handed to every subscriber as an `InventoryEvent`;
+registration uses the generation to discard responses to a stale view (and registers only the
+healthy GPUs of the new one). An unreadable source counts as zero GPUs: the agent never serves
+work on GPUs it cannot see.
 
-Losses are debounced, arrivals are not. A reading that loses GPUs (a UUID gone, or the source
-turning unreadable) is held back for `loss_debounce` seconds, timed from the first poll that
-saw it:
+Losses are debounced, arrivals and recoveries are not. A reading that loses GPUs is held back
+for `loss_debounce` seconds, timed from the first poll that saw it. A loss is any of: a UUID
+gone, a GPU that was healthy and is not (Unhealthy, Lost, or gone), the source turning unreadable.
 
     steady ──(loss seen)──> drop pending ──(window passed, loss still there)──> act on the latest reading
                               │   ▲
                               │   └──(a different lossy reading: keep the window's start, remember it)
-                              ├──(the same inventory as before comes back)──> steady, nothing published
-                              └──(only additions relative to before)──────> act at once
+                              ├──(the same inventory and health as before come back)──> steady, nothing published
+                              └──(no loss relative to before: arrivals, recoveries)──> act at once
 
 A kubelet restart makes the cluster's allocatable GPUs read 0 for about a second while the
-device plugin registers again; without the window every restart would pause the queues and
-register again. With `loss_debounce` 0 every change is acted on at the next poll.
+device plugin registers again (the cluster source reads that as the node's GPUs turning
+Unhealthy: in capacity, not allocatable); without the window every restart would pause the
+queues and register again. A GPU that recovers (Unhealthy or Lost to Healthy) counts again at
+the next poll, as an arrival does. With `loss_debounce` 0 every change is acted on at the next poll.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from gpu_agent.foundations.clock import Clock
-from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.gpus import GPU, Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.mechanisms.inventory.source import GPUSource, Reading
@@ -51,8 +55,24 @@ class PendingDrop:
     since_wall: float
 
 
+def _healthy_uuids(inventory: Inventory) -> frozenset[str]:
+    return frozenset(g.uuid for g in inventory.healthy)
+
+
+def _health_map(inventory: Inventory) -> dict[str, tuple[str, str]]:
+    """What a change is made of, per GPU: its state and its reason (not `health_since`, a timestamp)."""
+    return {g.uuid: (g.health, g.health_reason) for g in inventory.gpus}
+
+
+def _same(before: InventoryEvent, reading: Reading) -> bool:
+    return (_health_map(before.inventory) == _health_map(reading.inventory) and before.error == reading.error
+            and (before.inventory.clique, before.inventory.fabric) == (reading.inventory.clique, reading.inventory.fabric))
+
+
 def _loses_gpus(before: InventoryEvent, reading: Reading) -> bool:
-    return bool(before.inventory.uuids - reading.inventory.uuids) or (reading.error is not None and before.error is None)
+    return (bool(before.inventory.uuids - reading.inventory.uuids)
+            or bool(_healthy_uuids(before.inventory) - _healthy_uuids(reading.inventory))
+            or (reading.error is not None and before.error is None))
 
 
 def _iso(wall: float) -> str:
@@ -88,14 +108,13 @@ class InventoryMonitor:
 
     async def observe(self, reading: Reading) -> InventoryEvent | None:
         prev = self.current
-        if (prev is not None and prev.inventory.uuids == reading.inventory.uuids and prev.error == reading.error
-                and (prev.inventory.clique, prev.inventory.fabric) == (reading.inventory.clique, reading.inventory.fabric)):
+        if prev is not None and _same(prev, reading):
             if self.pending is not None:
                 held = self.clock.monotonic() - self.pending.since_monotonic
                 self.pending = None
                 self.on_drop("absorbed")
-                log.info("GPU drop absorbed: the %d GPUs came back after %.2fs (within the %gs window); nothing changes",
-                         prev.inventory.count, held, self.loss_debounce)
+                log.info("GPU drop absorbed: the %s came back after %.2fs (within the %gs window); nothing changes",
+                         self._describe(Reading(prev.inventory)), held, self.loss_debounce)
                 self._report(prev, announce=False)
             return None
         if prev is not None and self.loss_debounce > 0 and _loses_gpus(prev, reading):
@@ -124,12 +143,23 @@ class InventoryMonitor:
 
     @staticmethod
     def _describe(reading: Reading) -> str:
-        return f"source unreadable: {reading.error}" if reading.error else f"{reading.inventory.count} GPUs"
+        if reading.error:
+            return f"source unreadable: {reading.error}"
+        inventory = reading.inventory
+        if not inventory.unhealthy:
+            return f"{inventory.count} GPUs"
+        return f"{len(inventory.healthy)} healthy of {inventory.count} GPUs ({describe_unhealthy(inventory.unhealthy)})"
+
+    @staticmethod
+    def _gpu_health(g: GPU) -> dict[str, object]:
+        return {"uuid": g.uuid, "health": g.health, "reason": g.health_reason,
+                "since": _iso(g.health_since) if g.health_since else None}
 
     def _report(self, e: InventoryEvent, announce: bool = True) -> None:
         """Health from `e` (plus any pending drop); `announce` logs the inventory as a change."""
-        details = {"count": e.inventory.count, "generation": e.generation, "source": self.source.name,
-                   "uuids": sorted(e.inventory.uuids)}
+        healthy = len(e.inventory.healthy)
+        details = {"count": e.inventory.count, "healthy": healthy, "generation": e.generation, "source": self.source.name,
+                   "uuids": sorted(e.inventory.uuids), "gpus": [self._gpu_health(g) for g in e.inventory.gpus]}
         if e.inventory.fabric:  # the NVML source knows the node's NVLink fabric
             details.update(clique=e.inventory.clique, fabric=e.inventory.fabric)
         pending = ""
@@ -137,6 +167,7 @@ class InventoryMonitor:
             act_at = self.pending.since_wall + self.loss_debounce
             details["pendingDrop"] = {"seen": self._describe(self.pending.reading),
                                       "seenCount": self.pending.reading.inventory.count,
+                                  "seenHealthy": len(self.pending.reading.inventory.healthy),
                                       "since": _iso(self.pending.since_wall), "actAt": _iso(act_at),
                                       "windowSeconds": self.loss_debounce}
             pending = (f"; drop pending: {self._describe(self.pending.reading)} seen since "
@@ -151,10 +182,18 @@ class InventoryMonitor:
             self.health.set(self.component, self.zero_is_ready, reason + pending, **details)
             if announce:
                 log.info("GPU inventory: 0 GPUs (%s), generation %d", e.note or "none found", e.generation)
-        else:
-            self.health.set(self.component, True, f"{e.inventory.count} GPUs available{pending}", **details)
+        elif healthy == 0:
+            # Listed but none can take work: as good as none, and the reason names each and why.
+            reason = f"no healthy GPU: {describe_unhealthy(e.inventory.unhealthy)}"
+            self.health.set(self.component, self.zero_is_ready, reason + pending, **details)
             if announce:
-                log.info("GPU inventory: %d GPUs, generation %d", e.inventory.count, e.generation)
+                log.info("GPU inventory: %s, generation %d", reason, e.generation)
+        else:
+            available = (f"{healthy} GPUs available" if healthy == e.inventory.count else
+                         f"{healthy} of {e.inventory.count} GPUs healthy; not healthy: {describe_unhealthy(e.inventory.unhealthy)}")
+            self.health.set(self.component, True, available + pending, **details)
+            if announce:
+                log.info("GPU inventory: %s, generation %d", available, e.generation)
                 log.v(2, "GPU UUIDs: %s", ", ".join(sorted(e.inventory.uuids)))
 
     async def run(self) -> None:

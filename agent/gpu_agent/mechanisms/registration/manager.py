@@ -14,6 +14,11 @@ A registration response is applied only if the GPU generation is still the one i
 captured at; otherwise it is discarded and recovery runs again for the new generation.
 Readiness (the `registration` and `credentials` health entries, and the queue switch) is
 recomputed from state in one place, `_publish()`, after every change.
+
+Only healthy GPUs count: the control plane is told of the healthy GPUs of the current generation
+(a GPU's health changing is a new generation), and an inventory with none healthy is handled as
+no GPUs at all (nothing registered, NotReady, queues paused), with a reason that names each GPU
+that is not healthy and why.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential, Unauthorized
 from gpu_agent.foundations.gate import Gate
-from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.gpus import Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
@@ -94,7 +99,12 @@ class RegistrationManager:
 
     @property
     def registered(self) -> bool:
-        return self.inventory.count > 0 and self.registered_generation == self.generation
+        return self.has_work_gpus and self.registered_generation == self.generation
+
+    @property
+    def has_work_gpus(self) -> bool:
+        """Whether the inventory has a GPU that can take work (a healthy one)."""
+        return bool(self.inventory.healthy)
 
     @property
     def credential_valid(self) -> bool:
@@ -110,6 +120,9 @@ class RegistrationManager:
     async def _publish(self) -> None:
         if self.inventory.count == 0:
             reg = (False, "no GPUs available in cluster: registration deferred until GPUs appear")
+        elif not self.has_work_gpus:
+            reg = (False, f"no healthy GPU: {describe_unhealthy(self.inventory.unhealthy)}; "
+                          "registration deferred until one is healthy")
         elif self.registered:
             reg = (True, f"registered (generation {self.generation})")
         else:
@@ -163,7 +176,9 @@ class RegistrationManager:
         """OK, SKIPPED (no GPUs, or registered already when `kind` only fills a gap) or STALE (the GPUs
         changed while the call was out); a call that fails raises its ControlPlaneError."""
         async with self.gate.hold(kind):
-            generation, inventory = self.generation, self.inventory
+            generation = self.generation
+            # What the control plane is told of: the GPUs that can take work.
+            inventory = Inventory(self.inventory.healthy, self.inventory.clique, self.inventory.fabric)
             if inventory.count == 0 or (kind in ("initial", "recovery") and self.registered):
                 return Outcome.SKIPPED
             self.metrics.registration_attempts.labels(kind).inc()
@@ -189,7 +204,9 @@ class RegistrationManager:
             self.registered_generation = generation
             self.last_error = None
             self.next_retry_in = None
-            log.info("registered %d GPUs with the control plane (generation %d, %s)", inventory.count, generation, kind)
+            unhealthy = len(self.inventory.unhealthy)
+            log.info("registered %d GPUs with the control plane (generation %d, %s)%s", inventory.count, generation, kind,
+                     f"; {unhealthy} not healthy left out" if unhealthy else "")
             await self._publish()
             return Outcome.OK
 
@@ -237,7 +254,7 @@ class RegistrationManager:
     async def recovery_loop(self) -> None:
         while True:
             self._gpu_changed.clear()
-            if self.inventory.count == 0 or self.registered:
+            if not self.has_work_gpus or self.registered:
                 await self._gpu_changed.wait()
                 continue
             try:

@@ -1,0 +1,81 @@
+"""The cluster source reads GPU health as kubelet reports it: capacity beyond allocatable on a Ready
+node is GPUs its device plugin marked unhealthy (mechanisms/inventory/cluster.py). The evidence is
+the inventory it builds from Node objects and what the monitor and its health entry make of it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS  # noqa: N814 - short: it stands in for Node objects below
+
+from gpu_agent.foundations.clock import ManualClock
+from gpu_agent.foundations.gpus import HEALTHY, UNHEALTHY
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.mechanisms.inventory.cluster import NodeGPUs, inventory_of, node_gpus
+from gpu_agent.mechanisms.inventory.monitor import InventoryMonitor
+from gpu_agent.mechanisms.inventory.source import Reading
+
+
+def node(allocatable: str | None, capacity: str | None, ready: bool = True, cordoned: bool = False) -> NS:
+    return NS(spec=NS(unschedulable=cordoned),
+              status=NS(conditions=[NS(type="Ready", status="True" if ready else "False")],
+                        allocatable={} if allocatable is None else {"nvidia.com/gpu": allocatable},
+                        capacity={} if capacity is None else {"nvidia.com/gpu": capacity}))
+
+
+def test_a_node_reads_allocatable_and_capacity_and_nothing_when_not_ready_or_cordoned():
+    assert node_gpus(node("4", "4")) == NodeGPUs(4, 4)
+    assert node_gpus(node("3", "4")) == NodeGPUs(3, 4)
+    assert node_gpus(node("0", "4")) == NodeGPUs(0, 4)
+    assert node_gpus(node("4", None)) == NodeGPUs(4, 4)  # no capacity read: never fewer than allocatable
+    assert node_gpus(node("x", "4")) == NodeGPUs(0, 4)  # unreadable allocatable: none of them usable
+    assert node_gpus(node("4", "4", ready=False)) == NodeGPUs(0, 0)
+    assert node_gpus(node("4", "4", cordoned=True)) == NodeGPUs(0, 0)
+
+
+def test_capacity_beyond_allocatable_is_listed_unhealthy_with_where_it_went():
+    inv = inventory_of({"n1": NodeGPUs(3, 4), "n2": NodeGPUs(2, 2)})
+    assert inv.count == 6 and len(inv.healthy) == 5
+    (bad,) = inv.unhealthy
+    assert bad.health == UNHEALTHY and bad.name == "nvidia.com/gpu 3 on n1"
+    assert bad.health_reason == ("node n1: 4 nvidia.com/gpu in capacity, 3 allocatable "
+                                 "(marked unhealthy by its device plugin, or the plugin is not registered)")
+    assert all(g.health == HEALTHY and g.health_reason == "" for g in inv.healthy)
+
+
+def test_the_uuids_stay_the_same_while_health_moves_so_a_fault_is_a_health_change_not_a_new_gpu():
+    before, after = inventory_of({"n1": NodeGPUs(4, 4)}), inventory_of({"n1": NodeGPUs(3, 4)})
+    assert before.uuids == after.uuids
+    assert [g.is_healthy for g in after.gpus] == [True, True, True, False]
+
+
+class TableSource:
+    name = "cluster"
+
+    def __init__(self, table: dict[str, NodeGPUs]) -> None:
+        self.table = table
+
+    def read(self) -> Reading:
+        return Reading(inventory_of(self.table))
+
+    def close(self) -> None:
+        pass
+
+
+async def test_every_gpu_unallocatable_is_not_ready_and_the_reason_names_each_node():
+    clock = ManualClock()
+    health = HealthRegistry(clock, ["gpus"])
+    events = []
+
+    async def changed(e):
+        events.append(e)
+
+    source = TableSource({"n1": NodeGPUs(4, 4), "n2": NodeGPUs(2, 2)})
+    monitor = InventoryMonitor(source, clock=clock, health=health, poll_interval=0.5, on_change=changed)
+    await monitor.poll_once()
+    assert health.get("gpus").ready
+    source.table = {"n1": NodeGPUs(0, 4), "n2": NodeGPUs(0, 2)}
+    await monitor.poll_once()
+    entry = health.get("gpus")
+    assert not entry.ready and [len(e.inventory.healthy) for e in events] == [6, 0]
+    assert entry.reason.startswith("no healthy GPU: 4 GPUs Unhealthy (node n1: 4 nvidia.com/gpu in capacity, "
+                                   "0 allocatable (marked unhealthy by its device plugin")
+    assert "… Unhealthy (node n2: 2 nvidia.com/gpu in capacity, 0 allocatable" in entry.reason
