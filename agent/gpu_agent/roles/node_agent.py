@@ -5,11 +5,12 @@
 It is ready whenever its GPU source can be read, with any number of GPUs (zero included, or none
 healthy): it reports the truth about the node. Its domain member is Ready only while the node has
 a healthy GPU; the member carries the healthy count (`healthyGPUs`) and, when NotReady or not
-every GPU is healthy, why (`message`, naming each such GPU and its error). A source that cannot be read makes it NotReady, with the
-reason. With `domainName` set it also keeps this node's entry in that shared GPUDomain
-(mechanisms/domain) and removes it on shutdown, bounded by `shutdownTimeout`; with
-`joinMatchingDomains` it also joins every GPUDomain of `domainNamespace` whose nodeSelector matches
-this node's labels, and leaves one that stops matching (mechanisms/domain/membership.py).
+every GPU is healthy, why (`message`, naming each such GPU and its error). A source that cannot
+be read makes it NotReady, with the reason. With `domainName` set it also keeps this node's entry
+in that shared GPUDomain (mechanisms/domain) and removes it on shutdown, bounded by
+`shutdownTimeout`; with `joinMatchingDomains` it also joins every GPUDomain of `domainNamespace`
+whose nodeSelector matches this node's labels, and leaves one that stops matching
+(mechanisms/domain/membership.py).
 """
 
 from __future__ import annotations
