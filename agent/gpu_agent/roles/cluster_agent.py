@@ -6,11 +6,12 @@
 
 It is live from the first moment (`/livez` 200). Ready (`/healthz` 200) means "this replica does
 its job": the cluster has healthy GPUs (an unhealthy one, Xid or ECC or lost, counts for nothing;
-when none is healthy the reason names each and why), registration for the current GPU generation has succeeded and a
-valid credential is installed (NVCA's definition), and it either leads or is a hot standby. Only
-the leader is *active*: its queues are open and it leases work (`active` in /healthz, the metric
-`gpu_agent_active`). A standby registers too (it takes over with its credential in hand) but
-leases no work and folds no domain; it reports "standby: the leader is <identity>".
+when none is healthy the reason names each and why), registration for the current GPU generation
+has succeeded and a valid credential is installed (NVCA's definition), and it either leads or is a
+hot standby. Only the leader is *active*: its queues are open and it leases work (`active` in
+/healthz, the metric `gpu_agent_active`). A standby registers too (it takes over with its
+credential in hand) but leases no work and folds no domain; it reports "standby: the leader is
+<identity>".
 
 Why a standby is Ready: Kubernetes, Helm (`--wait`), Argo CD and Flux read Pod readiness as "this
 replica does its job". A NotReady standby could never let a rolling update replace the leader,
