@@ -23,8 +23,7 @@ run_suite() {  # run_suite WHAT PYTEST_ARGS...
   # clusters may lack Go: then those tests fail naming the build command, the rest still run.
   bash "$here/scripts/build-kstatus.sh" || log "kstatus not built (needs Go): the GitOps tests will fail"
   log "timing: kstatus $((SECONDS - t))s"; t=$SECONDS
-  # The slowest tests printed: where the suite's time goes (CI has a budget).
-  "$pytest" -p no:cacheprovider --durations=30 "$repo/e2e" "$@" || rc=$?
+  "$pytest" -p no:cacheprovider "$repo/e2e" "$@" || rc=$?
   log "timing: e2e $what $((SECONDS - t))s"
 }
 
