@@ -201,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(cluster.status(), indent=2))
             else:
                 inventory = fake_state.read(path)
-                gpus = json.loads(fake_state.render(inventory))["gpus"]  # with each faulted GPU's health
-                print(json.dumps({"stateFile": str(path), "count": inventory.count, "gpus": gpus}, indent=2))
+                print(json.dumps({"stateFile": str(path), "count": inventory.count,
+                                  "gpus": fake_state.gpus_json(inventory)}, indent=2))
             return 0
 
         def set_count(count: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import uuid as uuidlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import GPU, HEALTHY, LOST, UNHEALTHY, Inventory
@@ -99,8 +99,7 @@ def build(current: Inventory, count: int, product: str, memory_mib: int, rng: ra
         gpus.append(GPU(new_uuid(rng), product, memory_mib * 2**20, False, len(gpus)))
     for i, fault in (faults or {}).items():
         if 0 <= i < count and fault.health != HEALTHY:
-            gpus[i] = GPU(gpus[i].uuid, gpus[i].name, gpus[i].memory_total_bytes, gpus[i].mig_mode, i,
-                          health=fault.health, health_reason=fault.reason)
+            gpus[i] = replace(gpus[i], health=fault.health, health_reason=fault.reason)
     check_clique(clique)
     fabric = f"fake fabric: clique {clique}" if clique else "fake fabric: no clique"
     return Inventory(tuple(gpus), clique=clique, fabric=fabric)

@@ -7,8 +7,8 @@
 
 `faults` (written by `fake-gpu fault --node`) names the GPUs, by index, that are not healthy; the
 DaemonSet writes them into the state file (the node agent's fake source reads them) and reports those
-GPUs Unhealthy to kubelet, so the node's allocatable drops. A node with no entry gets `defaultCount` GPUs. An entry that does not parse or breaks a
-limit is refused: the previous layout stays in force and the error is logged (and shown by
+GPUs Unhealthy to kubelet, so the node's allocatable drops. A node with no entry gets `defaultCount`
+GPUs. An entry that does not parse or breaks a limit is refused: the previous layout stays in force and the error is logged (and shown by
 `fake-gpu status`). `fake-gpu set` validates the same way before it writes anything.
 """
 

@@ -21,7 +21,8 @@ from typing import Any
 from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.gpus import GPU, HEALTH_STATES, HEALTHY, Inventory
 
-__all__ = ["API_VERSION", "FakeStateError", "Inventory", "default_path", "parse", "read", "render", "write_atomic"]
+__all__ = ["API_VERSION", "FakeStateError", "Inventory", "default_path", "gpus_json", "parse", "read", "render",
+           "write_atomic"]
 
 API_VERSION = "fake-gpu.gpu-agent.io/v1"
 KIND = "FakeGPUState"
@@ -119,12 +120,17 @@ def read(path: Path) -> Inventory:
     return parse(text, str(path))
 
 
-def render(inventory: Inventory, node: str = "") -> str:
+def gpus_json(inventory: Inventory) -> list[dict[str, Any]]:
+    """The file's `gpus`: each GPU as the inventory writes it, with `health` and `healthReason` where it is not healthy."""
     gpus = inventory.to_json()
     for doc_gpu, gpu in zip(gpus, inventory.gpus, strict=True):
         if not gpu.is_healthy:
             doc_gpu.update(health=gpu.health, healthReason=gpu.health_reason)
-    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": gpus}
+    return gpus
+
+
+def render(inventory: Inventory, node: str = "") -> str:
+    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "node": node, "gpus": gpus_json(inventory)}
     if inventory.clique:
         doc["clique"] = inventory.clique
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
