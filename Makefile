@@ -37,11 +37,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+## test-unit / test-integration: on TEST_JOBS workers (pytest-xdist; default auto, one per core; 0 runs in-process)
+TEST_JOBS ?= auto
 test-unit: setup
-	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests
+	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/unit fake-gpu/tests hooks/tests
 
 test-integration: setup
-	$(BIN)/pytest agent/tests/integration
+	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/integration
 
 ## e2e: CLUSTER=ci (default: brings the CI cluster up, runs the suite, tears it down) | existing | kind | k3d
 CLUSTER ?= ci
