@@ -29,12 +29,13 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from e2e.helpers import Sampler, wait_until
+from e2e.helpers import Sampler, drops, wait_until
 from e2e.release import CONTROL_PLANE_PRELUDE, Release
 
 DOMAIN = "health"
 GOAL = 2.0  # seconds from a fault (or its clear) to allocatable and the registered count following
 CYCLES = 10  # faults the latency figures are taken over
+MAX_REREGISTRATION = 1.0  # seconds NotReady a GPU change may cost: one registration round trip (loopback, in-cluster)
 
 
 class Faults:
@@ -218,7 +219,12 @@ def test_an_xid_79_takes_one_gpu_out_of_allocatable_and_registration_within_2s_a
         back_allocatable = within(allocatable.samples, cleared, lambda v: v == 4, 10, "allocatable 4 after the clear")
         back_registered = within(registered.samples, cleared, four, 10, "4 registered after the clear")
         elapsed = time.monotonic() - started
-    assert 503 not in [v for _, v in health.samples], "one GPU of four broken must not take the agent out"
+    # A GPU change (a health change is one) is NotReady until the new generation is registered (the one gate:
+    # mechanisms/registration/manager.py), a round trip to the control plane; one GPU of four broken must not
+    # take the agent out for longer than that.
+    first_ready = next(t for t, v in health.samples if v == 200)
+    out = drops([(t, v) for t, v in health.samples if t >= first_ready], lambda v: v == 200, until=health.samples[-1][0])
+    assert max(out, default=0.0) <= MAX_REREGISTRATION, f"NotReady for {max(out):.2f} s with three healthy GPUs: {out}"
     assert len(allocatable.samples) >= elapsed / 0.05 * 0.3, "the allocatable sampler fell behind"
     assert registered.polls >= elapsed / 0.05 * 0.3, f"the control plane was polled only {registered.polls} times"
     print(f"\nXid 79 -> allocatable 3 in {to_allocatable:.2f} s, -> 3 registered in {to_registered:.2f} s; clear -> "
