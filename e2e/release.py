@@ -333,8 +333,10 @@ def lost_and_doubled(release: Release, pods: WorkPods, keys: list[str], timeout:
     items no Pod ran (lost) and the Pods with more than one UID (an item run twice)."""
     from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
+    # Each look is a Python process in the control plane's pod: once a second, so that looking does not take
+    # the CPU the items run on.
     wait_until(lambda: (lambda s: len(s) == len(keys) and set(s.values()) == {"done"})(items(release)), timeout,
-               "every item done")
+               "every item done", interval=1.0)
     wait_until(lambda: set(pods.executions()) >= {pod_name(k) for k in keys}, 30, "a work pod seen for every item")
     pods.stop()
     executions = pods.executions()

@@ -134,7 +134,7 @@ class Cluster:
         """Waits for every item to be done, then counts lost and doubled executions and the most
         leaders seen at once in the delivery log."""
         wait_until(lambda: (lambda s: all(s.get(k) == "done" for k in keys))(items(self.release)),
-                   timeout, "every item done")  # of `keys`: poison items beside them end failed
+                   timeout, "every item done", interval=1.0)  # of `keys`: poison items beside them end failed
         wait_until(lambda: set(self.pods.runs()) >= {pod_name(k) for k in keys}, 30, "a work pod seen running for each item")
         self.pods.stop()
         executions = self.pods.runs()  # Pods that ran: a poison item's unschedulable attempts are not runs

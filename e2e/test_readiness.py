@@ -162,7 +162,7 @@ def klog_seconds(line: str) -> float:
 def test_readiness_is_held_through_credential_renewals(release_at_zero, fake_gpus):
     r = release_at_zero
     r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
-              "--set", "clusterAgent.credentialRenewInterval=15")
+              "--set", "clusterAgent.credentialRenewInterval=5")
     wait_until(r.all_running, 90, "every release pod Running")
     fake_gpus.set(2)
     wait_until(lambda: service_healthz(r) == 200, 30, "Ready on 2 GPUs")
@@ -172,7 +172,7 @@ def test_readiness_is_held_through_credential_renewals(release_at_zero, fake_gpu
         return r.core.read_namespaced_pod_log(cp_pod, r.namespace).count("renewed its credential")
 
     with Sampler(lambda: service_healthz(r), 0.2) as health:
-        wait_until(lambda: renewals() >= 2, 45, "two credential renewals", interval=1)
+        wait_until(lambda: renewals() >= 3, 30, "three credential renewals", interval=1)
     codes = [v for _, v in health.samples]
     print(f"\nrenewals {renewals()}, /healthz samples {len(codes)}: {sorted(set(codes))}")
     assert len(codes) >= 50

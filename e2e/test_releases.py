@@ -118,8 +118,8 @@ def test_upgrade_from_last_stable_with_work_running_loses_and_doubles_nothing(
         samples = health.samples
         second = [f"up-b{i}" for i in range(4)]
         enqueue(release, second)
-        wait_until(lambda: set(items(release).values()) == {"done"} and len(items(release)) == len(first) + len(second),
-                   240, "every item done")
+        wait_until(lambda: (lambda s: set(s.values()) == {"done"} and len(s) == len(first) + len(second))(items(release)),
+                   240, "every item done", interval=1.0)
         wait_until(lambda: set(pods.executions()) >= {_pod_name(k) for k in first + second}, 30,
                    "a work pod seen for every item")
         pods.stop()
@@ -241,7 +241,7 @@ def test_a_failed_upgrade_rolled_back_restores_service_and_keeps_the_stored_obje
     helm("rollback", "--kubeconfig", release.kubeconfig, "-n", namespace, release.name, "1", "--wait", "--timeout", "120s")
     wait_until(lambda: release.healthz()[0] == 200, 90, "the cluster agent Ready after the rollback")
     print(f"\nrollback: service back {time.monotonic() - started:.1f} s after `helm rollback`")
-    wait_until(lambda: set(items(release).values()) == {"done"}, 120, "the items queued during the outage done")
+    wait_until(lambda: set(items(release).values()) == {"done"}, 120, "the items queued during the outage done", interval=1.0)
     assert custom.get_namespaced_custom_object(GROUP, "v1beta1", namespace, "gpudomains", "fabric")["metadata"]["uid"] == uid
     ext = client.ApiextensionsV1Api(api)
     for name in CRDS:
