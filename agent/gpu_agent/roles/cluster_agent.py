@@ -75,6 +75,8 @@ SETTINGS = [
     Setting("queuePollInterval", "seconds", 1.0, "wait between lease attempts on an empty queue", 0.01, 60),
     Setting("queueLongPoll", "seconds", 5.0, "how long the control plane may hold an empty lease call (0 = plain polling); "
             "also the longest a shutdown waits for it", 0, 30),
+    Setting("queueMaxInFlight", "int", 0, "work items run side by side (each with its own lease); 0: as many as the "
+            "GPUs registered, so a node of 16 GPUs runs 16 one-GPU items at once", 0, 4096),
     Setting("executor", "choice", "record", "how a work item runs: record (a local journal) or pod (a Pod per item)",
             choices=("record", "pod")),
     Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (record executor)"),
@@ -124,6 +126,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaseSeconds: float
     queuePollInterval: float
     queueLongPoll: float
+    queueMaxInFlight: int
     executor: str
     executorJournal: str
     executorWorkSeconds: float
@@ -213,7 +216,8 @@ class ClusterAgent:
                              health=self.health, metrics=self.metrics, lease_seconds=cfg.leaseSeconds,
                              poll_interval=cfg.queuePollInterval, on_refused=self.registration.credential_refused,
                              long_poll=cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0,
-                             identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None)
+                             identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None,
+                             max_in_flight=cfg.queueMaxInFlight)
 
     def _holds_lease(self) -> bool:
         # No elector yet (it is made when the agent runs): nothing has led, so the queues are closed anyway.
@@ -227,6 +231,7 @@ class ClusterAgent:
     async def _gpus_changed(self, event: InventoryEvent) -> None:
         self.metrics.gpus.set(len(event.inventory.healthy))  # what it registers: only healthy GPUs count
         self.metrics.gpu_generation.set(event.generation)
+        await self.queue.set_gpus(len(event.inventory.healthy))  # what items in flight may use
         await self.registration.gpus_changed(event.generation, event.inventory)
 
     async def _readiness_changed(self, ready: bool, reason: str) -> None:
