@@ -57,6 +57,11 @@ CREATE INDEX IF NOT EXISTS items_open ON items(id) WHERE state IN ('queued', 'le
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
 ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
                            ("not_before", "REAL"), ("last_error", "TEXT")]}
+# The due items in queue order. `state IN (...)` lets the partial index items_open serve it: the done and
+# failed items, which pile up, are never scanned.
+LEASE_QUERY = """SELECT id, idempotency_key, payload, deliveries FROM items
+    WHERE state IN ('queued', 'leased') AND ((state = 'queued' AND COALESCE(not_before, 0) <= ?)
+    OR (state = 'leased' AND lease_expires_at <= ?)) ORDER BY id LIMIT ?"""
 MAX_ERROR_CHARS = 1000
 DELIVERY_LOG_LIMIT = 10000
 
@@ -234,12 +239,7 @@ class Store:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._check_term(term)
-                # `state IN (...)` lets the partial index items_open serve the query: the done and failed
-                # items, which pile up, are never scanned.
-                rows = self._db.execute("""SELECT id, idempotency_key, payload, deliveries FROM items
-                    WHERE state IN ('queued', 'leased') AND ((state = 'queued' AND COALESCE(not_before, 0) <= ?)
-                    OR (state = 'leased' AND lease_expires_at <= ?)) ORDER BY id LIMIT ?""",
-                                        (now, now, max_items)).fetchall()
+                rows = self._db.execute(LEASE_QUERY, (now, now, max_items)).fetchall()
                 for row in rows:
                     lease_id = secrets.token_hex(8)
                     self._db.execute("""UPDATE items SET state='leased', lease_id=?, lease_expires_at=?,
