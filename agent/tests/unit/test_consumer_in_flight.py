@@ -197,3 +197,27 @@ async def test_an_item_whose_term_ended_while_it_waited_for_gpus_is_released_not
     await clock.settle()
     assert ("big", None) in control_plane.released and "big" not in executor.ran
     task.cancel()
+
+
+async def test_a_redelivery_of_an_item_whose_earlier_delivery_still_runs_here_waits_for_it():
+    """Found by the simulation (seed 100150): term 1's delivery of an item hangs in its Pod create; the agent
+    leads again under term 2, which hands the item back, and leases it again. The new delivery must not run
+    beside the old one (both carry this agent's Lease token: the old create could land after the new one ran
+    and deleted its Pod), so it waits, its lease renewed, and runs once the old one ended."""
+    control_plane, executor = ControlPlane([item(4, "item-3")]), Executor()
+    consumer, clock, task = await start(control_plane, executor, gpus=8, max_in_flight=4)
+    assert list(executor.running) == ["item-3"] and executor.ran == ["item-3"]
+    consumer.new_term()
+    control_plane.term = 2
+    control_plane.items.append(replace(item(4, "item-3"), lease_id="lease-4-again"))
+    await clock.advance(1.0)  # the leasing loop's idle poll: it leases the redelivery
+    assert control_plane.items == [] and executor.ran == ["item-3"]  # leased, and waiting
+    await clock.advance(10.0)
+    assert control_plane.renewed.count("item-3") == 2  # both deliveries' leases kept meanwhile
+    executor.finish("item-3")
+    await clock.settle()
+    assert executor.ran == ["item-3", "item-3"]  # the redelivery runs only now (and would adopt the old Pod)
+    executor.finish("item-3")
+    await clock.settle()
+    assert control_plane.acked == ["item-3", "item-3"]
+    task.cancel()

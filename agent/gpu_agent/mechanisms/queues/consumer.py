@@ -97,6 +97,7 @@ class QueueConsumer:
         self.in_flight = Slots(max(1, max_in_flight))
         self.gpus: Slots | None = None
         self.waiting_since: dict[int, float] = {}  # item id -> when it began to wait for its GPUs
+        self._deliveries: dict[int, asyncio.Event] = {}  # item id -> set when its delivery running here ends
         self.run_blocking = run_blocking  # every call to the control plane goes through it
         self.identity = identity
         self.fence: Fence | None = None
@@ -278,10 +279,27 @@ class QueueConsumer:
         return credential, items
 
     async def _hold(self, credential: Secret, item: WorkItem, placed: int | None) -> None:
-        """One item in flight (its place already taken): its GPUs, its run, its ack; the place given back."""
+        """One item in flight (its place already taken): its GPUs, its run, its ack; the place given back.
+
+        One delivery of an item at a time in this agent: a redelivery (a new term handed back the item while
+        the delivery of the old term still runs here, its Pod create unanswered) waits, its lease renewed,
+        until the earlier delivery's task has ended. Both carry this agent's Lease token, so the admission
+        policy would let the old create land after the new delivery ran, acked and deleted its Pod: a second
+        run. Waiting, the redelivery finds the old create's Pod instead and adopts it."""
+        renewer = asyncio.ensure_future(self._keep_leased(credential, item))  # also while it waits
+        mine = asyncio.Event()
         try:
-            await self._run(credential, item, placed)
+            while (earlier := self._deliveries.get(item.item_id)) is not None:
+                log.v(1, "item %d was delivered again while its earlier delivery still runs here; waiting for it",
+                      item.item_id)
+                await earlier.wait()
+            self._deliveries[item.item_id] = mine
+            await self._run(credential, item, placed, renewer)
         finally:
+            renewer.cancel()
+            if self._deliveries.get(item.item_id) is mine:
+                del self._deliveries[item.item_id]
+            mine.set()
             await self.in_flight.give(1)
             self._report()
 
@@ -317,10 +335,10 @@ class QueueConsumer:
             return need
         return None
 
-    async def _run(self, credential: Secret, item: WorkItem, placed: int | None) -> None:
-        """`placed`: the GPUs `_place` took for it, None when it waits for them first."""
+    async def _run(self, credential: Secret, item: WorkItem, placed: int | None, renewer: asyncio.Future[None]) -> None:
+        """`placed`: the GPUs `_place` took for it, None when it waits for them first. `renewer`: the task
+        that keeps its lease, stopped when its execution ends."""
         started = self.clock.monotonic()
-        renewer = asyncio.ensure_future(self._keep_leased(credential, item))  # also while it waits for GPUs
         gpus = placed if placed is not None else await self._take_gpus(item)
         term_over = item.fence is not None and item.fence is not self.fence
         if gpus is None or term_over:
