@@ -149,6 +149,9 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaderElectionRetryPeriod: float
 
 
+WORK_CONNECTIONS = 64  # the Pod executor's pool of API server connections, at least
+
+
 def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
@@ -157,7 +160,10 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 
-        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig)), cfg.workNamespace, cfg.workImage,
+        # Each item in flight polls its Pod: a pool smaller than the calls in flight closes connections it cannot
+        # keep, and the next call pays a TLS handshake (foundations/kube.py). 0 in flight: the GPUs, not known yet.
+        connections = max(WORK_CONNECTIONS, cfg.queueMaxInFlight + 4)
+        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig, connections=connections)), cfg.workNamespace, cfg.workImage,
                            release=cfg.releaseName, clock=clock)
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
