@@ -582,10 +582,14 @@ def test_one_lease_call_takes_up_to_max_items_each_under_its_own_lease_and_an_ol
                       timeout=5, headers={"Authorization": "Bearer " + cred.reveal()})
     assert r.status_code == 200 and r.json()["idempotencyKey"] == "d" and "more" not in r.json(), r.text
     assert [i.idempotency_key for i in client.lease_many(cred, 30, 0, fence, 64)] == ["e"]  # what there is
+    client.enqueue(ADMIN, "f", {})
+    r = requests.post(server.url + "/v1/queue/lease", data=f'{{"maxItems": 2.0, "term": {fence.term}}}', timeout=5,
+                      headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["idempotencyKey"] == "f", r.text  # JSON Schema's integer includes 2.0
     assert client.lease_many(cred, 30, 0, fence, 4) == []
     client.ack(cred, batch[1])  # each lease is its own: one acked, the others still leased
-    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 4, "done": 1, "failed": 0}
-    assert [d["itemId"] for d in client.deliveries(ADMIN)] == [1, 2, 3, 4, 5]  # one delivery logged per item
+    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 5, "done": 1, "failed": 0}
+    assert [d["itemId"] for d in client.deliveries(ADMIN)] == [1, 2, 3, 4, 5, 6]  # one delivery logged per item
 
 
 @pytest.mark.parametrize("value", ["0", "65", '"2"', "1.5", "true"])

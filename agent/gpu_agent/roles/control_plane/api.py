@@ -106,7 +106,7 @@ class LeaseRequest(Model):
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="lease length; capped by the server's maxLeaseSeconds")
     waitSeconds: float = Field(default=0.0, ge=0, le=30, description="long poll: wait this long for an item")
-    maxItems: int = Field(default=1, ge=1, le=MAX_LEASE_ITEMS,
+    maxItems: Int = Field(default=1, ge=1, le=MAX_LEASE_ITEMS,
                           description="lease up to this many items in one call (the first in the body, the rest in "
                                       "`more`); each has its own lease. The long poll waits for the first only")
 
