@@ -330,9 +330,12 @@ class QueueConsumer:
             taking.cancel()
             self.waiting_since.pop(item.item_id, None)
             await gpus.poke()  # the leasing loop may have been held back by this wait
-        # A take that completed as it was cancelled holds the GPUs all the same.
+        # A take that completed as it was cancelled holds the GPUs all the same; given back if the queue
+        # paused by then (the item has not started: it goes back, as the docstring of the module says).
         if taking.done() and not taking.cancelled() and taking.exception() is None:
-            return need
+            if self.open.is_on:
+                return need
+            await gpus.give(need)
         return None
 
     async def _run(self, credential: Secret, item: WorkItem, placed: int | None, renewer: asyncio.Future[None]) -> None:
