@@ -197,6 +197,11 @@ def main() -> int:
     kubeconfig = CI_KUBECONFIG
     api = config.new_client_from_config(str(kubeconfig))
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    # A second fake-gpu release would register a second device plugin with each kubelet.
+    others = apps.list_daemon_set_for_all_namespaces(label_selector="app.kubernetes.io/name=fake-gpu").items
+    if others:
+        raise SystemExit(f"fake-gpu is already installed ({', '.join(f'{d.metadata.namespace}/{d.metadata.name}' for d in others)}):"
+                         " this benchmark installs its own; uninstall that one first (is an e2e session running?)")
     ns = f"bench-queue-{uuid.uuid4().hex[:5]}"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     helm = [tool("helm"), "--kubeconfig", str(kubeconfig), "-n", ns]
