@@ -114,12 +114,12 @@ def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, cor
         enqueue(release, keys, seconds=4)  # each Pod sleeps 4 s: long enough for the waves to overlap
         lost, doubled = lost_and_doubled(release, pods, keys, timeout=120)
         took, most = time.monotonic() - started, pods.most_running()
-        print(f"\n50 items on 16 GPUs (maxInFlight {queues['maxInFlight']}): all done {took:.1f} s after the enqueue; "
+        print(f"\n{len(keys)} items on 16 GPUs (maxInFlight {queues['maxInFlight']}): all done {took:.1f} s after the enqueue; "
               f"at most {most} work Pods Running at once; {pods.events} watch events, gaps {pods.gaps}")
         assert not lost and not doubled, (lost, doubled)
         assert pods.complete(), f"the watch had a gap that could hide a Pod: {pods.gaps}"
         assert pods.events >= 3 * len(keys), pods.events  # each Pod seen at least created, Running and ended
-        assert len(pods.running) == len(keys), f"the watch saw {len(pods.running)} of the 50 Pods Running"
+        assert len(pods.running) == len(keys), f"the watch saw {len(pods.running)} of the {len(keys)} Pods Running"
         assert most >= SIDE_BY_SIDE, f"at most {most} work Pods Running at one moment; {SIDE_BY_SIDE} wanted"
     finally:
         if pods is not None:
