@@ -158,6 +158,21 @@ def sample(release: Release, pod: str, container: str) -> tuple[float, float]:
     return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# The API lists the newest 200 items only: the run's items are read from the control plane's database, beside it.
+RECORDS = """
+import json, sqlite3
+db = sqlite3.connect("/var/lib/control-plane/control-plane.sqlite")
+rows = db.execute("SELECT idempotency_key, state, created_at, acked_at FROM items WHERE idempotency_key LIKE ?", (PREFIX + "%",))
+print(json.dumps([{"idempotencyKey": k, "state": s, "createdAt": c, **({"ackedAt": a} if a is not None else {})}
+                  for k, s, c, a in rows]))
+"""
+
+
+def item_records(release: Release, prefix: str) -> dict[str, dict[str, Any]]:
+    out = release.control_plane(RECORDS.replace("PREFIX", repr(prefix))).strip().splitlines()[-1]
+    return {i["idempotencyKey"]: i for i in json.loads(out)}
+
+
 def agent(release: Release, run: int) -> dict[str, Any]:
     keys = [f"bq-{run}-{i}" for i in range(ITEMS)]
     names = {pod_name(k): k for k in keys}
@@ -183,8 +198,7 @@ def agent(release: Release, run: int) -> dict[str, Any]:
     stop.set()
     rss_end, cpu_end = sample(release, pod, container)
     times.stop()
-    listed = release.control_plane("import json; print(json.dumps(c.list_items(t)))").strip().splitlines()[-1]
-    state = {i["idempotencyKey"]: i for i in json.loads(listed) if i["idempotencyKey"] in set(keys)}
+    state = item_records(release, f"bq-{run}-")
     return {"rate": ITEMS / took,
             "running": [times.started[n] - state[k]["createdAt"] for n, k in names.items() if n in times.started],
             "acked": [state[k]["ackedAt"] - state[k]["createdAt"] for k in keys if "ackedAt" in state.get(k, {})],
