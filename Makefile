@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -97,6 +97,13 @@ bench-nodes:
 bench-domain: setup
 	$(MAKE) -C ci cluster-up
 	PYTHONPATH=agent $(BIN)/python agent/bench/bench_domain.py
+
+## bench-queue: the control plane alone on loopback (lease+ack/s, 1/4/16 consumers), then on the CI cluster (brought up,
+## images built) 300 one-GPU items through the chart's cluster agent against a plain client's floor (printed, not
+## asserted; BENCH_RUNS=3 runs, BENCH_CP_ONLY=1: the loopback part only)
+bench-queue: setup
+	$(if $(BENCH_CP_ONLY),,$(MAKE) -C ci cluster-up images)
+	PYTHONPATH=agent:. $(BIN)/python agent/bench/bench_queue.py
 
 ## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, health and events (3 s wait), then /healthz
 gpu-check:

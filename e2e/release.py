@@ -146,6 +146,8 @@ class WorkPods:
         self.core, self.namespace, self.uids, self.events, self.gaps = core, namespace, {}, 0, []
         self.created: dict[str, tuple[float, tuple[str, ...]]] = {}  # uid -> (first seen, leadership token)
         self.ran: dict[str, set[str]] = {}  # name -> UIDs seen with a container that ran
+        # uid -> [first seen Running, first seen after that no longer Running (ended, or being deleted)]
+        self.running: dict[str, list[float | None]] = {}
         self._lock, self._stopped, self._watch = threading.Lock(), threading.Event(), None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -181,6 +183,11 @@ class WorkPods:
             self.uids.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
             if not never_started(pod):  # a container ran: the item's work happened (once per UID)
                 self.ran.setdefault(pod.metadata.name, set()).add(pod.metadata.uid)
+            now, uid = time.monotonic(), pod.metadata.uid
+            if pod.status.phase == "Running" and pod.metadata.deletion_timestamp is None:
+                self.running.setdefault(uid, [now, None])
+            elif uid in self.running and self.running[uid][1] is None:
+                self.running[uid][1] = now
             if pod.metadata.uid not in self.created:  # first sight of this Pod: when, and under whose leadership
                 notes = pod.metadata.annotations or {}
                 self.created[pod.metadata.uid] = (time.monotonic(), tuple(notes.get(k, "") for k in LEADERSHIP))
@@ -203,6 +210,12 @@ class WorkPods:
     def complete(self) -> bool:
         """True when no gap in the watch could have hidden a work Pod."""
         return all(seconds < self.MAX_GAP for seconds, _ in self.gaps)
+
+    def most_running(self) -> int:
+        """The most work Pods the watch saw Running at one moment (a Pod still Running counts to now)."""
+        with self._lock:
+            now = time.monotonic()
+            return most_at_once([(start or now, end or now) for start, end in self.running.values()])
 
     def executions(self) -> dict[str, int]:
         with self._lock:

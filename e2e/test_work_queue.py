@@ -1,7 +1,12 @@
-"""Poison items on a real cluster, with the chart's defaults: a payload no executor could run is
-refused at enqueue naming the field; an item whose Pod can never be scheduled fails its attempt at
-once, is held back by the control plane's backoff and ends `failed` with its reason, its Pod
-deleted; and a valid item enqueued behind each kind is done within 5 s of its enqueue."""
+"""The work queue on a real cluster, with the chart's defaults.
+
+Poison items: a payload no executor could run is refused at enqueue naming the field; an item whose
+Pod can never be scheduled fails its attempt at once, is held back by the control plane's backoff and
+ends `failed` with its reason, its Pod deleted; and a valid item enqueued behind each kind is done
+within 5 s of its enqueue.
+
+Items side by side (issue 25): 50 items on 16 GPUs run with at least 8 of their Pods Running at one
+moment, as a watch of the API server sees them, each exactly once."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import time
 from kubernetes import client
 
 from e2e.helpers import wait_until
-from e2e.release import WAIT, Release
+from e2e.release import WAIT, Release, WorkPods, enqueue, lost_and_doubled
 
 BEHIND_WITHIN = 5.0
 
@@ -86,5 +91,38 @@ def test_a_valid_item_behind_each_kind_of_poison_item_is_done_within_5s_and_the_
         print(f"the unschedulable item: failed after {poison['failedAttempts']} attempts and {poison['deliveries']} "
               f"deliveries, {time.monotonic() - started:.1f} s later; its reason: {poison['lastError']}")
     finally:
+        release.uninstall_if_installed()
+        fake_gpus.set(0)
+
+
+SIDE_BY_SIDE = 8  # of 16 GPUs: well above one at a time, with room for a slow kubelet
+
+
+def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(16)
+    release = Release(api, core, apps, kubeconfig, namespace, name="side")
+    pods = None
+    try:
+        release.install(*WAIT)
+        wait_until(lambda: (release.healthz()[1] or {}).get("active"), 60, "the cluster agent active")
+        queues = wait_until(lambda: (lambda q: q if q.get("maxInFlight") == 16 else None)(
+            ((release.healthz()[1] or {}).get("components", {}).get("queues") or {}).get("details", {})),
+            30, "16 places in flight (queue.maxInFlight 0: the GPUs registered)")
+        pods = WorkPods(core, namespace)
+        keys = [f"side-{n}" for n in range(50)]
+        started = time.monotonic()
+        enqueue(release, keys, seconds=4)  # each Pod sleeps 4 s: long enough for the waves to overlap
+        lost, doubled = lost_and_doubled(release, pods, keys, timeout=120)
+        took, most = time.monotonic() - started, pods.most_running()
+        print(f"\n{len(keys)} items on 16 GPUs (maxInFlight {queues['maxInFlight']}): all done {took:.1f} s after the enqueue; "
+              f"at most {most} work Pods Running at once; {pods.events} watch events, gaps {pods.gaps}")
+        assert not lost and not doubled, (lost, doubled)
+        assert pods.complete(), f"the watch had a gap that could hide a Pod: {pods.gaps}"
+        assert pods.events >= 3 * len(keys), pods.events  # each Pod seen at least created, Running and ended
+        assert len(pods.running) == len(keys), f"the watch saw {len(pods.running)} of the {len(keys)} Pods Running"
+        assert most >= SIDE_BY_SIDE, f"at most {most} work Pods Running at one moment; {SIDE_BY_SIDE} wanted"
+    finally:
+        if pods is not None:
+            pods.stop()
         release.uninstall_if_installed()
         fake_gpus.set(0)

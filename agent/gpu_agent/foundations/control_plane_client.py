@@ -217,18 +217,32 @@ class ControlPlaneClient:
 
     def lease(self, credential: Secret, lease_seconds: float, wait_seconds: float = 0.0,
               fence: Fence | None = None) -> WorkItem | None:
+        items = self.lease_many(credential, lease_seconds, wait_seconds, fence, 1)
+        return items[0] if items else None
+
+    def lease_many(self, credential: Secret, lease_seconds: float, wait_seconds: float = 0.0,
+                   fence: Fence | None = None, max_items: int = 1) -> list[WorkItem]:
+        """Up to `max_items` items, each under its own lease (empty: none came within `wait_seconds`)."""
         where = "POST /v1/queue/lease"
         body: dict[str, Any] = {"leaseSeconds": lease_seconds, "waitSeconds": wait_seconds}
+        if max_items != 1:  # a control plane of before maxItems refuses the field; one item needs none
+            body["maxItems"] = max_items
         if fence is not None:
             body.update(holder=fence.holder, term=fence.term)
         status, doc = self._call("POST", "/v1/queue/lease", credential, body, extra_timeout=wait_seconds)
         if status == 204:
-            return None
-        payload = _field(doc, "payload", dict, where)
+            return []
+        more = doc.get("more") if isinstance(doc, dict) else None
+        if more is not None and not isinstance(more, list):
+            raise ProtocolError(f"{where}: field 'more' is not a list")
+        return [self._leased(d, where, fence) for d in [doc, *(more or [])]]
+
+    @staticmethod
+    def _leased(doc: Any, where: str, fence: Fence | None) -> WorkItem:
         return WorkItem(
             item_id=_field(doc, "id", int, where),
             idempotency_key=_field(doc, "idempotencyKey", str, where),
-            payload=payload,
+            payload=_field(doc, "payload", dict, where),
             lease_id=_field(doc, "leaseId", str, where),
             deliveries=_field(doc, "deliveries", int, where),
             fence=fence,

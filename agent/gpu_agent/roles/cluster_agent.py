@@ -75,6 +75,8 @@ SETTINGS = [
     Setting("queuePollInterval", "seconds", 1.0, "wait between lease attempts on an empty queue", 0.01, 60),
     Setting("queueLongPoll", "seconds", 5.0, "how long the control plane may hold an empty lease call (0 = plain polling); "
             "also the longest a shutdown waits for it", 0, 30),
+    Setting("queueMaxInFlight", "int", 0, "work items run side by side (each with its own lease); 0: as many as the "
+            "GPUs registered, so a node of 16 GPUs runs 16 one-GPU items at once", 0, 4096),
     Setting("executor", "choice", "record", "how a work item runs: record (a local journal) or pod (a Pod per item)",
             choices=("record", "pod")),
     Setting("executorJournal", "path", ".run/executions.sqlite", "journal of executed items (record executor)"),
@@ -124,6 +126,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaseSeconds: float
     queuePollInterval: float
     queueLongPoll: float
+    queueMaxInFlight: int
     executor: str
     executorJournal: str
     executorWorkSeconds: float
@@ -146,6 +149,9 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaderElectionRetryPeriod: float
 
 
+WORK_CONNECTIONS = 64  # the Pod executor's pool of API server connections, at least
+
+
 def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
@@ -154,7 +160,10 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
 
-        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig)), cfg.workNamespace, cfg.workImage,
+        # Each item in flight polls its Pod: a pool smaller than the calls in flight closes connections it cannot
+        # keep, and the next call pays a TLS handshake (foundations/kube.py). 0 in flight: the GPUs, not known yet.
+        connections = max(WORK_CONNECTIONS, cfg.queueMaxInFlight + 4)
+        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig, connections=connections)), cfg.workNamespace, cfg.workImage,
                            release=cfg.releaseName, clock=clock)
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
@@ -213,7 +222,8 @@ class ClusterAgent:
                              health=self.health, metrics=self.metrics, lease_seconds=cfg.leaseSeconds,
                              poll_interval=cfg.queuePollInterval, on_refused=self.registration.credential_refused,
                              long_poll=cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0,
-                             identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None)
+                             identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None,
+                             max_in_flight=cfg.queueMaxInFlight)
 
     def _holds_lease(self) -> bool:
         # No elector yet (it is made when the agent runs): nothing has led, so the queues are closed anyway.
@@ -227,6 +237,7 @@ class ClusterAgent:
     async def _gpus_changed(self, event: InventoryEvent) -> None:
         self.metrics.gpus.set(len(event.inventory.healthy))  # what it registers: only healthy GPUs count
         self.metrics.gpu_generation.set(event.generation)
+        await self.queue.set_gpus(len(event.inventory.healthy))  # what items in flight may use
         await self.registration.gpus_changed(event.generation, event.inventory)
 
     async def _readiness_changed(self, ready: bool, reason: str) -> None:

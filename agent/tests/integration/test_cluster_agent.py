@@ -146,6 +146,35 @@ def test_100_items_killed_mid_run_and_restarted_are_each_executed_exactly_once(r
     assert restarted.alive()
 
 
+def most_at_once(intervals):
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("flags,expected", [((), 4), (("--queue-max-in-flight", "2"), 2)])
+def test_items_run_side_by_side_up_to_the_gpus_registered_or_the_setting(rig, flags, expected):
+    """Issue 25. Evidence from the control plane's own records: each item's delivery time and ack time
+    bound its run, and at most `expected` of those intervals overlap, and at some moment that many do."""
+    cp = rig.start_control_plane()
+    rig.set_gpus(4)
+    rig.start_agent("--executor-work-seconds", "1.5", *flags)
+    rig.wait_health(200, 10)
+    keys = [f"side-{n}" for n in range(8)]
+    for k in keys:
+        cp.enqueue(rig.admin_token, k, {})
+    wait_until(lambda: cp.status(rig.admin_token)["items"]["done"] == 8, 30, "all 8 items acknowledged")
+    deliveries = cp.deliveries(rig.admin_token)
+    delivered = {d["itemId"]: d["at"] for d in deliveries}
+    acked = {i["id"]: i["ackedAt"] for i in cp.list_items(rig.admin_token)}
+    assert len(deliveries) == len(delivered) == 8 and sorted(rig.executed_keys()) == sorted(keys)  # leased once, run once
+    assert most_at_once([(delivered[i], acked[i]) for i in acked]) == expected
+    assert rig.healthz()[1]["components"]["queues"]["details"]["maxInFlight"] == expected
+
+
 def test_an_item_longer_than_three_leases_runs_once_while_a_second_consumer_polls_for_work(rig):
     """Evidence from the control plane's delivery log and a second consumer of the same term (a
     thread of this test polling the queue), not from the agent that ran the item."""

@@ -25,11 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         for t, line in out.trace:
             print(f"{t:9.3f}  {line}")
         print(f"seed {args.seed}: {'ok' if out.ok else 'FAILED'}; {out.items} items ({out.poison} poison), "
+              f"max in flight {out.max_in_flight} (most seen {out.most_in_flight}), "
               f"{out.pods_created} pods created, {out.refused_creates} creates fenced, faults {out.faults}")
         for v in out.violations:
             print("  violation:", v)
         return 0 if out.ok else 1
     started, failed, totals = time.monotonic(), [], {"items": 0, "pods": 0, "fenced": 0, "virtual": 0.0}
+    side_by_side = 0  # seeds in which an agent had more than one item in flight at once
     faults: dict[str, int] = {}
     for seed in range(args.first, args.first + args.seeds):
         out = run_seed(seed, fencing=not args.no_fencing)
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         totals["pods"] += out.pods_created
         totals["fenced"] += out.refused_creates
         totals["virtual"] += out.virtual_seconds
+        side_by_side += out.most_in_flight > 1
         for k, v in out.faults.items():
             faults[k] = faults.get(k, 0) + v
         done = seed - args.first + 1
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ran = seed - args.first + 1
     took = time.monotonic() - started
     print(f"{ran} seeds in {took:.1f}s ({ran / took:.0f}/s): {totals['items']} items, {totals['pods']} pods created, "
-          f"{totals['fenced']} creates fenced, {totals['virtual'] / 3600:.1f} h of virtual time; faults {faults}; "
+          f"{totals['fenced']} creates fenced, {totals['virtual'] / 3600:.1f} h of virtual time, {side_by_side} seed(s) "
+          f"with items side by side; faults {faults}; "
           f"{len(failed)} failing seed(s){': ' + ' '.join(map(str, failed)) if failed else ''}")
     return 1 if failed else 0
 

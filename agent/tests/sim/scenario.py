@@ -29,8 +29,8 @@ from tests.sim.world import FakeCore, FakeLease, Proc, SimulationStuck, VirtualT
 
 FAULT_SECONDS = 150.0
 # After the heal every item is done or failed within SETTLE_BASE + SETTLE_PER_ITEM per item not yet
-# settled at the heal: items run one at a time (issue 25), the longest work is 45 s, and a poison
-# item's five attempts take about 15 s of backoff.
+# settled at the heal: the bound holds with one item at a time (a seed may draw max_in_flight 1), the
+# longest work is 45 s, and a poison item's five attempts take about 15 s of backoff.
 SETTLE_BASE = 120.0
 SETTLE_PER_ITEM = 60.0
 SAMPLE_EVERY = 0.25
@@ -45,8 +45,9 @@ class SimAgent:
     roles/cluster_agent.py wires them (leading opens the queues under a new term with the Lease's
     token; a refused credential closes them until it is registered again)."""
 
-    def __init__(self, world: World, name: str, metrics: AgentMetrics) -> None:
+    def __init__(self, world: World, name: str, metrics: AgentMetrics, max_in_flight: int = 1) -> None:
         self.world, self.name, self.metrics = world, name, metrics
+        self.max_in_flight = max_in_flight
         self.proc: Proc | None = None
         self.elector: LeaderElector | None = None
         self.consumer: QueueConsumer | None = None
@@ -75,9 +76,13 @@ class SimAgent:
             w.control_plane, lambda: Secret("sim-credential-0123456789"), executor, clock=clock,
             health=HealthRegistry(clock, ["queues"]), metrics=self.metrics, lease_seconds=LEASE_SECONDS,
             poll_interval=POLL, on_refused=self._refused, long_poll=0.0, identity=self.name, run_blocking=run_blocking,
-            still_leading=elector.holds_lease)  # as roles/cluster_agent.py wires it
+            still_leading=elector.holds_lease, max_in_flight=self.max_in_flight)  # as roles/cluster_agent.py wires it
+
+        async def consume() -> None:
+            await consumer.set_gpus(sum(w.api.node_gpus))  # the inventory's first event, in the agent
+            await consumer.run()
         proc.spawn(elector.run(), "elector")
-        proc.spawn(consumer.run(), "consumer")
+        proc.spawn(consume(), "consumer")
         w.note(f"{self.name}: started (incarnation {self.incarnations})")
 
     async def _open(self, reason: str) -> None:
@@ -154,6 +159,8 @@ class Outcome:
     refused_creates: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     samples: int = 0
+    max_in_flight: int = 1  # the setting this seed drew
+    most_in_flight: int = 0  # the most items one agent had in flight at a sample
     virtual_seconds: float = 0.0
     trace: list[tuple[float, str]] = field(default_factory=list)
 
@@ -168,7 +175,10 @@ class Run:
         self.fencing = fencing
         self.outcome = Outcome(seed)
         self.metrics = AgentMetrics()  # shared by the run's agents: nothing here reads it
-        self.agents = [SimAgent(self.world, f"agent-{n}", self.metrics) for n in range(self.world.rng.choice((2, 2, 3)))]
+        # Items in flight per agent, drawn per seed from its own source (the world's draws stay as they were).
+        self.max_in_flight = self.outcome.max_in_flight = random.Random(seed * 7919 + 25).randint(1, 4)
+        self.agents = [SimAgent(self.world, f"agent-{n}", self.metrics, self.max_in_flight)
+                       for n in range(self.world.rng.choice((2, 2, 3)))]
         self.items: dict[str, dict[str, Any]] = {}  # key -> payload
         self.bound = 0.0
 
@@ -244,6 +254,8 @@ class Run:
             now = w.now
             leaders = []
             for a in self.agents:
+                if a.consumer is not None:
+                    self.outcome.most_in_flight = max(self.outcome.most_in_flight, a.consumer.in_flight.held)
                 if not a.believes_it_leads():
                     continue
                 assert a.proc is not None

@@ -501,10 +501,14 @@ class ControlPlane:
 
     def lease(self, credential: Any, lease_seconds: float, wait_seconds: float = 0.0,
               fence: Fence | None = None) -> WorkItem | None:
-        doc = self._call(self.store.lease, lease_seconds, fence.holder if fence else None, fence.term if fence else None)
-        if doc is None:
-            return None
-        return WorkItem(doc["id"], doc["idempotencyKey"], doc["payload"], doc["leaseId"], doc["deliveries"], fence)
+        items = self.lease_many(credential, lease_seconds, wait_seconds, fence, 1)
+        return items[0] if items else None
+
+    def lease_many(self, credential: Any, lease_seconds: float, wait_seconds: float = 0.0,
+                   fence: Fence | None = None, max_items: int = 1) -> list[WorkItem]:
+        docs = self._call(self.store.lease_many, lease_seconds, max_items, fence.holder if fence else None,
+                          fence.term if fence else None)
+        return [WorkItem(d["id"], d["idempotencyKey"], d["payload"], d["leaseId"], d["deliveries"], fence) for d in docs]
 
     def ack(self, credential: Any, item: WorkItem) -> None:
         self._call(self.store.ack, item.item_id, item.lease_id, item.fence.term if item.fence else None)

@@ -74,6 +74,7 @@ NAMED = {
     "clusterAgent.leaderElection.renewDeadline": ("cluster-agent", "leaderElectionRenewDeadline"),
     "clusterAgent.leaderElection.retryPeriod": ("cluster-agent", "leaderElectionRetryPeriod"),
     "domain.heartbeatTTL": ("cluster-agent", "domainHeartbeatTtl"),
+    "queue.maxInFlight": ("cluster-agent", "queueMaxInFlight"),
     "domain.heartbeatInterval": ("node-agent", "domainHeartbeatInterval"),
 }
 

@@ -566,3 +566,46 @@ def test_a_release_and_a_state_are_answered_as_enums_and_a_value_outside_them_is
             return answer
     with pytest.raises(ProtocolError, match="field 'state' is not one of queued, leased, done, failed"):
         ControlPlaneClient("http://cp.invalid", session=OneAnswer()).item_state(cred, 1)
+
+
+# ---- several items per lease call (issue 25) -----------------------------------------------------
+def test_one_lease_call_takes_up_to_max_items_each_under_its_own_lease_and_an_old_body_gets_one(cp):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    for k in "abcde":
+        client.enqueue(ADMIN, k, {})
+    fence = client.start_term(cred, "agent")
+    batch = client.lease_many(cred, 30, 0, fence, 3)
+    assert [i.idempotency_key for i in batch] == ["a", "b", "c"] and len({i.lease_id for i in batch}) == 3
+    # A body without maxItems (a client of before it) gets the one item, with no `more` in the answer.
+    r = requests.post(server.url + "/v1/queue/lease", json={"leaseSeconds": 30, "holder": "agent", "term": fence.term},
+                      timeout=5, headers={"Authorization": "Bearer " + cred.reveal()})
+    assert r.status_code == 200 and r.json()["idempotencyKey"] == "d" and "more" not in r.json(), r.text
+    assert [i.idempotency_key for i in client.lease_many(cred, 30, 0, fence, 64)] == ["e"]  # what there is
+    client.enqueue(ADMIN, "f", {})
+    r = requests.post(server.url + "/v1/queue/lease", data=f'{{"maxItems": 2.0, "term": {fence.term}}}', timeout=5,
+                      headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["idempotencyKey"] == "f", r.text  # JSON Schema's integer includes 2.0
+    assert client.lease_many(cred, 30, 0, fence, 4) == []
+    client.ack(cred, batch[1])  # each lease is its own: one acked, the others still leased
+    assert client.status(ADMIN)["items"] == {"queued": 0, "leased": 5, "done": 1, "failed": 0}
+    assert [d["itemId"] for d in client.deliveries(ADMIN)] == [1, 2, 3, 4, 5, 6]  # one delivery logged per item
+
+
+@pytest.mark.parametrize("value", ["0", "65", '"2"', "1.5", "true"])
+def test_max_items_out_of_range_is_refused_naming_the_field(cp, value):
+    server, client = cp
+    cred = client.register(REG, "c1", 1, INV).credential.token
+    r = requests.post(server.url + "/v1/queue/lease", data=f'{{"maxItems": {value}}}', timeout=5,
+                      headers={"Authorization": "Bearer " + cred.reveal(), "Content-Type": "application/json"})
+    assert r.status_code == 422 and "'maxItems'" in r.json()["error"], r.text
+
+
+def test_the_lease_query_reads_only_the_items_still_to_run(tmp_path, clock):
+    """Done items pile up; the lease query must go by the partial index of queued and leased items, not scan them."""
+    store = Store(tmp_path / "cp.sqlite", clock)
+    from gpu_agent.roles.control_plane.store import LEASE_QUERY
+
+    plan = store._db.execute("EXPLAIN QUERY PLAN " + LEASE_QUERY, (0, 0, 1)).fetchall()
+    assert any("items_open" in row[-1] for row in plan), plan
+    store.close()

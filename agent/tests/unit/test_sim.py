@@ -10,16 +10,18 @@ SEEDS = 500
 
 
 def test_every_invariant_holds_for_500_seeds():
-    started, failing, items, fenced = time.monotonic(), [], 0, 0
+    started, failing, items, fenced, side_by_side = time.monotonic(), [], 0, 0, 0
     for seed in range(1, SEEDS + 1):
         out = run_seed(seed)
         items, fenced = items + out.items, fenced + out.refused_creates
+        side_by_side += out.most_in_flight > 1
         if not out.ok:
             failing.append((seed, out.violations))
     took = time.monotonic() - started
     print(f"\n{SEEDS} seeds in {took:.1f}s: {items} items, {fenced} creates fenced by the Lease")
     assert not failing, "\n".join(f"seed {s} (replay: make sim SEED={s}): {v}" for s, v in failing[:5])
     assert items > SEEDS * 10  # the runs did work: ~26 items a seed
+    assert side_by_side > SEEDS // 4, side_by_side  # and ran items side by side (max_in_flight 2..4 in 3 of 4 seeds)
 
 
 def test_a_seed_replays_exactly():

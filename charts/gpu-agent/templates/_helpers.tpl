@@ -330,6 +330,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   (list "registrationRetryMax" $v.clusterAgent.registrationRetryMax "clusterAgent.registrationRetryMax")
   (list "reregistrationInterval" $v.clusterAgent.reregistrationInterval "clusterAgent.reregistrationInterval")
   (list "credentialRenewInterval" $v.clusterAgent.credentialRenewInterval "clusterAgent.credentialRenewInterval")
+  (list "queueMaxInFlight" $v.queue.maxInFlight "queue.maxInFlight")
   (list "leaderElectionLeaseDuration" $le.leaseDuration "clusterAgent.leaderElection.leaseDuration")
   (list "leaderElectionRenewDeadline" $le.renewDeadline "clusterAgent.leaderElection.renewDeadline")
   (list "leaderElectionRetryPeriod" $le.retryPeriod "clusterAgent.leaderElection.retryPeriod") -}}

@@ -1,4 +1,17 @@
-"""The queue consumer: paused until the agent is ready, then lease, execute, ack.
+"""The queue consumer: paused until the agent is ready, then lease, execute, ack, several items at once.
+
+Items in flight: up to `max_in_flight` items run side by side (0: as many as the GPUs registered,
+at least one), each in its own task with its own lease renewal, ack and release. The leasing loop
+takes new items only while a place in flight and a GPU are free, as many per lease call as there
+are such places (one control-plane round trip fills a node's worth of slots). An item states its GPUs
+in its payload (`gpus`, 1 when absent: what the Pod executor asks of the scheduler); once leased it
+waits for that many GPUs to be free, its lease renewed meanwhile, without polling (foundations/slots.py)
+and without holding up the smaller items leased after it, which run first if they fit. So that a big
+item is not starved by a stream of small ones, the leasing loop takes no new item while one has waited
+longer than STARVE_SECONDS: the GPUs the running ones free then go to it. An item asking more GPUs
+than are registered waits for all of them (and the executor then says whether it can ever run). A
+place in flight is held until the item is acknowledged; its GPUs are given back as soon as its
+execution ends (the Pod is done), before the ack.
 
 While an item runs its lease is renewed every third of its length, so that an item that runs
 longer than a lease is never delivered to another consumer meanwhile. A renewal the control plane
@@ -26,10 +39,12 @@ are paused only because this agent is a hot standby (it does its job: waiting to
 this agent leases work is the separate fact `active` (top level of /healthz, the metric
 `gpu_agent_active`).
 
-Pausing stops new leases; an item already leased runs to its end and is acked. An item
+Pausing stops new leases; an item already running runs to its end and is acked. An item
 leased in the instant the queue was paused (a long-polled lease call can be waiting at the
-server when it happens) is released back at once rather than run on GPUs the agent may no
-longer have.
+server when it happens), or still waiting for its GPUs when it pauses, is released back at once
+rather than run on GPUs the agent may no longer have; so is one whose term is over by the time
+its GPUs are free. Fencing, Pod adoption and the poison-item rules are per item: each item carries
+the term it was leased under, and its executor adopts its Pod by name.
 """
 
 from __future__ import annotations
@@ -52,11 +67,21 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.slots import Slots
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
 from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor, Outcome
 
 log = get_logger(__name__)
+MAX_LEASE_BATCH = 64  # the control plane's most items per lease call (api.MAX_LEASE_ITEMS)
+
+
+def gpus_needed(item: WorkItem) -> int:
+    """The GPUs an item states it needs (`gpus` in its payload; 1 when absent), as the Pod executor asks them."""
+    try:
+        return max(0, int(item.payload.get("gpus", 1)))
+    except (TypeError, ValueError):
+        return 1  # the control plane validated it; the executor reports anything odd
 
 
 class QueueConsumer:
@@ -64,8 +89,15 @@ class QueueConsumer:
                  *, clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
                  poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0,
                  identity: str = "gpu-agent", run_blocking: RunBlocking = in_daemon_thread,
-                 still_leading: Callable[[], bool] | None = None) -> None:
+                 still_leading: Callable[[], bool] | None = None, max_in_flight: int = 1) -> None:
         self.client = client
+        # Places for items in flight and the GPUs they use: one condition, so the leasing loop waits for
+        # "a place and a GPU" in one wait. The GPUs are counted once `set_gpus` told how many there are.
+        self.max_in_flight = max_in_flight  # 0: as many as the GPUs registered
+        self.in_flight = Slots(max(1, max_in_flight))
+        self.gpus: Slots | None = None
+        self.waiting_since: dict[int, float] = {}  # item id -> when it began to wait for its GPUs
+        self._deliveries: dict[int, asyncio.Event] = {}  # item id -> set when its delivery running here ends
         self.run_blocking = run_blocking  # every call to the control plane goes through it
         self.identity = identity
         self.fence: Fence | None = None
@@ -109,7 +141,8 @@ class QueueConsumer:
         on = self.active
         standby = self.standby and not on
         reason = "leasing work" if on else f"paused: {self.pause_reason if standby else self.fenced_by or self.pause_reason}"
-        self.health.set("queues", on or standby, reason, processed=self.processed, failedAttempts=self.failed_attempts,
+        self.health.set("queues", on or standby, reason, processed=self.processed, inFlight=self.in_flight.held,
+                        maxInFlight=self.in_flight.total, failedAttempts=self.failed_attempts,
                         failedItems=self.failed_items, term=self.fence.term if self.fence else 0,
                         **({"notTried": self.not_tried} if self.not_tried else {}))
 
@@ -172,40 +205,154 @@ class QueueConsumer:
         """Wait for the next poll, or less if the queue is paused meanwhile."""
         await sleep_or(self.clock, self.poll_interval, self.open.wait_for(False))
 
+    async def set_gpus(self, count: int) -> None:
+        """The GPUs registered now (healthy ones): what items in flight may use, and with max_in_flight 0
+        how many items may be in flight."""
+        if self.gpus is None:
+            self.gpus = Slots(count, self.in_flight.changed)
+        else:
+            await self.gpus.resize(count)
+        if self.max_in_flight == 0:
+            await self.in_flight.resize(max(1, count))
+        self._report()
+
+    STARVE_SECONDS = 60.0
+
+    def _room(self) -> bool:
+        """A place in flight and a GPU are free, and no leased item has waited past STARVE_SECONDS for its GPUs."""
+        if self.in_flight.free < 1 or (self.gpus is not None and self.gpus.free < 1):
+            return False
+        now = self.clock.monotonic()
+        return all(now - since < self.STARVE_SECONDS for since in self.waiting_since.values())
+
+    def _batch(self) -> int:
+        """How many items one lease call asks for: each free place in flight that has a free GPU."""
+        free = self.in_flight.free if self.gpus is None else min(self.in_flight.free, self.gpus.free)
+        return max(1, min(free, MAX_LEASE_BATCH))
+
     async def step(self) -> bool:
-        """Lease and run at most one item; False when there was nothing to do."""
+        """Lease and run at most one item, to its ack; False when there was nothing to do."""
+        leased = await self._lease(1)
+        if leased is None:
+            return False
+        credential, items = leased
+        for item in items:
+            self.in_flight.try_take(1)
+            await self._hold(credential, item, self._place(item))
+        return True
+
+    async def _lease(self, most: int) -> tuple[Secret, list[WorkItem]] | None:
+        """Up to `most` items leased under the current term, with the credential they were leased with;
+        None when there was nothing to do (no credential, fenced, no term, an error, an empty queue).
+        Items leased in the instant the queue was paused are released back (an empty list)."""
         credential = self.credential()
         if credential is None or self.fenced_by or not self._within_lease():
-            return False
+            return None
         fence = await self._term(credential)
         if fence is None:
-            return False
+            return None
         if self.clock.monotonic() >= self._next_sweep:
             await self._sweep(credential)
         try:
-            item = await self.run_blocking(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
+            if most == 1:  # the call every control plane answers (maxItems came later)
+                item = await self.run_blocking(self.client.lease, credential, self.lease_seconds, self.long_poll, fence)
+                items = [item] if item is not None else []
+            else:
+                items = await self.run_blocking(self.client.lease_many, credential, self.lease_seconds, self.long_poll,
+                                                fence, most)
         except Fenced as e:
             self._fenced(e, fence)
-            return False
+            return None
         except Unauthorized:
             await self.on_refused()
-            return False
+            return None
         except ControlPlaneError as e:
             log.warning("leasing work failed: %s; retrying in %.1fs", e, self.poll_interval)
-            return False
-        if item is None:
-            return False
+            return None
+        if not items:
+            return None
         if not self.open.is_on:
-            log.v(2, "queue paused while leasing item %d; releasing it", item.item_id)
-            await self._quietly(self.client.release, credential, item)
-            return True
-        await self._run(credential, item)
-        return True
+            for item in items:
+                log.v(2, "queue paused while leasing item %d; releasing it", item.item_id)
+                await self._quietly(self.client.release, credential, item)
+            return credential, []
+        return credential, items
 
-    async def _run(self, credential: Secret, item: WorkItem) -> None:
-        log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
+    async def _hold(self, credential: Secret, item: WorkItem, placed: int | None) -> None:
+        """One item in flight (its place already taken): its GPUs, its run, its ack; the place given back.
+
+        One delivery of an item at a time in this agent: a redelivery (a new term handed back the item while
+        the delivery of the old term still runs here, its Pod create unanswered) waits, its lease renewed,
+        until the earlier delivery's task has ended. Both carry this agent's Lease token, so the admission
+        policy would let the old create land after the new delivery ran, acked and deleted its Pod: a second
+        run. Waiting, the redelivery finds the old create's Pod instead and adopts it."""
+        renewer = asyncio.ensure_future(self._keep_leased(credential, item))  # also while it waits
+        mine = asyncio.Event()
+        try:
+            while (earlier := self._deliveries.get(item.item_id)) is not None:
+                log.v(1, "item %d was delivered again while its earlier delivery still runs here; waiting for it",
+                      item.item_id)
+                await earlier.wait()
+            self._deliveries[item.item_id] = mine
+            await self._run(credential, item, placed, renewer)
+        finally:
+            renewer.cancel()
+            if self._deliveries.get(item.item_id) is mine:
+                del self._deliveries[item.item_id]
+            mine.set()
+            await self.in_flight.give(1)
+            self._report()
+
+    def _need(self, item: WorkItem) -> int:
+        """The GPUs the item waits for: what it asks, at most all of those registered."""
+        return 0 if self.gpus is None else min(gpus_needed(item), max(1, self.gpus.total))
+
+    def _place(self, item: WorkItem) -> int | None:
+        """Take the item's GPUs now, as it is leased (so the next lease call counts them): how many it took,
+        or None when they are not free (it is then waiting from now on)."""
+        need = self._need(item)
+        if self.gpus is None or self.gpus.try_take(need):
+            return need
+        self.waiting_since[item.item_id] = self.clock.monotonic()
+        return None
+
+    async def _take_gpus(self, item: WorkItem) -> int | None:
+        """Wait for the item's GPUs; how many it took, or None when the queue paused first (nothing taken)."""
+        gpus, need = self.gpus, self._need(item)
+        assert gpus is not None  # _place took them at once otherwise
+        log.v(2, "item %d waits for %d GPU(s) (%d free)", item.item_id, need, gpus.free)
+        taking = asyncio.ensure_future(gpus.take(need))
+        paused = asyncio.ensure_future(self.open.wait_for(False))
+        try:
+            await asyncio.wait({taking, paused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            paused.cancel()
+            taking.cancel()
+            self.waiting_since.pop(item.item_id, None)
+            await gpus.poke()  # the leasing loop may have been held back by this wait
+        # A take that completed as it was cancelled holds the GPUs all the same; given back if the queue
+        # paused by then (the item has not started: it goes back, as the docstring of the module says).
+        if taking.done() and not taking.cancelled() and taking.exception() is None:
+            if self.open.is_on:
+                return need
+            await gpus.give(need)
+        return None
+
+    async def _run(self, credential: Secret, item: WorkItem, placed: int | None, renewer: asyncio.Future[None]) -> None:
+        """`placed`: the GPUs `_place` took for it, None when it waits for them first. `renewer`: the task
+        that keeps its lease, stopped when its execution ends."""
         started = self.clock.monotonic()
-        renewer = asyncio.ensure_future(self._keep_leased(credential, item))
+        gpus = placed if placed is not None else await self._take_gpus(item)
+        term_over = item.fence is not None and item.fence is not self.fence
+        if gpus is None or term_over:
+            renewer.cancel()
+            if gpus:
+                await self._give_gpus(gpus)
+            log.v(2, "item %d was not started (%s); releasing it", item.item_id,
+                  "the queue paused while it waited for GPUs" if gpus is None else "its term is over")
+            await self._quietly(self.client.release, credential, item)
+            return
+        log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
         try:
             outcome = await self.executor.execute(item, self.leader)
         except AttemptNotMade as e:
@@ -234,6 +381,7 @@ class QueueConsumer:
             return
         finally:
             renewer.cancel()
+            await self._give_gpus(gpus)  # the Pod is done: its GPUs are free before the ack
         if outcome is Outcome.DUPLICATE:
             log.v(1, "item %d (key %s) was already executed; acknowledging only", item.item_id, item.idempotency_key)
         acked = await self._ack(credential, item)
@@ -247,6 +395,10 @@ class QueueConsumer:
         self.not_tried = ""
         self.metrics.items.labels(outcome).inc()
         self._report()
+
+    async def _give_gpus(self, n: int) -> None:
+        if self.gpus is not None and n:
+            await self.gpus.give(n)
 
     # An ack that landed but whose answer was lost would otherwise leave the item done at the control
     # plane, never redelivered, and its Pod never deleted; acking again with the same lease is
@@ -314,7 +466,20 @@ class QueueConsumer:
             log.info("swept the pods of %d finished item(s)", swept)
 
     async def run(self) -> None:
-        while True:
-            await self.open.wait_for(True)
-            if not await self.step():
-                await self._idle()
+        """The leasing loop: items in flight each run in a task of their own. An exception none of them
+        expects ends the loop and the agent (as it did when items ran one at a time)."""
+        async with asyncio.TaskGroup() as items:
+            while True:
+                await self.open.wait_for(True)
+                await self.in_flight.wait_until(self._room)
+                if not self.open.is_on:
+                    continue
+                leased = await self._lease(self._batch())
+                if leased is None:
+                    await self._idle()
+                    continue
+                credential, batch = leased
+                for item in batch:
+                    self.in_flight.try_take(1)  # this loop alone takes places, and it asked for no more than were free
+                    items.create_task(self._hold(credential, item, self._place(item)), name=f"work-item-{item.item_id}")
+                self._report()

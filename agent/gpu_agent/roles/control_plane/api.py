@@ -23,6 +23,7 @@ INT64_MAX = 2**63 - 1
 MAX_GPUS = 16384  # an inventory this large still fits the body limit (about 150 bytes a GPU)
 MAX_BODY = 4 << 20
 MAX_PAYLOAD_DEPTH = 32
+MAX_LEASE_ITEMS = 64  # items one lease call may take (maxItems)
 
 # What an ack or a release did to an item, and the states an item is in.
 ItemOutcome = Literal["acked", "already-acked", "released", "retrying", "failed"]
@@ -105,6 +106,9 @@ class LeaseRequest(Model):
     leaseSeconds: float | None = Field(default=None, gt=0, le=86400,
                                        description="lease length; capped by the server's maxLeaseSeconds")
     waitSeconds: float = Field(default=0.0, ge=0, le=30, description="long poll: wait this long for an item")
+    maxItems: Int = Field(default=1, ge=1, le=MAX_LEASE_ITEMS,
+                          description="lease up to this many items in one call (the first in the body, the rest in "
+                                      "`more`); each has its own lease. The long poll waits for the first only")
 
 
 class LeaseRef(Model):
@@ -179,13 +183,19 @@ class EnqueueResponse(Model):
     created: bool
 
 
-class LeasedItem(Model):
+class OneLeasedItem(Model):
     id: int
     idempotencyKey: str
     payload: dict[str, Any]
     leaseId: str
     deliveries: int
     leaseExpiresInSeconds: float
+
+
+class LeasedItem(OneLeasedItem):
+    # The first item stays at the top level, so that a client of before maxItems reads the answer unchanged.
+    more: list[OneLeasedItem] | None = Field(default=None, description="the further items leased by this call "
+                                                                       "(maxItems > 1 and more than one was due)")
 
 
 class ItemResult(Model):

@@ -229,8 +229,12 @@ class ControlPlane:
     def lease(self, body: api.LeaseRequest, **_: Any) -> tuple[int, api.Model | None]:
         s = self.settings
         seconds = min(body.leaseSeconds or s.max_lease_seconds, s.max_lease_seconds)
-        item = self._fenced(self.store.lease_waiting, seconds, min(body.waitSeconds, s.max_lease_wait), body.holder, body.term)
-        return (204, None) if item is None else (200, api.LeasedItem(**item))
+        items = self._fenced(self.store.lease_waiting, seconds, min(body.waitSeconds, s.max_lease_wait), body.holder,
+                             body.term, body.maxItems)
+        if not items:
+            return 204, None
+        more = [api.OneLeasedItem(**item) for item in items[1:]]
+        return 200, api.LeasedItem(**items[0], more=more or None)
 
     def _item(self, params: dict[str, str], body: api.LeaseRef, call: Any, *more: Any) -> str:
         """`call` (the store's ack or release) on the item the path names, its refusals as HTTP errors."""

@@ -49,9 +49,19 @@ CREATE TABLE IF NOT EXISTS terms (
 CREATE TABLE IF NOT EXISTS deliveries (
     id INTEGER PRIMARY KEY AUTOINCREMENT, item_id INTEGER NOT NULL, holder TEXT, term INTEGER, at REAL NOT NULL);
 """
+# The lease query reads only items still to run; done and failed ones pile up and are never read by it.
+# Made after ADDED_COLUMNS (a database of 0.1.0 gains them first).
+INDEXES = """
+CREATE INDEX IF NOT EXISTS items_open ON items(id) WHERE state IN ('queued', 'leased');
+"""
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
 ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
                            ("not_before", "REAL"), ("last_error", "TEXT")]}
+# The due items in queue order. `state IN (...)` lets the partial index items_open serve it: the done and
+# failed items, which pile up, are never scanned.
+LEASE_QUERY = """SELECT id, idempotency_key, payload, deliveries FROM items
+    WHERE state IN ('queued', 'leased') AND ((state = 'queued' AND COALESCE(not_before, 0) <= ?)
+    OR (state = 'leased' AND lease_expires_at <= ?)) ORDER BY id LIMIT ?"""
 MAX_ERROR_CHARS = 1000
 DELIVERY_LOG_LIMIT = 10000
 
@@ -83,6 +93,7 @@ class Store:
             for name, kind in columns:
                 if name not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+        self._db.executescript(INDEXES)
         self._lock = threading.Lock()
         self._now = clock
         self._queue_changed = threading.Condition()
@@ -199,45 +210,53 @@ class Store:
 
     # queue (continued) -----------------------------------------------------------------------
     def lease_waiting(self, lease_seconds: float, wait_seconds: float, holder: str | None = None,
-                      term: int | None = None) -> dict[str, Any] | None:
-        """Long poll: lease the next item, waiting up to `wait_seconds` for one to appear.
-        Idle consumers then cost one request per wait instead of one per poll interval."""
+                      term: int | None = None, max_items: int = 1) -> list[dict[str, Any]]:
+        """Long poll: lease up to `max_items` items, waiting up to `wait_seconds` for the first to appear
+        (never for more: what is there is handed over at once). Idle consumers then cost one request per
+        wait instead of one per poll interval."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            item = self.lease(lease_seconds, holder, term)
+            items = self.lease_many(lease_seconds, max_items, holder, term)
             remaining = deadline - time.monotonic()
-            if item is not None or remaining <= 0 or self._closing:
-                return item
+            if items or remaining <= 0 or self._closing:
+                return items
             with self._queue_changed:
                 # Woken by enqueue/release/a new term; the 0.5 s bound also catches leases that expire.
                 self._queue_changed.wait(min(remaining, 0.5))
 
     def lease(self, lease_seconds: float, holder: str | None = None, term: int | None = None) -> dict[str, Any] | None:
+        """The next item, leased; None when none is due."""
+        items = self.lease_many(lease_seconds, 1, holder, term)
+        return items[0] if items else None
+
+    def lease_many(self, lease_seconds: float, max_items: int, holder: str | None = None,
+                   term: int | None = None) -> list[dict[str, Any]]:
+        """Up to `max_items` due items in queue order, each under its own lease, in one transaction (a
+        consumer filling several slots pays one fsync, not one per item)."""
         now = self._now()
+        leased: list[dict[str, Any]] = []
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._check_term(term)
-                row = self._db.execute("""SELECT id, idempotency_key, payload, deliveries FROM items
-                    WHERE (state = 'queued' AND COALESCE(not_before, 0) <= ?) OR (state = 'leased' AND lease_expires_at <= ?)
-                    ORDER BY id LIMIT 1""", (now, now)).fetchone()
-                if row is None:
-                    self._db.execute("COMMIT")
-                    return None
-                lease_id = secrets.token_hex(8)
-                self._db.execute("""UPDATE items SET state='leased', lease_id=?, lease_expires_at=?,
-                    deliveries=deliveries+1, lease_holder=?, lease_term=? WHERE id=?""",
-                                 (lease_id, now + lease_seconds, holder, term, row[0]))
-                self._db.execute("INSERT INTO deliveries (item_id, holder, term, at) VALUES (?, ?, ?, ?)",
-                                 (row[0], holder, term, now))
-                self._db.execute("DELETE FROM deliveries WHERE id <= (SELECT MAX(id) FROM deliveries) - ?",
-                                 (DELIVERY_LOG_LIMIT,))
+                rows = self._db.execute(LEASE_QUERY, (now, now, max_items)).fetchall()
+                for row in rows:
+                    lease_id = secrets.token_hex(8)
+                    self._db.execute("""UPDATE items SET state='leased', lease_id=?, lease_expires_at=?,
+                        deliveries=deliveries+1, lease_holder=?, lease_term=? WHERE id=?""",
+                                     (lease_id, now + lease_seconds, holder, term, row[0]))
+                    self._db.execute("INSERT INTO deliveries (item_id, holder, term, at) VALUES (?, ?, ?, ?)",
+                                     (row[0], holder, term, now))
+                    leased.append({"id": row[0], "idempotencyKey": row[1], "payload": json.loads(row[2]),
+                                   "leaseId": lease_id, "deliveries": row[3] + 1, "leaseExpiresInSeconds": lease_seconds})
+                if rows:
+                    self._db.execute("DELETE FROM deliveries WHERE id <= (SELECT MAX(id) FROM deliveries) - ?",
+                                     (DELIVERY_LOG_LIMIT,))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return {"id": row[0], "idempotencyKey": row[1], "payload": json.loads(row[2]), "leaseId": lease_id,
-                "deliveries": row[3] + 1, "leaseExpiresInSeconds": lease_seconds}
+        return leased
 
     def ack(self, item_id: int, lease_id: str, term: int | None = None) -> str:
         """"acked", "already-acked", "stale-lease" or "unknown"; raises Fenced."""
