@@ -38,7 +38,7 @@ lint: setup
 	$(BIN)/mypy
 
 test-unit: setup
-	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests
+	$(BIN)/pytest agent/tests/unit fake-gpu/tests hooks/tests ci/tests
 
 test-integration: setup
 	$(BIN)/pytest agent/tests/integration
