@@ -25,7 +25,7 @@ t0=$SECONDS
 bash "$here/scripts/build-kind-rootfs.sh" >&2
 bash "$here/scripts/build-kubernetes.sh" >&2
 bash "$here/scripts/build-coredns.sh" >&2
-bash "$here/scripts/install-tools.sh" >&2
+[[ -x $TOOLS_BIN/kubectl ]] || bash "$here/scripts/install-tools.sh" >&2  # the node needs kubectl (kind runs it there)
 bash "$here/scripts/build-images.sh" system >&2
 bash "$here/scripts/build-kind.sh" >&2
 go_build_cached "etcd $ETCD_VERSION" "$ETCD_BIN" "$here/etcd" . "require go.etcd.io/etcd/server/v3 ${ETCD_VERSION}" >&2
@@ -53,7 +53,7 @@ if [[ ! -f $out ]]; then
   trap 'rm -rf "$work"' EXIT
   root=$work/overlay images=$work/overlay/kind/images
   mkdir -p "$root" "$images"
-  oci() { python3 "$here/tools/oci_image.py" layers "$@" 2>/dev/null; }
+  oci() { python3 "$here/tools/oci_image.py" layers "$@" >&2; }
   # the control plane: one static binary each, on PATH (kubeadm's static Pods run them by name)
   for c in kube-apiserver kube-controller-manager kube-scheduler; do
     mkdir -p "$work/$c/usr/local/bin"; cp "$K8S_BIN/$c" "$work/$c/usr/local/bin/"
@@ -107,6 +107,7 @@ json.dump(s, sys.stdout, indent=1)' > "$root/etc/containerd/cri-base.json"
   install -D -m 0755 "$K8S_BIN/kubelet" "$root/usr/bin/kubelet"
   install -D -m 0755 "$TOOLS_BIN/kubectl" "$root/usr/bin/kubectl"
   printf '%s' "$K8S_VERSION" > "$root/kind/version"
+  mkdir -p "$root/kind/manifests"
   sed "s|KIND_TOOLS_IMAGE|$tools|" "$here/kind/node/default-cni.yaml" > "$root/kind/manifests/default-cni.yaml"
   install -D -m 0644 "$here/kind/node/default-storage.yaml" "$root/kind/manifests/default-storage.yaml"
   python3 "$here/tools/oci_image.py" layers --name "$name" --out "$out.tmp" --layer "$KIND_ROOTFS" --layer "$root" \
