@@ -48,12 +48,15 @@ teardown() {
   local code=$1 t=$SECONDS
   # e2e.sh deleted the cluster; kind leaves its network, podman's CNI plugins their chains and sysctls
   if podman network exists kind 2>/dev/null; then
-    bridge=$(podman network inspect kind --format '{{range .Plugins}}{{if .Bridge}}{{.Bridge}}{{end}}{{end}}' 2>/dev/null ||
-             podman network inspect kind | python3 -c 'import json, sys; print(next((p["bridge"] for p in json.load(sys.stdin)[0].get("plugins", []) if "bridge" in p), ""))' || true)
+    bridge=$(podman network inspect kind --format '{{.NetworkInterface}}' 2>/dev/null || true)
     podman network rm -f kind >/dev/null || code=1
     [[ -z ${bridge:-} ]] || ! ip link show "$bridge" >/dev/null 2>&1 || ip link del "$bridge" || code=1
   fi
   rm -rf /var/lib/cni/networks/kind
+  # dnsname's dnsmasq for the network, if its last container's removal did not stop it
+  dns=/run/containers/cni/dnsname/kind
+  if [[ -f $dns/pidfile ]] && kill -0 "$(cat "$dns/pidfile")" 2>/dev/null; then kill "$(cat "$dns/pidfile")" || code=1; fi
+  rm -rf "$dns"
   for cmd in iptables ip6tables; do
     for table in filter nat mangle; do
       # jumps into chains this stage created, then the chains themselves
