@@ -172,6 +172,7 @@ def load(s: Settings, archives: list[Path]) -> None:
 def down(s: Settings) -> None:
     if exists(s):
         run(kind_delete(s) if s.provider == "kind" else k3d_delete(s), 300)
+    s.kubeconfig.unlink(missing_ok=True)  # it would point at a cluster that is gone
 
 
 def main(argv: list[str]) -> int:
