@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -40,7 +40,7 @@ lint: setup
 ## test-unit / test-integration: on TEST_JOBS workers (pytest-xdist; default auto, one per core; 0 runs in-process)
 TEST_JOBS ?= auto
 test-unit: setup
-	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/unit fake-gpu/tests hooks/tests
+	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/unit fake-gpu/tests hooks/tests ci/tests
 
 test-integration: setup
 	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/integration
@@ -49,6 +49,12 @@ test-integration: setup
 CLUSTER ?= ci
 e2e: setup
 	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest)
+
+## e2e-kind-podman: the kind stage of the test command (ci/scripts/kind-stage.sh): podman, kind from the Go
+## module proxy and a kind node image assembled here; a 2-node kind cluster through `make e2e CLUSTER=kind`,
+## the `fast` tests, the cluster deleted, the host checked unchanged. PYTEST_ARGS="..." for other tests.
+e2e-kind-podman: setup
+	$(MAKE) -C ci kind-stage PYTEST=$(abspath $(BIN)/pytest)
 
 ## e2e-fast: install, GPU basic and readiness only (marker `fast`); KEEP_CLUSTER=1 keeps the cluster for the next run
 e2e-fast: setup

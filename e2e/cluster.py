@@ -2,11 +2,13 @@
 
   ci        the CI cluster from ci/ (`make -C ci cluster-up`); kubeconfig at its known path
   existing  whatever $KUBECONFIG (or ~/.kube/config) points at
-  kind      a kind cluster through pytest-kind-ng (needs Docker; not available on CI machines)
-  k3d       a k3d cluster through the k3d CLI (needs Docker; not available on CI machines)
+  kind      a kind cluster (Docker, or podman with KIND_EXPERIMENTAL_PROVIDER=podman)
+  k3d       a k3d cluster (Docker)
 
-Images: on `ci` they are imported into containerd by `make -C ci images`; on kind and k3d
-they must be loaded with `kind load` / `k3d image import` of the same archive.
+kind and k3d clusters are made, loaded and deleted by e2e/local_cluster.py, which `make e2e CLUSTER=kind|k3d`
+(ci/scripts/e2e.sh) runs around the suite; the suite reads the kubeconfig it wrote. Images: on `ci` they are
+imported into containerd by `make -C ci images`; on kind and k3d the same archive goes through
+`kind load image-archive` / `k3d image import` into every node.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ def tool(name: str) -> str:
     return found
 
 
-def k3d_kubeconfig(name: str = "gpu-agent-e2e") -> Path:
-    subprocess.run(["k3d", "cluster", "create", name, "--wait"], check=True)
-    out = Path.home() / ".kube" / f"k3d-{name}.yaml"
-    out.write_text(subprocess.run(["k3d", "kubeconfig", "get", name], check=True, capture_output=True, text=True).stdout)
-    return out
+def local_kubeconfig(which: str) -> Path:
+    """The kubeconfig of the kind or k3d cluster that e2e/local_cluster.py made (`make e2e CLUSTER=kind|k3d`)."""
+    from e2e.local_cluster import Settings
+
+    path = Settings.from_env(which).kubeconfig
+    if not path.exists():
+        raise SystemExit(f"no {which} cluster kubeconfig at {path}: run `make e2e CLUSTER={which}` (it creates the cluster "
+                         f"and writes the file), or `python3 e2e/local_cluster.py {which} up`, or set E2E_KUBECONFIG")
+    return path
 
 
 CI_CLUSTER_DIR = Path(os.environ.get("CLUSTER_DIR", "/var/lib/gpu-agent-ci"))

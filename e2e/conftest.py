@@ -33,10 +33,8 @@ def kubeconfig(request) -> Path:
         return cluster.CI_KUBECONFIG
     if which == "existing":
         return Path(os.environ.get("KUBECONFIG", Path.home() / ".kube" / "config"))
-    if which == "kind":
-        kind_cluster = request.getfixturevalue("kind_cluster")  # pytest-kind-ng
-        return Path(kind_cluster.kubeconfig_path)
-    return cluster.k3d_kubeconfig()
+    # kind and k3d: the cluster `make e2e CLUSTER=kind|k3d` made (e2e/local_cluster.py up wrote the file)
+    return cluster.local_kubeconfig(which)
 
 
 @pytest.fixture(scope="session")
@@ -232,6 +230,12 @@ def pytest_collection_modifyitems(config, items):
                                        "runs on E2E_CLUSTER=ci only, never on a cluster the suite did not create")
         for item in items:
             if "disruptive" in item.keywords:
+                item.add_marker(skip)
+    if cluster.provider() in ("kind", "k3d"):
+        skip = pytest.mark.skip(reason=f"needs the CI cluster's host (kubelet restarts, node faults, kill -9 of a "
+                                       f"node's process): runs on E2E_CLUSTER=ci only, not on {cluster.provider()}")
+        for item in items:
+            if "ci_host" in item.keywords:
                 item.add_marker(skip)
 
 

@@ -73,6 +73,7 @@ def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, ap
 
 
 @pytest.mark.disruptive
+@pytest.mark.ci_host
 def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_gpus, core):
     fake_gpus.set(3)
     pod = fake_gpus.plugin_pod()

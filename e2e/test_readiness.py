@@ -38,6 +38,7 @@ def ready_release(api, core, apps, kubeconfig, namespace, fake_gpus):
 
 
 @pytest.mark.disruptive
+@pytest.mark.ci_host
 def test_kubelet_restart_does_not_flap_readiness_and_a_real_removal_still_acts(ready_release, fake_gpus):
     if cluster.provider() != "ci":
         pytest.skip("restarts the kubelet: possible on the CI cluster only (E2E_CLUSTER=ci)")

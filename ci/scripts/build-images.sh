@@ -70,16 +70,18 @@ bash "$repo/scripts/build-wheels.sh" >&2
 t=$SECONDS
 # IMAGE_TAG / IMAGE_OUT: `make release` names the image after the version and keeps the archive.
 out=${IMAGE_OUT:-$images/gpu-agent.oci.tar}
-python3 "$here/tools/oci_image.py" build --name "localhost/gpu-agent:${IMAGE_TAG:-dev}" --out "$out" \
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
+# The chart's default tag is its appVersion: the dev image carries that name too, so a plain
+# `helm install charts/gpu-agent` runs what this build produced (kind and k3d import both names from the archive).
+names=(--name "localhost/gpu-agent:${IMAGE_TAG:-dev}")
+[[ -n ${IMAGE_TAG:-} ]] || names+=(--name "localhost/gpu-agent:$version")
+python3 "$here/tools/oci_image.py" build "${names[@]}" --out "$out" \
   --file "$repo/Dockerfile" --context "$repo" --base-rootfs "$images/base-rootfs-$BASE_ROOTFS_VERSION.tar" \
   --build-arg "BASE=local" --build-arg "BUILD_COMMIT=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
   --build-arg "BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
-  --build-arg "VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")"
+  --build-arg "VERSION=$version"
 log "gpu-agent image built in $((SECONDS - t))s"
 if [[ -z ${IMAGE_OUT:-} && -S $CONTAINERD_SOCK ]] && running containerd; then
-  # The chart's default tag is its appVersion: the same image under that name too, so a plain
-  # `helm install charts/gpu-agent` runs what this build produced.
-  version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
   import_image "$images/gpu-agent.oci.tar" localhost/gpu-agent:dev "localhost/gpu-agent:$version"
   log "imported localhost/gpu-agent:dev (also tagged :$version) into every node's containerd"
 fi

@@ -13,20 +13,11 @@ if [[ -f "$stamp" ]]; then
   exit 0
 fi
 mkdir -p "$K8S_BIN" "$GOMODCACHE" "$GOCACHE"
-major=${K8S_VERSION#v}; major=${major%%.*}
-minor=${K8S_VERSION#v*.}; minor=${minor%%.*}
-build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-ldflags=""
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
-  ldflags+=" -X $pkg.gitCommit=0000000000000000000000000000000000000000 -X $pkg.gitTreeState=clean"
-  ldflags+=" -X $pkg.buildDate=$build_date"
-done
 log "building kubernetes $K8S_VERSION (cold: ~8 min on 2 cores; warm: ~30 s)"
 cd "$here/kubernetes"
 # Go 1.27's default jsonv2 experiment breaks the API server's OpenAPI document.
 GOEXPERIMENT=nojsonv2 GOFLAGS=-mod=mod CGO_ENABLED=0 \
-  go build -trimpath -ldflags "-s -w $ldflags" -o "$K8S_BIN/" \
+  go build -trimpath -ldflags "-s -w $(kube_ldflags)" -o "$K8S_BIN/" \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \

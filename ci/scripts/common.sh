@@ -62,3 +62,25 @@ go_build_cached() {
   mv "$out.tmp" "$out"
   log "$name built in $((SECONDS - started))s: $out"
 }
+# kind on this machine (ci/scripts/kind.sh): kind from the Go module proxy, and a node image for K8S_VERSION
+# assembled here (ci/scripts/build-kind-node.sh) from a debootstrap root filesystem and what ci/ builds.
+export KIND_VERSION=${KIND_VERSION:-v0.33.0}
+export KIND_BIN=$CI_CACHE/kind-$KIND_VERSION/kind
+export KIND_ROOTFS_VERSION=${KIND_ROOTFS_VERSION:-bookworm-kind-1}
+export KIND_ROOTFS=$CI_CACHE/images/kind-rootfs-$KIND_ROOTFS_VERSION.tar
+# etcd for the kind node (ci/etcd), and kubeadm (the node's, built beside the server binaries)
+export ETCD_VERSION=${ETCD_VERSION:-v3.6.8}
+_etcd_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../etcd" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
+export ETCD_BIN=$CI_CACHE/etcd-$ETCD_VERSION-$_etcd_src/etcd
+export KUBEADM_BIN=$CI_CACHE/kubeadm-$K8S_VERSION/kubeadm
+# The version stamps of a Kubernetes build (what `kubeadm version`, `kubelet --version` report).
+kube_ldflags() {
+  local major=${K8S_VERSION#v} minor=${K8S_VERSION#v*.} pkg flags="" build_date
+  major=${major%%.*}; minor=${minor%%.*}; build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    flags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+    flags+=" -X $pkg.gitCommit=0000000000000000000000000000000000000000 -X $pkg.gitTreeState=clean"
+    flags+=" -X $pkg.buildDate=$build_date"
+  done
+  echo "$flags"
+}

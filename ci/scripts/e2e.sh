@@ -6,7 +6,13 @@
 #             tests that need several nodes skip, saying so).
 #             KEEP_CLUSTER=1: the running cluster (NODES nodes, default E2E_NODES), left running after
 #   existing  the current KUBECONFIG; images must already be loadable by its nodes
-#   kind|k3d  a cluster made by pytest-kind-ng / the k3d CLI (need Docker; not on CI machines)
+#   kind|k3d  a local cluster (e2e/local_cluster.py): created unless it exists (E2E_CLUSTER_NAME, default
+#             gpu-agent-e2e; E2E_NODE_IMAGE; E2E_WORKERS worker nodes, default 1), the project's image
+#             built and imported into every node (with its version's name too), the suite run, the
+#             cluster deleted unless E2E_KEEP_CLUSTER=1. The image: `docker build` (or podman's, with
+#             E2E_ENGINE=podman) of the Dockerfile, or the CI machines' way (debootstrap base and
+#             ci/tools/oci_image.py, no registry) where E2E_IMAGE_BUILD=ci. kind on podman:
+#             KIND_EXPERIMENTAL_PROVIDER=podman. Tests that need the CI cluster's host skip, saying so.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -58,8 +64,40 @@ case $cluster in
     cluster_up "${E2E_NODES:-3}"
     run_suite "suite (${E2E_NODES:-3} node(s))" "${@:2}"
     ;;
-  existing|kind|k3d)
+  existing)
     run_suite suite "${@:2}"
+    ;;
+  kind|k3d)
+    local_cluster() { python3 "$repo/e2e/local_cluster.py" "$cluster" "$@"; }
+    export E2E_KUBECONFIG=${E2E_KUBECONFIG:-$HOME/.kube/${E2E_CLUSTER_NAME:-gpu-agent-e2e}-$cluster.yaml}
+    if [[ ${E2E_KEEP_CLUSTER:-0} != 1 ]]; then
+      # deleted however the run ends, a failed create included (kind and k3d leave half-made clusters)
+      trap 'code=$?; t=$SECONDS; local_cluster down || code=1; log "timing: $cluster cluster down $((SECONDS - t))s"; exit $code' EXIT
+    fi
+    t=$SECONDS; local_cluster up; log "timing: $cluster cluster up $((SECONDS - t))s"
+    if [[ $cluster == kind ]]; then log "kind get clusters:"; "${KIND:-kind}" get clusters >&2
+    else log "k3d cluster list:"; "${K3D:-k3d}" cluster list >&2; fi
+    log "kubectl get nodes -o wide:"; kubectl --kubeconfig "$E2E_KUBECONFIG" get nodes -o wide >&2
+    t=$SECONDS
+    archive=$CI_CACHE/images/gpu-agent-$cluster.oci.tar
+    mkdir -p "$(dirname "$archive")"
+    if [[ ${E2E_IMAGE_BUILD:-engine} == ci ]]; then
+      bash "$here/scripts/build-base-rootfs.sh"
+      IMAGE_OUT=$archive bash "$here/scripts/build-images.sh" project
+    else
+      engine=${E2E_ENGINE:-docker}
+      version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
+      bash "$repo/scripts/build-wheels.sh" >&2
+      "$engine" build -t localhost/gpu-agent:dev -t "localhost/gpu-agent:$version" \
+        --build-arg "BUILD_COMMIT=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
+        --build-arg "BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)" --build-arg "VERSION=$version" "$repo"
+      # podman writes several images into one archive only when asked to
+      multi=(); [[ $engine != podman ]] || multi=(--multi-image-archive)
+      "$engine" save "${multi[@]}" -o "$archive" localhost/gpu-agent:dev "localhost/gpu-agent:$version"
+    fi
+    log "timing: images $((SECONDS - t))s"; t=$SECONDS
+    local_cluster load "$archive"; log "timing: image load into every $cluster node $((SECONDS - t))s"
+    run_suite "suite ($cluster)" "${@:2}"
     ;;
   *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
 esac

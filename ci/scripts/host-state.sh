@@ -30,4 +30,15 @@ echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|cor
 ps -eo args= | grep -c '^gpuci-node-holder' | sed 's/^/worker node holders: /'
 echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/gpuci-* 2>/dev/null
 echo "## state"; ls -d "$CLUSTER_DIR" /run/secrets/kubernetes.io 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort
+# The kind stage (ci/scripts/kind-stage.sh): podman's containers, networks and volumes (its images are a cache,
+# as CI_CACHE is), the CNI configurations and host-local leases podman's networks leave, dnsname's dnsmasq, and
+# the containers.conf the stage writes.
+if command -v podman >/dev/null; then
+  echo "## podman"; podman ps -a --format '{{.Names}}' 2>/dev/null | sort | sed 's/^/container /'
+  podman network ls --format '{{.Name}}' 2>/dev/null | sort | sed 's/^/network /'
+  podman volume ls -q 2>/dev/null | sort | sed 's/^/volume /'
+fi
+echo "## cni"; ls /etc/cni/net.d /var/lib/cni/networks 2>/dev/null
+ps -eo comm= | grep -c '^dnsmasq' | sed 's/^/dnsmasq processes: /'
+echo "## containers.conf"; sha256sum /etc/containers/containers.conf 2>/dev/null || echo absent
 exit 0

@@ -54,7 +54,9 @@ def tar_folder(folder: Path, only: set[str] | None = None) -> bytes:
     return buf.getvalue()
 
 
-def write_archive(out: Path, name: str, layers: list[bytes], config: dict[str, Any], created: str = "1970-01-01T00:00:00Z") -> None:
+def write_archive(out: Path, names: list[str], layers: list[bytes], config: dict[str, Any], created: str = "1970-01-01T00:00:00Z") -> None:
+    """One image, under each of `names` (the index lists the manifest once per name: `ctr images import`,
+    `kind load image-archive` and `k3d image import` name it with every one)."""
     blobs: dict[str, bytes] = {}
     diff_ids, layer_descs = [], []
     for raw in layers:
@@ -74,7 +76,7 @@ def write_archive(out: Path, name: str, layers: list[bytes], config: dict[str, A
     index = {"schemaVersion": 2, "manifests": [{
         "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": _sha(manifest), "size": len(manifest),
         "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]},
-        "platform": {"architecture": "amd64", "os": "linux"}}]}
+        "platform": {"architecture": "amd64", "os": "linux"}} for name in names]}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with tarfile.open(tmp, "w") as tar:
@@ -202,13 +204,13 @@ def main() -> int:
     p = argparse.ArgumentParser(prog="oci_image")
     sub = p.add_subparsers(dest="cmd", required=True)
     lp = sub.add_parser("layers")
-    lp.add_argument("--name", required=True)
+    lp.add_argument("--name", required=True, action="append", help="repeat for more names of the same image")
     lp.add_argument("--out", type=Path, required=True)
     lp.add_argument("--layer", action="append", type=Path, required=True, help="a folder or a .tar")
     lp.add_argument("--entrypoint", default=None, help="JSON list")
     lp.add_argument("--user", default=None)
     bp = sub.add_parser("build")
-    bp.add_argument("--name", required=True)
+    bp.add_argument("--name", required=True, action="append", help="repeat for more names of the same image")
     bp.add_argument("--out", type=Path, required=True)
     bp.add_argument("--file", type=Path, required=True)
     bp.add_argument("--context", type=Path, required=True)
@@ -227,7 +229,7 @@ def main() -> int:
         args = dict(x.split("=", 1) for x in a.build_arg)
         base, app, config = DockerfileBuild(a.context, a.base_rootfs, args).run(a.file)
         write_archive(a.out, a.name, [base, app], config)
-    print(f"oci_image: wrote {a.out} ({a.out.stat().st_size / 2**20:.1f} MiB) as {a.name}", file=sys.stderr)
+    print(f"oci_image: wrote {a.out} ({a.out.stat().st_size / 2**20:.1f} MiB) as {', '.join(a.name)}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The kind stage of the test command (`make e2e-kind-podman`): `make e2e CLUSTER=kind` proven on this machine.
+# podman (install-podman.sh) runs kind's nodes; a kind node image for K8S_VERSION is assembled here
+# (build-kind-node.sh: no registry to pull kindest/node from); kind comes from the Go module proxy. Then
+# ci/scripts/e2e.sh kind creates a cluster of KIND_STAGE_WORKERS+1 nodes (default 2: one control plane, one
+# worker), imports the project's image into both, runs the e2e tests of PYTEST_ARGS (default the `fast`
+# ones, the fake-GPU 0 -> 4 -> 0 readiness test among them) and deletes the cluster.
+#
+# The host is checked as after the CI cluster: what host-state.sh lists must be the same before and after.
+# The stage adds, and removes at the end: /etc/containers/containers.conf (runc cannot raise RLIMIT_NOFILE or
+# RLIMIT_NPROC above the host's hard limits without CAP_SYS_RESOURCE, which these machines' bounding set
+# lacks, so podman's default ulimits must stay at or below them), podman's "kind" network (its CNI
+# configuration, bridge and host-local leases), the iptables chains podman's CNI plugins create and leave
+# (CNI-FORWARD, CNI-ADMIN, CNI-HOSTPORT-*), the sysctls they set, and the /run/netns mount podman makes.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$here/.." && pwd)
+source "$here/scripts/common.sh"
+t0=$SECONDS
+t=$SECONDS; bash "$here/scripts/install-deps.sh"; bash "$here/scripts/install-podman.sh"; log "timing: kind stage host packages $((SECONDS - t))s"
+
+state=$(mktemp -d)
+bash "$here/scripts/host-state.sh" > "$state/before"
+mountpoint -q /run/netns 2>/dev/null && touch "$state/run-netns-was-mounted"
+for key in net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables; do
+  echo "$key=$(sysctl -n "$key" 2>/dev/null || echo absent)"
+done > "$state/sysctl"
+for cmd in iptables ip6tables; do
+  for table in filter nat mangle; do "$cmd-save" -t "$table" 2>/dev/null; done
+done | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | sort -u > "$state/cni-chains"
+
+conf=/etc/containers/containers.conf
+if [[ ! -e $conf ]]; then
+  hard_nofile=$(ulimit -Hn) hard_nproc=$(ulimit -Hu)
+  [[ $hard_nofile == unlimited ]] && hard_nofile=1048576
+  [[ $hard_nproc == unlimited ]] && hard_nproc=1048576
+  mkdir -p /etc/containers
+  printf '%s\n' "# written by gpu-agent ci/scripts/kind-stage.sh, removed when it ends" "[containers]" \
+    "default_ulimits = [\"nofile=$hard_nofile:$hard_nofile\", \"nproc=$((hard_nproc < 4096 ? hard_nproc : 4096)):$((hard_nproc < 4096 ? hard_nproc : 4096))\"]" > "$conf"
+  touch "$state/wrote-containers-conf"
+elif ! grep -q '^default_ulimits' "$conf"; then
+  echo "ci: $conf exists without default_ulimits: add default_ulimits = [\"nofile=N:N\", \"nproc=M:M\"] at or below" \
+       "the host's hard limits (ulimit -Hn, ulimit -Hu), or move the file away for this run" >&2
+  exit 1
+fi
+
+teardown() {
+  local code=$1 t=$SECONDS
+  # e2e.sh deleted the cluster; kind leaves its network, podman's CNI plugins their chains and sysctls
+  if podman network exists kind 2>/dev/null; then
+    bridge=$(podman network inspect kind --format '{{.NetworkInterface}}' 2>/dev/null || true)
+    podman network rm -f kind >/dev/null || code=1
+    [[ -z ${bridge:-} ]] || ! ip link show "$bridge" >/dev/null 2>&1 || ip link del "$bridge" || code=1
+  fi
+  rm -rf /var/lib/cni/networks/kind
+  # dnsname's dnsmasq for the network, if its last container's removal did not stop it
+  dns=/run/containers/cni/dnsname/kind
+  if [[ -f $dns/pidfile ]] && kill -0 "$(cat "$dns/pidfile")" 2>/dev/null; then kill "$(cat "$dns/pidfile")" || code=1; fi
+  rm -rf "$dns"
+  for cmd in iptables ip6tables; do
+    for table in filter nat mangle; do
+      # jumps into chains this stage created, then the chains themselves
+      "$cmd-save" -t "$table" 2>/dev/null | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | while read -r chain; do
+        grep -qx "$chain" "$state/cni-chains" && continue
+        "$cmd-save" -t "$table" | grep -E "^-A [A-Z]+ .*-j $chain( |\$)" | sed 's/^-A /-D /' | while read -r rule; do
+          eval "$cmd -t $table $rule" || true
+        done
+        "$cmd" -t "$table" -F "$chain" 2>/dev/null || true
+      done
+      "$cmd-save" -t "$table" 2>/dev/null | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | while read -r chain; do
+        grep -qx "$chain" "$state/cni-chains" || "$cmd" -t "$table" -X "$chain" 2>/dev/null || code=1
+      done
+    done
+  done
+  while IFS== read -r key value; do
+    [[ $value == absent ]] || sysctl -qw "$key=$value" || code=1
+  done < "$state/sysctl"
+  if [[ ! -f $state/run-netns-was-mounted ]] && mountpoint -q /run/netns 2>/dev/null && [[ -z $(ls -A /run/netns) ]]; then
+    umount /run/netns || code=1
+  fi
+  [[ ! -f $state/wrote-containers-conf ]] || rm -f "$conf"
+  bash "$here/scripts/host-state.sh" > "$state/after"
+  if ! diff -u "$state/before" "$state/after"; then
+    log "FAILED: the kind stage left the host changed (diff above)"; code=1
+  else
+    log "kind stage teardown check passed: host state identical to before"
+  fi
+  rm -rf "$state"
+  log "timing: kind stage teardown $((SECONDS - t))s"
+  log "timing: kind stage $((SECONDS - t0))s"
+  return "$code"
+}
+trap 'code=$?; teardown "$code" || code=1; exit $code' EXIT
+
+t=$SECONDS
+KIND_ENGINE=podman bash "$here/scripts/build-kind-node.sh" > "$state/node-image"
+node_image=$(tail -1 "$state/node-image")
+log "timing: kind node image (and kind) $((SECONDS - t))s: $node_image"
+
+export KIND="$KIND_BIN" KIND_EXPERIMENTAL_PROVIDER=podman E2E_NODE_IMAGE=$node_image E2E_IMAGE_BUILD=ci
+export E2E_WORKERS=${KIND_STAGE_WORKERS:-1} E2E_CLUSTER_NAME=${KIND_STAGE_NAME:-gpu-agent-kind}
+export E2E_KUBECONFIG=$CI_CACHE/kind-$E2E_CLUSTER_NAME.kubeconfig
+# shellcheck disable=SC2086
+bash "$here/scripts/e2e.sh" kind ${PYTEST_ARGS:--m fast}
