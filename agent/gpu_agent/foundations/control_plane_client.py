@@ -225,7 +225,7 @@ class ControlPlaneClient:
         """Up to `max_items` items, each under its own lease (empty: none came within `wait_seconds`)."""
         where = "POST /v1/queue/lease"
         body: dict[str, Any] = {"leaseSeconds": lease_seconds, "waitSeconds": wait_seconds}
-        if max_items != 1:  # a control plane of before maxItems refuses the field; one item needs none
+        if max_items != 1:  # a control plane of before maxItems (0.1.x) ignores the field and answers one item
             body["maxItems"] = max_items
         if fence is not None:
             body.update(holder=fence.holder, term=fence.term)
