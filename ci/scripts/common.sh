@@ -84,3 +84,19 @@ kube_ldflags() {
   done
   echo "$flags"
 }
+# install_missing_packages PKG...: Debian packages not yet installed, installed without their daemons started
+# (Debian's packaging would start them through init scripts; the scripts here start what they need themselves).
+# Idempotent; what it installs is the host's new baseline (installed before the teardown check's snapshot).
+install_missing_packages() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  ((${#missing[@]})) || return 0
+  log "installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+}
