@@ -154,7 +154,7 @@ def up(s: Settings) -> None:
     if not exists(s):
         if s.provider == "kind":
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kind-config-") as f:
-                f.write(kind_config(s, os.environ.get("ETCD_VERSION", "v3.6.8")))
+                f.write(kind_config(s, os.environ.get("KIND_ETCD_VERSION", "v3.6.8")))
                 f.flush()
                 run(kind_create(s, Path(f.name)), 900)
         else:
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     elif action == "down":
         down(s)
     elif action == "config" and s.provider == "kind":
-        sys.stdout.write(kind_config(s, os.environ.get("ETCD_VERSION", "v3.6.8")))
+        sys.stdout.write(kind_config(s, os.environ.get("KIND_ETCD_VERSION", "v3.6.8")))
     else:
         raise SystemExit(usage)
     return 0

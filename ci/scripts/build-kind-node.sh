@@ -10,7 +10,7 @@
 #   - kubeadm, kubelet and kubectl in /usr/bin, /kind/version;
 #   - the images kubeadm runs, as archives in /kind/images, imported into containerd at boot before kubelet
 #     (ci/kind/node/import-images.sh): kube-apiserver, controller-manager, scheduler and kube-proxy of
-#     K8S_VERSION, etcd ETCD_VERSION (what kubeadm v1.36 deploys; its flags are 3.6's), CoreDNS and pause from
+#     K8S_VERSION, etcd KIND_ETCD_VERSION (what kubeadm v1.36 deploys; its flags are 3.6's), CoreDNS and pause from
 #     build-images.sh system, all named localhost/... (the kind config's patch, ci/kind/local-images.yaml,
 #     points kubeadm there), and a tools image for the pod network daemon (ci/kind/node/default-cni.yaml).
 # Cached under CI_CACHE keyed by the versions and a digest of these sources; loaded into podman (or docker,
@@ -28,7 +28,7 @@ bash "$here/scripts/build-coredns.sh" >&2
 [[ -x $TOOLS_BIN/kubectl ]] || bash "$here/scripts/install-tools.sh" >&2  # the node needs kubectl (kind runs it there)
 bash "$here/scripts/build-images.sh" system >&2
 bash "$here/scripts/build-kind.sh" >&2
-go_build_cached "etcd $ETCD_VERSION" "$ETCD_BIN" "$here/etcd" . "require go.etcd.io/etcd/server/v3 ${ETCD_VERSION}" >&2
+go_build_cached "etcd $KIND_ETCD_VERSION" "$KIND_ETCD_BIN" "$here/etcd" . "require go.etcd.io/etcd/server/v3 ${KIND_ETCD_VERSION}" >&2
 if [[ ! -x $KUBEADM_BIN ]]; then
   log "building kubeadm $K8S_VERSION (after build-kubernetes.sh most of it is in the Go cache)"
   t=$SECONDS; mkdir -p "$(dirname "$KUBEADM_BIN")"
@@ -41,7 +41,7 @@ log "timing: kind node pieces $((SECONDS - t0))s"
 
 kind_files=$GOMODCACHE/sigs.k8s.io/kind@$KIND_VERSION/images/base/files
 [[ -d $kind_files ]] || { echo "ci: kind's module is not in $GOMODCACHE (build-kind.sh downloads it)" >&2; exit 1; }
-key=$( { echo "$K8S_VERSION $ETCD_VERSION $COREDNS_VERSION $KIND_VERSION $KIND_ROOTFS_VERSION"
+key=$( { echo "$K8S_VERSION $KIND_ETCD_VERSION $COREDNS_VERSION $KIND_VERSION $KIND_ROOTFS_VERSION"
          cat "$0" "$here"/kind/node/*; } | sha256sum | cut -c1-10)
 name=localhost/gpu-agent-kind-node:$K8S_VERSION-$key
 tools=localhost/gpu-agent-kind-tools:$key
@@ -59,8 +59,8 @@ if [[ ! -f $out ]]; then
     mkdir -p "$work/$c/usr/local/bin"; cp "$K8S_BIN/$c" "$work/$c/usr/local/bin/"
     oci --name "localhost/$c:$K8S_VERSION" --out "$images/$c.tar" --layer "$work/$c"
   done
-  mkdir -p "$work/etcd/usr/local/bin"; cp "$ETCD_BIN" "$work/etcd/usr/local/bin/etcd"
-  oci --name "localhost/etcd:$ETCD_VERSION" --out "$images/etcd.tar" --layer "$work/etcd"
+  mkdir -p "$work/etcd/usr/local/bin"; cp "$KIND_ETCD_BIN" "$work/etcd/usr/local/bin/etcd"
+  oci --name "localhost/etcd:$KIND_ETCD_VERSION" --out "$images/etcd.tar" --layer "$work/etcd"
   # kube-proxy runs iptables, the pod network daemon bash, curl, jq and ip: the node's userland without the
   # container runtime, the CNI plugins, systemd's and the documentation
   python3 - "$KIND_ROOTFS" "$work/tools.tar" <<'PY'

@@ -68,10 +68,12 @@ export KIND_VERSION=${KIND_VERSION:-v0.33.0}
 export KIND_BIN=$CI_CACHE/kind-$KIND_VERSION/kind
 export KIND_ROOTFS_VERSION=${KIND_ROOTFS_VERSION:-bookworm-kind-1}
 export KIND_ROOTFS=$CI_CACHE/images/kind-rootfs-$KIND_ROOTFS_VERSION.tar
+# Not ETCD_*: etcd reads every ETCD_<FLAG> variable of its environment as a flag, and the CI cluster's etcd (3.4)
+# refused ETCD_VERSION=v3.6.8 ("invalid value ... for ETCD_VERSION"), so cluster-up never got past etcd.
 # etcd for the kind node (ci/etcd), and kubeadm (the node's, built beside the server binaries)
-export ETCD_VERSION=${ETCD_VERSION:-v3.6.8}
+export KIND_ETCD_VERSION=${KIND_ETCD_VERSION:-v3.6.8}
 _etcd_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../etcd" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
-export ETCD_BIN=$CI_CACHE/etcd-$ETCD_VERSION-$_etcd_src/etcd
+export KIND_ETCD_BIN=$CI_CACHE/etcd-$KIND_ETCD_VERSION-$_etcd_src/etcd
 export KUBEADM_BIN=$CI_CACHE/kubeadm-$K8S_VERSION/kubeadm
 # The version stamps of a Kubernetes build (what `kubeadm version`, `kubelet --version` report).
 kube_ldflags() {
