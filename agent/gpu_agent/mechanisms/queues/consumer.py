@@ -237,8 +237,7 @@ class QueueConsumer:
             return False
         credential, items = leased
         for item in items:
-            self.in_flight.try_take(1)
-            await self._hold(credential, item, self._place(item))
+            await self._hold(credential, item, self._admit(item))
         return True
 
     async def _lease(self, most: int) -> tuple[Secret, list[WorkItem]] | None:
@@ -306,6 +305,12 @@ class QueueConsumer:
     def _need(self, item: WorkItem) -> int:
         """The GPUs the item waits for: what it asks, at most all of those registered."""
         return 0 if self.gpus is None else min(gpus_needed(item), max(1, self.gpus.total))
+
+    def _admit(self, item: WorkItem) -> int | None:
+        """A leased item takes its place in flight (the leasing loop alone takes places, and it asked for no more
+        than were free) and, if they are free, its GPUs: `_place`'s answer."""
+        self.in_flight.try_take(1)
+        return self._place(item)
 
     def _place(self, item: WorkItem) -> int | None:
         """Take the item's GPUs now, as it is leased (so the next lease call counts them): how many it took,
@@ -480,6 +485,5 @@ class QueueConsumer:
                     continue
                 credential, batch = leased
                 for item in batch:
-                    self.in_flight.try_take(1)  # this loop alone takes places, and it asked for no more than were free
-                    items.create_task(self._hold(credential, item, self._place(item)), name=f"work-item-{item.item_id}")
+                    items.create_task(self._hold(credential, item, self._admit(item)), name=f"work-item-{item.item_id}")
                 self._report()
