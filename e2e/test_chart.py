@@ -249,7 +249,11 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
     wait_until(lambda: release.agent_pod() and pod_http_get(core, release.namespace, release.agent_pod(), 8080, "livez")[0] == 200,
                30, "cluster agent live")
     install_to_running = time.monotonic() - started
-    code, health = release.healthz()
+    # Live comes first: the GPU component says "starting" until the agent's first look at the nodes.
+    def first_gpu_look():
+        code, health = release.healthz()
+        return (code, health) if health and health["components"]["gpus"]["reason"] != "starting" else None
+    code, health = wait_until(first_gpu_look, 30, "the cluster agent's first look at the GPUs")
     assert code == 503 and health["components"]["queues"]["reason"].startswith("paused")
     assert health["components"]["gpus"]["reason"].startswith("no GPUs available")
     print(f"\ninstall -> all pods running, node agents Ready, cluster agent live: {install_to_running:.1f}s")
