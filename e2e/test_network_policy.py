@@ -215,7 +215,7 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
     release's namespace. From a prober on every node: the scraper (that label) reaches /metrics of the cluster agent
     and of every node agent; the same label in another namespace, and a pod of the release's namespace without it
     (running as root: a pod's packets are not exempt like the node's own root processes), reach nothing; the
-    cluster agent reaches the control plane, and only it. Every TCP port each component listens on (read from its
+    cluster agent and the hook Jobs (the cleanup deregisters) reach the control plane, and only they. Every TCP port each component listens on (read from its
     /proc/net/tcp) and one it does not are tried: refused ones time out, dropped by the enforcer, while pods no policy
     selects answer that closed port with a reset over the same paths. fake-gpu and the
     hook Jobs admit no ingress (the hooks' policy lives only while a hook runs: it is applied as rendered, over a
@@ -249,6 +249,8 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
         selector = hooks_policy["spec"]["podSelector"]["matchLabels"]
         assert selector.items() <= hook_labels.items(), (selector, hook_labels)
         probe_pod(api, namespace, "hook-stand-in", cp_node, hook_labels, serve=True)
+        # It probes too: the cleanup hook deregisters the cluster, so the hook Jobs reach the control plane.
+        probers.append(Prober(f"hooks@{cp_node}", namespace, "hook-stand-in", "probe", "hooks", cp_node))
 
         cp = wait_until(lambda: ready(release, "control-plane", 1), 120, "the control plane Ready")[0]
         agent = wait_until(lambda: ready(release, "cluster-agent", 1), 120,
@@ -298,7 +300,7 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
             if t.port not in declared[t.component]:
                 return "timeout"
             if t.component == "control-plane":
-                return "open" if p.role == "cluster-agent" else "timeout"
+                return "open" if p.role in ("cluster-agent", "hooks") else "timeout"
             if t.component in ("cluster-agent", "node-agent"):
                 return "open" if p.role == "scraper" else "timeout"
             return "timeout"  # fake-gpu and the hooks: no ingress
