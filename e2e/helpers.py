@@ -80,11 +80,18 @@ def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, pa
         return status, text
 
 
+def exec_api(api: client.ApiClient) -> client.CoreV1Api:
+    """A CoreV1Api on an ApiClient of its own, for `kubernetes.stream`: it swaps the request path of the client it
+    is given for the call's whole length, so another thread's call on a shared client in that window went out as a
+    websocket handshake (the bench saw a pod list fail with "Handshake status 200 OK")."""
+    return client.CoreV1Api(client.ApiClient(api.configuration))
+
+
 def exec_python(api: client.ApiClient, namespace: str, pod: str, code: str) -> str:
     """Run Python in a pod's container (the image carries the agent's own client)."""
     from kubernetes.stream import stream
 
-    return stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace,
+    return stream(exec_api(api).connect_get_namespaced_pod_exec, pod, namespace,
                   command=["python3", "-c", code], stderr=True, stdin=False, stdout=True, tty=False)
 
 
@@ -92,7 +99,7 @@ def exec_in(api: client.ApiClient, namespace: str, pod: str, container: str, arg
     """Run a command in one container of a pod; its stdout and stderr together."""
     from kubernetes.stream import stream
 
-    return stream(client.CoreV1Api(api).connect_get_namespaced_pod_exec, pod, namespace, container=container,
+    return stream(exec_api(api).connect_get_namespaced_pod_exec, pod, namespace, container=container,
                   command=argv, stderr=True, stdin=False, stdout=True, tty=False, _request_timeout=60)
 
 

@@ -29,7 +29,7 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from e2e.helpers import Sampler, drops, wait_until
+from e2e.helpers import Sampler, drops, exec_api, wait_until
 from e2e.release import CONTROL_PLANE_PRELUDE, Release
 
 DOMAIN = "health"
@@ -96,7 +96,7 @@ class RegisteredCount:
 
     def _run(self) -> None:
         code = CONTROL_PLANE_PRELUDE + REGISTERED.replace("SECONDS", str(self.seconds))
-        resp = stream(self.release.core.connect_get_namespaced_pod_exec, self.release.control_plane_pod(),
+        resp = stream(exec_api(self.release.api).connect_get_namespaced_pod_exec, self.release.control_plane_pod(),
                       self.release.namespace, command=["python3", "-u", "-c", code], stderr=True, stdin=False,
                       stdout=True, tty=False, _preload_content=False)
         pending = ""
