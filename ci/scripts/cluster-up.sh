@@ -119,4 +119,6 @@ done
 pids=()
 for i in "${workers[@]}"; do bash "$here/scripts/node.sh" up "$i" & pids+=($!); done
 for pid in "${pids[@]}"; do wait "$pid"; done
-log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, $NODES node(s) Ready, DNS answering, NetworkPolicies enforced"
+# Counted, not taken from NODES: an earlier cluster-up with more nodes leaves its workers running.
+ready_nodes=$(kc get nodes --no-headers | awk '$2 == "Ready"' | wc -l)
+log "cluster up in $((SECONDS - t0))s: kubeconfig $KUBECONFIG_PATH, $ready_nodes node(s) Ready, DNS answering, NetworkPolicies enforced"
