@@ -215,13 +215,13 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
     release's namespace. From a prober on every node: the scraper (that label) reaches /metrics of the cluster agent
     and of every node agent; the same label in another namespace, and a pod of the release's namespace without it
     (running as root: a pod's packets are not exempt like the node's own root processes), reach nothing; the
-    cluster agent and the hook Jobs (the cleanup deregisters) reach the control plane, and only they. Every TCP port each component listens on (read from its
-    /proc/net/tcp) and one it does not are tried: refused ones time out, dropped by the enforcer, while pods no policy
-    selects answer that closed port with a reset over the same paths. fake-gpu and the
-    hook Jobs admit no ingress (the hooks' policy lives only while a hook runs: it is applied as rendered, over a
-    stand-in that listens and carries the hook Jobs' labels). And the policies break nothing the agents need:
-    the cluster agent, placed on another node than the control plane, turns Ready; DNS and the API server answer
-    every prober."""
+    cluster agent and the hook Jobs (the cleanup deregisters) reach the control plane, and only they. Every TCP
+    port each component listens on (read from its /proc/net/tcp) and one it does not are tried: refused ones time
+    out, dropped by the enforcer, while pods no policy selects answer that closed port with a reset over the same
+    paths. fake-gpu and the hook Jobs admit no ingress (the hooks' policy lives only while a hook runs: it is
+    applied as rendered, over a stand-in that listens and carries the hook Jobs' labels, and probes as a hook Job
+    would). And the policies break nothing the agents need: the cluster agent, placed on another node than the
+    control plane, turns Ready; DNS and the API server answer every prober."""
     nodes = sorted(n.metadata.name for n in core.list_node().items)
     agent_node, cp_node = placement(nodes)
     release = Release(api, core, apps, kubeconfig, namespace, name=f"np{uuid.uuid4().hex[:5]}")
