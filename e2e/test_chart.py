@@ -385,7 +385,7 @@ def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_p
     args[args.index(str(CHART))] = str(future)
     r = helm("upgrade", *args, "--set", "hooks.backoffLimit=0", "--timeout", "120s", check=False)
     assert r.returncode != 0 and "pre-upgrade" in r.stderr
-    job_pods = core.list_namespaced_pod(release.namespace, label_selector=f"job-name={release.fullname}-skew-check").items
+    job_pods = core.list_namespaced_pod(release.namespace, label_selector=f"job-name={release.fullname}-crds").items
     log = core.read_namespaced_pod_log(job_pods[0].metadata.name, release.namespace)
     assert f"refused: upgrade from {APP_VERSION} to 2.0.0 skips major version 1" in log
     history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, release.name, "-o", "json").stdout)

@@ -241,11 +241,11 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
                         Prober(f"stranger@{node}", namespace, f"stranger-{node}", "probe", "stranger", node),
                         Prober(f"outsider@{node}", other_namespace, f"outsider-{node}", "probe", "outsider", node)]
         # The hooks' policy as the chart renders it, without its hook annotations; the stand-in wears the hook Jobs'
-        # pod labels (the skew check's, as rendered), so the policy's selector is what picks it.
+        # pod labels (the CRDs hook's, as rendered), so the policy's selector is what picks it.
         hooks_policy = rendered(release, "networkpolicy-hooks.yaml")
         hooks_policy["metadata"].pop("annotations", None)
         client.NetworkingV1Api(api).create_namespaced_network_policy(namespace, hooks_policy)
-        hook_labels = rendered(release, "job-skew-check.yaml")["spec"]["template"]["metadata"]["labels"]
+        hook_labels = rendered(release, "job-crds.yaml")["spec"]["template"]["metadata"]["labels"]
         selector = hooks_policy["spec"]["podSelector"]["matchLabels"]
         assert selector.items() <= hook_labels.items(), (selector, hook_labels)
         probe_pod(api, namespace, "hook-stand-in", cp_node, hook_labels, serve=True)

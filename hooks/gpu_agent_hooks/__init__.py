@@ -5,8 +5,10 @@
               until they are Established, then migrate stored objects to the storage version and
               trim status.storedVersions (migrate.py); a CRD that would stop serving a stored
               version is refused before anything is applied
-  skew-check  pre-upgrade, pre-rollback: refuse an upgrade or downgrade the stored objects or
-              the running agents cannot survive, saying why and how to proceed
+              With --skew-check-to-version (the chart passes it unless hooks.skewCheck is false) the
+              skew check runs first, in the same Job
+  skew-check  refuse an upgrade or downgrade the stored objects or the running agents cannot
+              survive, saying why and how to proceed (also on its own, for a GitOps sync)
   cleanup     pre-delete: deregister from the control plane, clear this release's GPUDomain
               entries, delete leftover work Pods (each one's gpu-agent.io/work-item finalizer removed
               first: the agent keeps it until the item's ack); bounded in time, never blocks an uninstall

@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                    "does not take part in leader election (0.1.x), so that it never runs beside its successor")
     c.add_argument("--target-strategy", default="RollingUpdate", choices=("Recreate", "RollingUpdate"),
                    help="the strategy the chart gives that Deployment")
+    c.add_argument("--skew-check-to-version", default="", help="run the skew check first (as `skew-check` does, "
+                   "against --cluster-agent), for an upgrade or rollback to this version; empty: no skew check")
     s = sub.add_parser("skew-check", help="refuse upgrades and downgrades the stored state cannot survive")
     s.add_argument("--namespace", required=True)
     s.add_argument("--deployment", required=True)
@@ -277,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     api = api_client(a.kubeconfig)
     try:
         if a.hook == "crds":
+            # One Job for both on every upgrade: a hook Job's pod costs seconds of each `helm upgrade`.
+            if a.skew_check_to_version:
+                skew_check(api, a.namespace, a.cluster_agent, a.skew_check_to_version, a.dir)
             apply_crds(api, a.dir)
             if a.cluster_agent:
                 hand_over_from_non_electing(api, a.namespace, a.cluster_agent, a.target_strategy)

@@ -43,3 +43,25 @@ def test_elects_recognises_the_flags_of_0_2_and_the_config_file_of_later_charts(
     assert cli.elects(deployment(["cluster-agent", "-v=0", "--leader-election=true", "--leader-election-lease-name=x"]))
     assert cli.elects(deployment(["cluster-agent", "--config=/etc/gpu-agent/config.yaml", "--leader-election=true"]))
     assert not cli.elects(deployment(["cluster-agent", "--config=/etc/gpu-agent/config.yaml"]))  # leaderElection.enabled=false
+
+
+def test_the_crds_hook_runs_the_skew_check_first_and_a_refusal_applies_nothing(monkeypatch, tmp_path, capsys):
+    """The chart runs the skew check inside the CRDs hook Job (one pod per upgrade, not two): with
+    --skew-check-to-version the check comes before any CRD is applied, and a refusal stops the hook."""
+    steps = []
+    monkeypatch.setattr(cli, "api_client", lambda kubeconfig: None)
+    monkeypatch.setattr(cli, "apply_crds", lambda api, folder: steps.append("apply"))
+    monkeypatch.setattr(cli, "hand_over_from_non_electing", lambda *a: steps.append("hand over"))
+
+    def refuse(api, namespace, deployment, to_version, folder):
+        steps.append(("skew", namespace, deployment, to_version))
+        raise cli.SkewError("upgrade from 0.2.0 to 2.0.0 skips major version 1")
+
+    monkeypatch.setattr(cli, "skew_check", refuse)
+    args = ["crds", f"--dir={tmp_path}", "--namespace=ns", "--cluster-agent=ga-gpu-agent-cluster-agent"]
+    assert cli.main([*args, "--skew-check-to-version=2.0.0"]) == 1
+    assert steps == [("skew", "ns", "ga-gpu-agent-cluster-agent", "2.0.0")]
+    assert "refused: upgrade from 0.2.0 to 2.0.0 skips major version 1" in capsys.readouterr().err
+    steps.clear()
+    assert cli.main(args) == 0  # hooks.skewCheck=false: no check
+    assert steps == ["apply", "hand over"]
