@@ -266,12 +266,14 @@ def fake_gpus(kubeconfig, core, apps):
         await helm.install_or_upgrade_release("fg", chart, values, namespace=ns, wait=True, timeout="90s")
 
     asyncio.run(install())
-    wait_until(lambda: (lambda d: d.status.number_ready == d.status.desired_number_scheduled >= 1)(
+    ds = wait_until(lambda: (lambda d: d if d.status.number_ready == d.status.desired_number_scheduled >= 1 else None)(
         apps.read_namespaced_daemon_set("fg-fake-gpu", ns)), 60, "fake-gpu DaemonSet ready")
-    # Each node labelled as GPU feature discovery would: the gpu-agent chart's node agents find them by it.
-    every = len(core.list_node().items)
-    wait_until(lambda: len(fake_gpu_nodes(core, "fg")) == every, 30, f"all {every} node(s) labelled by fake-gpu")
-    node = min(n.metadata.name for n in core.list_node().items)  # the control-plane node (gpu-ci-node) on the CI cluster
+    # Each node the plugin runs on labelled as GPU feature discovery would: the gpu-agent chart's node agents find
+    # them by it. Every node on the CI cluster; on kind the control-plane node is tainted, so the workers.
+    every = ds.status.desired_number_scheduled
+    labelled = wait_until(lambda: (lambda n: n if len(n) == every else None)(fake_gpu_nodes(core, "fg")), 30,
+                          f"all {every} node(s) running the fake-gpu plugin labelled by it")
+    node = min(n.metadata.name for n in labelled)  # the control-plane node (gpu-ci-node) on the CI cluster
     yield FakeGPUs(kubeconfig, core, ns, node)
     asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
     core.delete_namespace(ns)

@@ -27,8 +27,10 @@ from pathlib import Path
 
 PROVIDERS = ("kind", "k3d")
 # kubelet refuses to start on a cgroup v1 host from Kubernetes 1.35 unless told (KEP-5573); on cgroup v2 the
-# setting changes nothing, so every kind cluster gets it.
-KIND_CGROUP_V1_PATCH = "kind: KubeletConfiguration\nfailCgroupV1: false\n"
+# setting changes nothing, so every kind cluster gets it. Node status every second (default 10 s), as on the CI
+# cluster (ci/scripts/node-config.sh): a device plugin's allocatable reaches the API server through it, and the
+# GPU-health goals (allocatable within 2 s of an Xid) are set against it.
+KIND_KUBELET_PATCH = "kind: KubeletConfiguration\nfailCgroupV1: false\nnodeStatusUpdateFrequency: 1s\n"
 # Node images assembled by ci/scripts/build-kind-node.sh carry the control plane's images under localhost/
 # (no registry to pull registry.k8s.io's from): kubeadm is pointed there.
 LOCAL_NODE_IMAGE_PREFIX = "localhost/gpu-agent-kind-node:"
@@ -68,9 +70,10 @@ class Settings:
 
 # --- kind ---------------------------------------------------------------------------------------------------
 def kind_config(s: Settings, etcd_tag: str = "v3.6.8") -> str:
-    """The kind cluster: one control plane and s.workers workers, kubelet allowed on cgroup v1, and kubeadm
+    """The kind cluster: one control plane and s.workers workers, kubelet allowed on cgroup v1 and reporting node
+    status every second, and kubeadm
     pointed at the node image's own images when it is one ci/ assembled."""
-    patches = [KIND_CGROUP_V1_PATCH]
+    patches = [KIND_KUBELET_PATCH]
     if s.image.startswith(LOCAL_NODE_IMAGE_PREFIX):
         patches.append(local_images_patch(etcd_tag))
     nodes = "".join(f"- role: {role}\n" for role in ["control-plane"] + ["worker"] * s.workers)

@@ -86,6 +86,11 @@ PY
   (cd "$kind_files/etc" && find . -type f) | while read -r f; do install -D -m 0644 "$kind_files/etc/$f" "$root/etc/$f"; done
   sed -i 's|^\( *sandbox_image = \).*|\1"localhost/pause:ci"|' "$root/etc/containerd/config.toml"
   grep -q 'sandbox_image = "localhost/pause:ci"' "$root/etc/containerd/config.toml"
+  # Without CAP_SYS_RESOURCE (not in these machines' bounding set, so not in a privileged podman container either)
+  # runc cannot lower a pod's oom_score_adj below the node's (kubelet asks -998 for static Pods), and every pod
+  # fails with "can't get final child's PID from pipe"; kind sets this for rootless nodes, for the same reason.
+  sed -i 's|^\( *restrict_oom_score_adj = \).*|\1true|' "$root/etc/containerd/config.toml"
+  grep -q 'restrict_oom_score_adj = true' "$root/etc/containerd/config.toml"
   # kind's base image: `ctr oci spec` with its product-files hook and without rlimits (Debian's ctr here is
   # the node's containerd version)
   ctr oci spec | python3 -c 'import json, sys

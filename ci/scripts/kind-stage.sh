@@ -7,7 +7,8 @@
 # ones, the fake-GPU 0 -> 4 -> 0 readiness test among them) and deletes the cluster.
 #
 # The host is checked as after the CI cluster: what host-state.sh lists must be the same before and after.
-# The stage adds, and removes at the end: /etc/containers/containers.conf (runc cannot raise RLIMIT_NOFILE or
+# The stage adds, and removes at the end: an empty /lib/modules where the host has none (kind mounts it into
+# every node), /etc/containers/containers.conf (runc cannot raise RLIMIT_NOFILE or
 # RLIMIT_NPROC above the host's hard limits without CAP_SYS_RESOURCE, which these machines' bounding set
 # lacks, so podman's default ulimits must stay at or below them), podman's "kind" network (its CNI
 # configuration, bridge and host-local leases), the iptables chains podman's CNI plugins create and leave
@@ -25,9 +26,17 @@ mountpoint -q /run/netns 2>/dev/null && touch "$state/run-netns-was-mounted"
 for key in net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables; do
   echo "$key=$(sysctl -n "$key" 2>/dev/null || echo absent)"
 done > "$state/sysctl"
+cni_chains() {  # cni_chains CMD TABLE: the CNI-* chains of that table, one a line (none is not an error)
+  "$1-save" -t "$2" 2>/dev/null | sed -n 's/^:\(CNI-[^ ]*\) .*/\1/p' || true
+}
 for cmd in iptables ip6tables; do
-  for table in filter nat mangle; do "$cmd-save" -t "$table" 2>/dev/null; done
-done | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | sort -u > "$state/cni-chains"
+  for table in filter nat mangle; do cni_chains "$cmd" "$table"; done
+done | sort -u > "$state/cni-chains"
+
+podman volume ls --quiet | sort > "$state/volumes"
+[[ ! -d /var/lib/cni/networks ]] || touch "$state/had-cni-networks"
+# kind mounts the host's /lib/modules read-only into every node; these machines have no kernel modules on disk
+if [[ ! -e /lib/modules ]]; then mkdir /lib/modules; touch "$state/made-lib-modules"; fi
 
 conf=/etc/containers/containers.conf
 if [[ ! -e $conf ]]; then
@@ -51,8 +60,21 @@ teardown() {
     bridge=$(podman network inspect kind --format '{{.NetworkInterface}}' 2>/dev/null || true)
     podman network rm -f kind >/dev/null || code=1
     [[ -z ${bridge:-} ]] || ! ip link show "$bridge" >/dev/null 2>&1 || ip link del "$bridge" || code=1
+    if [[ -n ${bridge:-} ]]; then  # dnsname's rule admitting DNS from the bridge (INPUT, filter) stays behind
+      for cmd in iptables ip6tables; do
+        "$cmd-save" -t filter 2>/dev/null | { grep -E "^-A [A-Za-z0-9_-]+ -i $bridge " || true; } | sed 's/^-A /-D /' | while read -r rule; do
+          eval "$cmd -t filter $rule" || code=1
+        done
+      done
+    fi
   fi
   rm -rf /var/lib/cni/networks/kind
+  [[ -f $state/had-cni-networks ]] || rmdir /var/lib/cni/networks 2>/dev/null || true
+  # the nodes' /var volumes: kind deletes them with the cluster, but not after a create that failed half-way
+  podman volume ls --quiet | sort | comm -13 "$state/volumes" - | while read -r volume; do
+    podman volume rm --force "$volume" >/dev/null || code=1
+  done
+  [[ ! -f $state/made-lib-modules ]] || rmdir /lib/modules || code=1
   # dnsname's dnsmasq for the network, if its last container's removal did not stop it
   dns=/run/containers/cni/dnsname/kind
   if [[ -f $dns/pidfile ]] && kill -0 "$(cat "$dns/pidfile")" 2>/dev/null; then kill "$(cat "$dns/pidfile")" || code=1; fi
@@ -60,14 +82,14 @@ teardown() {
   for cmd in iptables ip6tables; do
     for table in filter nat mangle; do
       # jumps into chains this stage created, then the chains themselves
-      "$cmd-save" -t "$table" 2>/dev/null | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | while read -r chain; do
+      for chain in $(cni_chains "$cmd" "$table"); do
         grep -qx "$chain" "$state/cni-chains" && continue
-        "$cmd-save" -t "$table" | grep -E "^-A [A-Z]+ .*-j $chain( |\$)" | sed 's/^-A /-D /' | while read -r rule; do
+        "$cmd-save" -t "$table" | { grep -E "^-A [A-Za-z0-9_-]+ .*-j $chain( |\$)" || true; } | sed 's/^-A /-D /' | while read -r rule; do
           eval "$cmd -t $table $rule" || true
         done
         "$cmd" -t "$table" -F "$chain" 2>/dev/null || true
       done
-      "$cmd-save" -t "$table" 2>/dev/null | grep -E '^:CNI-' | cut -d' ' -f1 | tr -d ':' | while read -r chain; do
+      for chain in $(cni_chains "$cmd" "$table"); do
         grep -qx "$chain" "$state/cni-chains" || "$cmd" -t "$table" -X "$chain" 2>/dev/null || code=1
       done
     done

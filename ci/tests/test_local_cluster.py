@@ -139,7 +139,7 @@ def test_the_kind_config_has_the_nodes_asked_for_the_cgroup_v1_patch_and_local_i
     assert config["kind"] == "Cluster" and config["apiVersion"] == "kind.x-k8s.io/v1alpha4"
     assert [n["role"] for n in config["nodes"]] == ["control-plane", "worker", "worker"]
     patches = [yaml.safe_load(p) for p in config["kubeadmConfigPatches"]]
-    assert patches == [{"kind": "KubeletConfiguration", "failCgroupV1": False}]
+    assert patches == [{"kind": "KubeletConfiguration", "failCgroupV1": False, "nodeStatusUpdateFrequency": "1s"}]
     local = lc.Settings.from_env("kind", {"E2E_NODE_IMAGE": lc.LOCAL_NODE_IMAGE_PREFIX + "v1.36.2-abc"})
     patches = [yaml.safe_load(p) for p in yaml.safe_load(lc.kind_config(local, "v3.6.8"))["kubeadmConfigPatches"]]
     assert patches[1] == {"kind": "ClusterConfiguration", "imageRepository": "localhost",
