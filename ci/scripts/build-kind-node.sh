@@ -130,5 +130,9 @@ if ! "$engine" image inspect "$name" >/dev/null 2>&1; then
   "$engine" tag "$id" "$name"
   log "kind node image loaded into $engine in $((SECONDS - t))s: $name"
 fi
+# Earlier builds (other versions or sources) are 400 MB archives and 700 MB engine images each: only this one stays.
+find "$CI_CACHE/images" -maxdepth 1 -name 'kind-node-*.oci.tar' ! -path "$out" -delete
+"$engine" images --format '{{.Repository}}:{{.Tag}}' | { grep "^${name%%:*}:" || true; } | { grep -vx "$name" || true; } \
+  | while read -r old; do "$engine" rmi "$old" >/dev/null 2>&1 || log "could not remove $old from $engine (in use?)"; done
 log "timing: kind node image $((SECONDS - t0))s"
 echo "$name"

@@ -74,7 +74,10 @@ case $cluster in
       # deleted however the run ends, a failed create included (kind and k3d leave half-made clusters)
       trap 'code=$?; t=$SECONDS; local_cluster down || code=1; log "timing: $cluster cluster down $((SECONDS - t))s"; exit $code' EXIT
     fi
-    t=$SECONDS; local_cluster up; log "timing: $cluster cluster up $((SECONDS - t))s"
+    t=$SECONDS; local_cluster up
+    # kind's --wait covers the control plane only; the workers' pod network is still starting
+    kubectl --kubeconfig "$E2E_KUBECONFIG" wait --for=condition=Ready node --all --timeout=180s >&2
+    log "timing: $cluster cluster up $((SECONDS - t))s"
     if [[ $cluster == kind ]]; then log "kind get clusters:"; "${KIND:-kind}" get clusters >&2
     else log "k3d cluster list:"; "${K3D:-k3d}" cluster list >&2; fi
     log "kubectl get nodes -o wide:"; kubectl --kubeconfig "$E2E_KUBECONFIG" get nodes -o wide >&2
