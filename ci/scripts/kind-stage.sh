@@ -62,18 +62,18 @@ teardown() {
     [[ -z ${bridge:-} ]] || ! ip link show "$bridge" >/dev/null 2>&1 || ip link del "$bridge" || code=1
     if [[ -n ${bridge:-} ]]; then  # dnsname's rule admitting DNS from the bridge (INPUT, filter) stays behind
       for cmd in iptables ip6tables; do
-        "$cmd-save" -t filter 2>/dev/null | { grep -E "^-A [A-Za-z0-9_-]+ -i $bridge " || true; } | sed 's/^-A /-D /' | while read -r rule; do
+        while read -r rule; do
           eval "$cmd -t filter $rule" || code=1
-        done
+        done < <("$cmd-save" -t filter 2>/dev/null | { grep -E "^-A [A-Za-z0-9_-]+ -i $bridge " || true; } | sed 's/^-A /-D /')
       done
     fi
   fi
   rm -rf /var/lib/cni/networks/kind
   [[ -f $state/had-cni-networks ]] || rmdir /var/lib/cni/networks 2>/dev/null || true
   # the nodes' /var volumes: kind deletes them with the cluster, but not after a create that failed half-way
-  podman volume ls --quiet | sort | comm -13 "$state/volumes" - | while read -r volume; do
+  while read -r volume; do
     podman volume rm --force "$volume" >/dev/null || code=1
-  done
+  done < <(podman volume ls --quiet | sort | comm -13 "$state/volumes" -)
   [[ ! -f $state/made-lib-modules ]] || rmdir /lib/modules || code=1
   # dnsname's dnsmasq for the network, if its last container's removal did not stop it
   dns=/run/containers/cni/dnsname/kind
