@@ -273,7 +273,7 @@ def fake_gpus(kubeconfig, core, apps):
     every = ds.status.desired_number_scheduled
     labelled = wait_until(lambda: (lambda n: n if len(n) == every else None)(fake_gpu_nodes(core, "fg")), 30,
                           f"all {every} node(s) running the fake-gpu plugin labelled by it")
-    node = min(n.metadata.name for n in labelled)  # the control-plane node (gpu-ci-node) on the CI cluster
+    node = min(n.metadata.name for n in labelled)  # gpu-ci-node (the control plane) on the CI cluster; kind: the worker
     yield FakeGPUs(kubeconfig, core, ns, node)
     asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
     core.delete_namespace(ns)

@@ -71,8 +71,7 @@ class Settings:
 # --- kind ---------------------------------------------------------------------------------------------------
 def kind_config(s: Settings, etcd_tag: str = "v3.6.8") -> str:
     """The kind cluster: one control plane and s.workers workers, kubelet allowed on cgroup v1 and reporting node
-    status every second, and kubeadm
-    pointed at the node image's own images when it is one ci/ assembled."""
+    status every second, and kubeadm pointed at the node image's own images when it is one ci/ assembled."""
     patches = [KIND_KUBELET_PATCH]
     if s.image.startswith(LOCAL_NODE_IMAGE_PREFIX):
         patches.append(local_images_patch(etcd_tag))
