@@ -15,7 +15,9 @@ Both sides are timed the same way, on this machine's clock: from the first creat
 to the last of their Pods gone. Enqueue -> Running uses the control plane's createdAt and the moment
 the watch first saw the Pod with a container started; enqueue -> acked the control plane's createdAt
 and ackedAt (the same clock, the node's). Pods per item counts the distinct Pod UIDs the watch saw
-(independent of the agent). The agent's RSS and CPU are read from its container's /proc/1 at the
+(independent of the agent). Pod GETs per item are the API server's own count (apiserver_request_total) over
+the side's run, from every client: the floor's are the kubelet's alone (the floor watches), so the agent's
+row less the floor's is what the agent reads. The agent's RSS and CPU are read from its container's /proc/1 at the
 run's start and end, RSS also every 2 s in between (the peak is printed).
 
     python e2e/bench_work_queue.py     (PYTHONPATH=agent:.; KUBECONFIG_PATH, BENCH_RUNS=3, BENCH_ITEMS=300)
@@ -38,7 +40,7 @@ from typing import Any
 from kubernetes import client, config, watch
 
 from e2e.cluster import CI_KUBECONFIG, host_paths, tool
-from e2e.helpers import exec_in, wait_until
+from e2e.helpers import api_server_requests, exec_in, wait_until
 from e2e.release import WAIT, Release
 from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
@@ -136,13 +138,14 @@ def floor(core: client.CoreV1Api, namespace: str, image: str, run: int) -> dict[
         core.delete_namespaced_pod(name, namespace, grace_period_seconds=0, _request_timeout=30)
         times.wait(times.gone, name, 120)
 
-    began = time.time()
+    began, gets = time.time(), api_server_requests(core.api_client, "GET", "pods")
     with ThreadPoolExecutor(GPUS) as pool:  # 16 threads, each one Pod at a time: at most 16 in existence
         list(pool.map(one, range(ITEMS)))
     took = max(times.gone.values()) - began
+    gets = api_server_requests(core.api_client, "GET", "pods") - gets
     times.stop()
     return {"rate": ITEMS / took, "running": [times.started[n] - created[n] for n in created if n in times.started],
-            "pods": sum(len(u) for u in times.uids.values()) / ITEMS, "gaps": times.gaps}
+            "pods": sum(len(u) for u in times.uids.values()) / ITEMS, "gaps": times.gaps, "gets": gets / ITEMS}
 
 
 def agent_process(release: Release) -> tuple[str, str]:
@@ -190,11 +193,12 @@ def agent(release: Release, run: int) -> dict[str, Any]:
 
     threading.Thread(target=rss_sampler, daemon=True).start()
     payload = {"gpus": 1, "command": ["true"]}
-    began = time.time()
+    began, gets = time.time(), api_server_requests(release.api, "GET", "pods")
     release.control_plane("".join(f"c.enqueue(t, {k!r}, {payload!r})\n" for k in keys))
     for name in names:
         times.wait(times.gone, name, 900)
     took = max(times.gone[n] for n in names) - began
+    gets = api_server_requests(release.api, "GET", "pods") - gets
     stop.set()
     rss_end, cpu_end = sample(release, pod, container)
     times.stop()
@@ -204,7 +208,7 @@ def agent(release: Release, run: int) -> dict[str, Any]:
             "acked": [state[k]["ackedAt"] - state[k]["createdAt"] for k in keys if "ackedAt" in state.get(k, {})],
             "pods": sum(len(times.uids.get(n, ())) for n in names) / ITEMS, "gaps": times.gaps,
             "not_done": sum(1 for k in keys if state.get(k, {}).get("state") != "done"),
-            "rss": max([*peak, rss_end]), "cpu": (cpu_end - cpu_start) / took * 100}
+            "rss": max([*peak, rss_end]), "cpu": (cpu_end - cpu_start) / took * 100, "gets": gets / ITEMS}
 
 
 def main() -> int:
@@ -245,15 +249,15 @@ def main() -> int:
     print(f"\n{ITEMS} one-GPU items that exit at once, {GPUS} fake GPUs on one node, enqueued at once; floor: a plain "
           f"client keeping <= {GPUS} Pods in existence (create, wait Succeeded, delete)")
     print(f"{'run':>3} {'side':<6} {'items/s':>8} {'ratio':>6} {'enq->Running p50/p99 s':>23} {'enq->acked p50/p99 s':>21} "
-          f"{'pods/item':>9} {'agent RSS MiB':>13} {'agent CPU %':>11}")
+          f"{'pods/item':>9} {'Pod GETs/item':>13} {'agent RSS MiB':>13} {'agent CPU %':>11}")
     ratios = []
     for run, f, a in rows:
         ratio = a["rate"] / f["rate"]
         ratios.append(ratio)
         print(f"{run:>3} {'floor':<6} {f['rate']:>8.2f} {'':>6} {pct(f['running'], .5):>11.2f}/{pct(f['running'], .99):<11.2f}"
-              f" {'':>21} {f['pods']:>9.2f}")
+              f" {'':>21} {f['pods']:>9.2f} {f['gets']:>13.1f}")
         print(f"{run:>3} {'agent':<6} {a['rate']:>8.2f} {ratio:>6.2f} {pct(a['running'], .5):>11.2f}/{pct(a['running'], .99):<11.2f}"
-              f" {pct(a['acked'], .5):>10.2f}/{pct(a['acked'], .99):<10.2f} {a['pods']:>9.2f} {a['rss']:>13.1f} "
+              f" {pct(a['acked'], .5):>10.2f}/{pct(a['acked'], .99):<10.2f} {a['pods']:>9.2f} {a['gets']:>13.1f} {a['rss']:>13.1f} "
               f"{a['cpu']:>11.1f}" + (f"  ({a['not_done']} not done!)" if a["not_done"] else "")
               + (f"  (watch gaps: {a['gaps']})" if a["gaps"] else ""))
     if ratios:

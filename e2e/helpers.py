@@ -38,6 +38,23 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
         time.sleep(interval)
 
 
+def api_server_requests(api: client.ApiClient, verb: str, resource: str, subresource: str = "") -> float:
+    """How many requests of `verb` on `resource` (and `subresource`) the API server has answered since it started,
+    whoever sent them: its own count (`apiserver_request_total` on /metrics), every code."""
+    request = api.param_serialize("GET", "/metrics", header_params={"Accept": "text/plain"}, auth_settings=["BearerToken"])
+    response = api.call_api(*request, _request_timeout=10)
+    response.read()
+    assert response.status == 200, f"/metrics of the API server answered {response.status}"
+    wanted = {f'verb="{verb}"', f'resource="{resource}"', f'subresource="{subresource}"', 'group=""'}
+    total = 0.0
+    for line in response.data.decode().splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels, _, value = line.rpartition(" ")
+            if wanted <= set(labels[len("apiserver_request_total{"):-1].split(",")):
+                total += float(value)
+    return total
+
+
 def token_client(api: client.ApiClient, token: str) -> client.ApiClient:
     """`api`'s cluster, authenticated by `token` alone."""
     config = copy.copy(api.configuration)

@@ -157,14 +157,18 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
         from kubernetes import client
 
-        from gpu_agent.foundations.kube import api_client
-        from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
+        from gpu_agent.foundations.kube import api_client, core_v1_list
+        from gpu_agent.mechanisms.queues.pod_changes import PodChanges
+        from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, work_pod_selector
 
-        # Each item in flight polls its Pod: a pool smaller than the calls in flight closes connections it cannot
+        # Each item in flight reads its Pod: a pool smaller than the calls in flight closes connections it cannot
         # keep, and the next call pays a TLS handshake (foundations/kube.py). 0 in flight: the GPUs, not known yet.
         connections = max(WORK_CONNECTIONS, cfg.queueMaxInFlight + 4)
-        return PodExecutor(client.CoreV1Api(api_client(cfg.kubeconfig, connections=connections)), cfg.workNamespace, cfg.workImage,
-                           release=cfg.releaseName, clock=clock)
+        api = api_client(cfg.kubeconfig, connections=connections)
+        # One watch of the release's work Pods says when each item reads its Pod again (not every 0.5 s each).
+        changes = PodChanges(core_v1_list(api, "pods"), cfg.workNamespace, work_pod_selector(cfg.releaseName), clock=clock)
+        return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
+                           pod_changes=changes)
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
 

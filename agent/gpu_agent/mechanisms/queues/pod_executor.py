@@ -29,13 +29,17 @@ the same way instead of being acknowledged as a run.
 
 The executor is a coroutine: its polls wait on the injected clock and its API calls go through
 the offload it was given (a daemon thread in production, the simulated network in agent/tests/sim).
+In production one watch of the work Pods says when to read each Pod again (pod_changes.py), instead
+of a read every `poll_seconds` per item in flight; the reads, and so every decision, stay the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
@@ -45,6 +49,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome
+from gpu_agent.mechanisms.queues.pod_changes import PodChanges
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
@@ -75,7 +80,8 @@ def _status(e: BaseException) -> int | None:
 
 class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
-                 poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread) -> None:
+                 poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
+                 pod_changes: PodChanges | None = None) -> None:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
         self.namespace = namespace
         self.image = image
@@ -84,6 +90,7 @@ class PodExecutor:
         self.poll_seconds = poll_seconds
         self.clock = clock or SystemClock()
         self.run_blocking = run_blocking
+        self.pod_changes = pod_changes  # when to read a Pod again; None: every poll_seconds (the simulation)
 
     async def _api(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         return await self.run_blocking(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
@@ -167,10 +174,20 @@ class PodExecutor:
 
     async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
         name = pod_name(item.idempotency_key)
+        if self.pod_changes is not None:
+            self.pod_changes.start()
+        with self._interest(name) as changed:
+            return await self._follow(item, name, leader, changed)
+
+    async def _follow(self, item: WorkItem, name: str, leader: LeaderToken | None, changed: asyncio.Event | None) -> Outcome:
+        """Create the item's Pod (or find it) and read it until it ends; between reads, wait for the watch
+        to show it changed (pod_changes.py) or, without one, `poll_seconds`."""
         outcome = await self._create(item, name, leader)
         deadline = self.clock.monotonic() + self.timeout_seconds
         nodes_checked = float("-inf")
         while True:
+            if changed is not None:
+                changed.clear()  # before the read: a change from here on ends the wait below at once
             pod = await self._read(name)
             phase = pod.status.phase if pod is not None else None
             deleting = pod is not None and pod.metadata.deletion_timestamp is not None
@@ -198,7 +215,16 @@ class PodExecutor:
                 return outcome
             if self.clock.monotonic() > deadline:
                 raise RuntimeError(f"pod {self.namespace}/{name} did not finish within {self.timeout_seconds:.0f}s")
+            await self._wait(changed)
+
+    def _interest(self, name: str) -> AbstractContextManager[asyncio.Event | None]:
+        return self.pod_changes.interest(name) if self.pod_changes is not None else nullcontext(None)
+
+    async def _wait(self, changed: asyncio.Event | None) -> None:
+        if self.pod_changes is None or changed is None:
             await self.clock.sleep(self.poll_seconds)
+        else:
+            await self.pod_changes.wait(changed, self.poll_seconds)
 
     async def _most_gpus_on_a_node(self) -> int:
         nodes = (await self._api(self.core.list_node)).items
@@ -226,9 +252,9 @@ class PodExecutor:
         `after_ack` never happened (its agent died between the ack and the delete, the delete got no
         answer, or the ack's answer was lost and its retry fenced). Any other Pod is left to its
         item's delivery. `item_state` asks the control plane (None: it could not say). How many were deleted."""
-        selector = f"{LABEL}=true" + (f",app.kubernetes.io/instance={self.release}" if self.release else "")
         try:
-            pods = (await self._api(self.core.list_namespaced_pod, self.namespace, label_selector=selector)).items
+            pods = (await self._api(self.core.list_namespaced_pod, self.namespace,
+                                    label_selector=work_pod_selector(self.release))).items
         except Exception as e:  # noqa: BLE001 - the next sweep tries again
             log.warning("listing work pods to sweep failed: %s", getattr(e, "reason", None) or type(e).__name__)
             return 0
@@ -242,6 +268,11 @@ class PodExecutor:
             await self._delete(pod.metadata.name)
             swept += 1
         return swept
+
+
+def work_pod_selector(release: str) -> str:
+    """The work Pods of this release (all releases' when empty): what the sweep lists and pod_changes.py watches."""
+    return f"{LABEL}=true" + (f",app.kubernetes.io/instance={release}" if release else "")
 
 
 def fencing_refusal(e: BaseException) -> str:
