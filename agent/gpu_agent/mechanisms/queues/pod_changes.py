@@ -19,7 +19,8 @@ the wait is not lost: the wait returns at once.
 
 Threads: the watch runs on a daemon thread (foundations/kube.py's `list_then_watch`, its pauses on the
 injected clock) and hands each change to the event loop with `call_soon_threadsafe`; the waits are
-coroutines on the injected clock. The deterministic simulation gives the executor no watch, so it polls.
+coroutines on the injected clock. The deterministic simulation gives the executor no watch (`Polling`), so
+it polls.
 """
 
 from __future__ import annotations
@@ -39,10 +40,21 @@ FALLBACK_SECONDS = 5.0  # the longest an item waits for its Pod's change while t
 RETRY_SECONDS = 2.0  # after a failed list or watch
 
 
-def _name(obj: Any) -> str | None:
-    meta = obj.get("metadata") if isinstance(obj, dict) else getattr(obj, "metadata", None)
-    name = meta.get("name") if isinstance(meta, dict) else getattr(meta, "name", None)
-    return name if isinstance(name, str) else None
+class Polling:
+    """No watch (the deterministic simulation, unit tests): an item reads its Pod every `poll_seconds`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    def start(self) -> None:
+        pass
+
+    @contextmanager
+    def interest(self, name: str) -> Iterator[asyncio.Event]:
+        yield asyncio.Event()  # never set: nothing watches
+
+    async def wait(self, changed: asyncio.Event, poll_seconds: float) -> None:
+        await self.clock.sleep(poll_seconds)
 
 
 class PodChanges:
@@ -106,9 +118,9 @@ class PodChanges:
     def _listed(self, listed: Any) -> None:
         self._to_loop(self._wake_all, True)
 
-    def _event(self, kind: str, obj: Any) -> None:
-        name = _name(obj)
-        if name is not None:
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:  # core_v1_list's plain dicts
+        name = obj.get("metadata", {}).get("name")
+        if isinstance(name, str):
             self._to_loop(self._wake, name)
 
     def _failed(self, e: Exception) -> None:

@@ -39,7 +39,6 @@ import asyncio
 import hashlib
 import re
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
@@ -49,7 +48,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome
-from gpu_agent.mechanisms.queues.pod_changes import PodChanges
+from gpu_agent.mechanisms.queues.pod_changes import PodChanges, Polling
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
@@ -81,7 +80,7 @@ def _status(e: BaseException) -> int | None:
 class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
-                 pod_changes: PodChanges | None = None) -> None:
+                 pod_changes: PodChanges | Polling | None = None) -> None:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
         self.namespace = namespace
         self.image = image
@@ -90,7 +89,8 @@ class PodExecutor:
         self.poll_seconds = poll_seconds
         self.clock = clock or SystemClock()
         self.run_blocking = run_blocking
-        self.pod_changes = pod_changes  # when to read a Pod again; None: every poll_seconds (the simulation)
+        # when to read a Pod again; None: every poll_seconds (the simulation)
+        self.pod_changes = pod_changes if pod_changes is not None else Polling(self.clock)
 
     async def _api(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         return await self.run_blocking(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
@@ -174,20 +174,18 @@ class PodExecutor:
 
     async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
         name = pod_name(item.idempotency_key)
-        if self.pod_changes is not None:
-            self.pod_changes.start()
-        with self._interest(name) as changed:
+        self.pod_changes.start()
+        with self.pod_changes.interest(name) as changed:
             return await self._follow(item, name, leader, changed)
 
-    async def _follow(self, item: WorkItem, name: str, leader: LeaderToken | None, changed: asyncio.Event | None) -> Outcome:
+    async def _follow(self, item: WorkItem, name: str, leader: LeaderToken | None, changed: asyncio.Event) -> Outcome:
         """Create the item's Pod (or find it) and read it until it ends; between reads, wait for the watch
         to show it changed (pod_changes.py) or, without one, `poll_seconds`."""
         outcome = await self._create(item, name, leader)
         deadline = self.clock.monotonic() + self.timeout_seconds
         nodes_checked = float("-inf")
         while True:
-            if changed is not None:
-                changed.clear()  # before the read: a change from here on ends the wait below at once
+            changed.clear()  # before the read: a change from here on ends the wait below at once
             pod = await self._read(name)
             phase = pod.status.phase if pod is not None else None
             deleting = pod is not None and pod.metadata.deletion_timestamp is not None
@@ -215,15 +213,6 @@ class PodExecutor:
                 return outcome
             if self.clock.monotonic() > deadline:
                 raise RuntimeError(f"pod {self.namespace}/{name} did not finish within {self.timeout_seconds:.0f}s")
-            await self._wait(changed)
-
-    def _interest(self, name: str) -> AbstractContextManager[asyncio.Event | None]:
-        return self.pod_changes.interest(name) if self.pod_changes is not None else nullcontext(None)
-
-    async def _wait(self, changed: asyncio.Event | None) -> None:
-        if self.pod_changes is None or changed is None:
-            await self.clock.sleep(self.poll_seconds)
-        else:
             await self.pod_changes.wait(changed, self.poll_seconds)
 
     async def _most_gpus_on_a_node(self) -> int:
