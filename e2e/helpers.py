@@ -38,6 +38,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
         time.sleep(interval)
 
 
+def pod_log(core: client.CoreV1Api, namespace: str, pod: str, container: str | None = None) -> str:
+    """The Pod's log so far, for polls: "" while there is none yet. The client answers an empty log with None,
+    and a container that has not started (or a kubelet being restarted) with an ApiException."""
+    try:
+        return core.read_namespaced_pod_log(pod, namespace, container=container, _request_timeout=10) or ""
+    except client.ApiException:
+        return ""
+
+
 def api_server_requests(api: client.ApiClient, verb: str, resource: str, subresource: str = "") -> float:
     """How many requests of `verb` on `resource` (and `subresource`) the API server has answered since it started,
     whoever sent them: its own count (`apiserver_request_total` on /metrics), every code."""

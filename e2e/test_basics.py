@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e import cluster
 from e2e.cluster import host_paths, tool
-from e2e.helpers import exec_in, exec_python, pod_http_get, wait_until
+from e2e.helpers import exec_in, exec_python, pod_http_get, pod_log, wait_until
 from e2e.release import CHART, Release
 
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
@@ -152,7 +152,7 @@ def test_sigusr2_dumps_every_threads_stack_and_the_agent_keeps_running(installed
     pod = release.agent_pod()
     exec_python(release.api, release.namespace, pod, f"import os; os.kill(1, {int(signal.SIGUSR2)})")
     log = wait_until(lambda: (lambda t: "Current thread 0x" in t and t)(
-        release.core.read_namespaced_pod_log(pod, release.namespace)), 10, "a stack dump in the agent's log")
+        pod_log(release.core, release.namespace, pod)), 10, "a stack dump in the agent's log")
     assert len(re.findall(r"^(?:Thread|Current thread) 0x", log, re.M)) >= 3
     status = release.core.read_namespaced_pod(pod, release.namespace).status.container_statuses[0]
     assert status.restart_count == 0 and status.ready

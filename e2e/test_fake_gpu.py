@@ -10,14 +10,13 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import host_paths, restart_kubelet
-from e2e.helpers import apply, pod_http_get, wait_until
+from e2e.helpers import apply, pod_http_get, pod_log, wait_until
 
 
-def pod_log(core, ns, name, timeout=60):
+def uuid_log(core, ns, name, timeout=60):
     wait_until(lambda: core.read_namespaced_pod(name, ns).status.phase in ("Succeeded", "Failed", "Running"), timeout,
                f"pod {name} to run")
-    wait_until(lambda: "UUID" in core.read_namespaced_pod_log(name, ns), 30, f"pod {name} to print UUIDs")
-    return core.read_namespaced_pod_log(name, ns)
+    return wait_until(lambda: (lambda t: "UUID" in t and t)(pod_log(core, ns, name)), 30, f"pod {name} to print UUIDs")
 
 
 def uuid_lines(text):
@@ -39,7 +38,7 @@ def test_one_gpu_pod_sees_one_uuid_and_two_pods_get_different_gpus(fake_gpus, ap
     fake_gpus.set(2)
     apply(api, namespace, "gpu-pod.yaml.j2", name="one", gpus=1, sleep=60)
     apply(api, namespace, "gpu-pod.yaml.j2", name="two", gpus=1, sleep=60)
-    first, second = uuid_lines(pod_log(core, namespace, "one")), uuid_lines(pod_log(core, namespace, "two"))
+    first, second = uuid_lines(uuid_log(core, namespace, "one")), uuid_lines(uuid_log(core, namespace, "two"))
     assert len(first) == 1 and len(second) == 1
     assert first[0].split("UUID: ")[1] != second[0].split("UUID: ")[1]
 
@@ -65,7 +64,7 @@ def test_node_agent_reports_the_uuids_the_device_plugin_advertises(fake_gpus, ap
     agent = next(p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector="app=node-agent").items
                  if p.spec.node_name == fake_gpus.node)  # the node agent beside the GPUs the fixture set
     apply(api, namespace, "gpu-pod.yaml.j2", name="all", gpus=3, sleep=60)  # gets every advertised device
-    advertised = sorted(line.split("UUID: ")[1].rstrip(")") for line in uuid_lines(pod_log(core, namespace, "all")))
+    advertised = sorted(line.split("UUID: ")[1].rstrip(")") for line in uuid_lines(uuid_log(core, namespace, "all")))
     code, health = pod_http_get(core, namespace, agent, 8081, "healthz")
     assert code == 200
     assert len(advertised) == 3
@@ -80,11 +79,8 @@ def test_kubelet_restart_re_registers_the_plugin_without_touching_its_pod(fake_g
     restarted_at = time.time()
     restart_kubelet()
 
-    def plugin_log():
-        try:  # kubelet serves logs again only once it is back
-            return core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace)
-        except client.ApiException:
-            return ""
+    def plugin_log():  # kubelet serves logs again only once it is back
+        return pod_log(core, fake_gpus.namespace, pod.metadata.name)
 
     def heartbeat_after_restart():
         node = core.read_node(fake_gpus.node)
@@ -112,7 +108,7 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     core.patch_namespaced_config_map(fake_gpus.layout_configmap, fake_gpus.namespace,
                                      {"data": {fake_gpus.node: '{"count": "lots"}'}})
     pod = fake_gpus.plugin_pod()
-    wait_until(lambda: "refusing layout" in core.read_namespaced_pod_log(pod.metadata.name, fake_gpus.namespace), 10,
+    wait_until(lambda: "refusing layout" in pod_log(core, fake_gpus.namespace, pod.metadata.name), 10,
                "the DaemonSet to refuse the layout")
     assert fake_gpus.allocatable() == 2
     status = json.loads(fake_gpus.command("status", "--node", "any").stdout)

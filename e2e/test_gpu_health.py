@@ -29,7 +29,7 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from e2e.helpers import Sampler, drops, exec_api, wait_until
+from e2e.helpers import Sampler, drops, exec_api, pod_log, wait_until
 from e2e.release import CONTROL_PLANE_PRELUDE, Release
 
 DOMAIN = "health"
@@ -335,13 +335,7 @@ def work_pod_devices(r: Release, core) -> tuple[list[str], dict]:
     key = f"health-{uuid.uuid4().hex[:6]}"
     r.control_plane(f"c.enqueue(t, {key!r}, {{'gpus': 3, 'command': {WORK!r}}})\n")
 
-    def log() -> str:
-        try:
-            return core.read_namespaced_pod_log(pod_name(key), r.namespace)
-        except client.ApiException:
-            return ""
-
-    text = wait_until(lambda: (lambda t: t if "STATE-END" in t else "")(log()), 60, "the work Pod to print its GPUs")
+    text = wait_until(lambda: (lambda t: t if "STATE-END" in t else "")(pod_log(core, r.namespace, pod_name(key))), 60, "the work Pod to print its GPUs")
     visible = [line.split("UUID: ")[1].rstrip(")") for line in text.splitlines() if "UUID: GPU-" in line]
     state = json.loads(text.split("STATE-BEGIN", 1)[1].split("STATE-END", 1)[0])
     return visible, state

@@ -7,9 +7,8 @@ import os
 import time
 
 import pytest
-from kubernetes import client
 
-from e2e.helpers import apply, wait_until
+from e2e.helpers import apply, pod_log, wait_until
 
 
 def uuid_lines(text: str) -> list[str]:
@@ -20,11 +19,6 @@ def uuid_of(line: str) -> str:
     return line.split("UUID: ")[1].rstrip(")")
 
 
-def log_of(core, ns, pod, container=None) -> str:
-    try:
-        return core.read_namespaced_pod_log(pod, ns, container=container) or ""
-    except client.ApiException:
-        return ""
 
 
 def ready(core, ns, pod) -> bool:
@@ -39,7 +33,7 @@ def test_one_pod_one_gpu_is_ready_within_8s_with_exactly_one_uuid_line(fake_gpus
     apply(api, namespace, "gpu-pod.yaml.j2", name="one", gpus=1, sleep=60)
     wait_until(lambda: ready(core, namespace, "one"), 8, "the pod Ready within 8 s", interval=0.1)
     took = time.monotonic() - started
-    lines = wait_until(lambda: uuid_lines(log_of(core, namespace, "one")), 10, "the UUID line")
+    lines = wait_until(lambda: uuid_lines(pod_log(core, namespace, "one")), 10, "the UUID line")
     print(f"\ncreate -> Ready: {took:.1f}s")
     assert len(lines) == 1
 
@@ -48,8 +42,8 @@ def test_one_pod_one_gpu_is_ready_within_8s_with_exactly_one_uuid_line(fake_gpus
 def test_a_pod_with_two_containers_each_asking_one_gpu_gets_two_different_ones(fake_gpus, api, core, namespace):
     fake_gpus.set(2)
     apply(api, namespace, "gpu-pod-two-containers.yaml.j2", name="pair")
-    first = wait_until(lambda: uuid_lines(log_of(core, namespace, "pair", "first")), 30, "first container's UUID")
-    second = wait_until(lambda: uuid_lines(log_of(core, namespace, "pair", "second")), 30, "second container's UUID")
+    first = wait_until(lambda: uuid_lines(pod_log(core, namespace, "pair", "first")), 30, "first container's UUID")
+    second = wait_until(lambda: uuid_lines(pod_log(core, namespace, "pair", "second")), 30, "second container's UUID")
     assert len(first) == 1 and len(second) == 1
     assert uuid_of(first[0]) != uuid_of(second[0])
 
@@ -62,7 +56,7 @@ def test_advertised_count_and_attributes_match_the_layout(fake_gpus, api, core, 
     node = core.read_node(fake_gpus.node)
     assert node.status.capacity["nvidia.com/gpu"] == "3"
     apply(api, namespace, "gpu-pod.yaml.j2", name="all", gpus=3, sleep=60)
-    lines = wait_until(lambda: len(uuid_lines(log_of(core, namespace, "all"))) == 3 and uuid_lines(log_of(core, namespace, "all")),
+    lines = wait_until(lambda: len(uuid_lines(pod_log(core, namespace, "all"))) == 3 and uuid_lines(pod_log(core, namespace, "all")),
                        30, "three UUID lines")
     assert all("NVIDIA A100-SXM4-40GB" in line for line in lines), lines
     fake_gpus.set(0)
@@ -87,7 +81,7 @@ def test_stress_pods_times_loops_leave_nothing_behind(fake_gpus, api, core, name
         wait_until(lambda names=names: all(ready(core, namespace, n) for n in names), 180, f"loop {loop}: {pods} pods Ready", interval=0.5)
         uuids = []
         for n in names:
-            lines = wait_until(lambda n=n: uuid_lines(log_of(core, namespace, n)), 30, f"{n}'s UUID line")
+            lines = wait_until(lambda n=n: uuid_lines(pod_log(core, namespace, n)), 30, f"{n}'s UUID line")
             assert len(lines) == 1, (n, lines)
             uuids.append(uuid_of(lines[0]))
         assert len(set(uuids)) == pods, f"loop {loop}: a GPU was given to two pods: {sorted(uuids)}"
@@ -100,7 +94,7 @@ def test_stress_pods_times_loops_leave_nothing_behind(fake_gpus, api, core, name
     assert not warnings, [(e.reason, e.message) for e in warnings]
     # No device stays allocated: a pod asking for every GPU fits at once.
     apply(api, namespace, "gpu-pod.yaml.j2", name="everything", gpus=pods, sleep=5)
-    wait_until(lambda: len(uuid_lines(log_of(core, namespace, "everything"))) == pods, 60, "a pod with every GPU")
+    wait_until(lambda: len(uuid_lines(pod_log(core, namespace, "everything"))) == pods, 60, "a pod with every GPU")
 
 
 def test_ten_rapid_create_delete_cycles_leak_nothing(fake_gpus, api, core, namespace):
@@ -112,7 +106,7 @@ def test_ten_rapid_create_delete_cycles_leak_nothing(fake_gpus, api, core, names
         core.delete_namespaced_pod(f"rapid-{k}", namespace, grace_period_seconds=0)
     wait_until(lambda: not core.list_namespaced_pod(namespace).items, 60, "every pod gone")
     apply(api, namespace, "gpu-pod.yaml.j2", name="after", gpus=2, sleep=5)
-    lines = wait_until(lambda: len(uuid_lines(log_of(core, namespace, "after"))) == 2 and uuid_lines(log_of(core, namespace, "after")),
+    lines = wait_until(lambda: len(uuid_lines(pod_log(core, namespace, "after"))) == 2 and uuid_lines(pod_log(core, namespace, "after")),
                        60, "both GPUs free for the next pod")
     assert len({uuid_of(x) for x in lines}) == 2
     assert fake_gpus.allocatable() == 2

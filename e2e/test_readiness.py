@@ -18,7 +18,7 @@ import pytest
 from kubernetes.client import ApiException
 
 from e2e import cluster
-from e2e.helpers import Sampler, drops, wait_until
+from e2e.helpers import Sampler, drops, pod_log, wait_until
 from e2e.release import Release
 
 CLUSTER_SOURCE_WINDOW = 5.0  # gpuLossDebounce default of the cluster source (mechanisms/inventory/select.py)
@@ -170,7 +170,7 @@ def test_readiness_is_held_through_credential_renewals(release_at_zero, fake_gpu
     cp_pod = r.pods("app.kubernetes.io/component=control-plane")[0].metadata.name
 
     def renewals() -> int:
-        return r.core.read_namespaced_pod_log(cp_pod, r.namespace).count("renewed its credential")
+        return pod_log(r.core, r.namespace, cp_pod).count("renewed its credential")
 
     with Sampler(lambda: service_healthz(r), 0.2) as health:
         wait_until(lambda: renewals() >= 3, 30, "three credential renewals", interval=1)

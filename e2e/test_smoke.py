@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import tool
-from e2e.helpers import apply, wait_until
+from e2e.helpers import apply, pod_log, wait_until
 
 CHART = Path(__file__).parent / "charts" / "smoke"
 
@@ -70,7 +70,7 @@ def test_daemonset_runs_on_every_node(api, apps, core, namespace):
     pods = core.list_namespaced_pod(namespace, label_selector="app=daemon").items
     assert sorted(p.spec.node_name for p in pods) == nodes, "one pod on every node"
     for pod in pods:
-        wait_until(lambda p=pod: "daemon up" in core.read_namespaced_pod_log(p.metadata.name, namespace), 30,
+        wait_until(lambda p=pod: "daemon up" in pod_log(core, namespace, p.metadata.name), 30,
                    f"daemon log on {pod.spec.node_name}")
 
 
