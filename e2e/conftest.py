@@ -161,7 +161,7 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
             for previous in (False, True):
                 try:
                     log = core.read_namespaced_pod_log(pod.metadata.name, ns, container=c.name, previous=previous)
-                    save(f"{pod.metadata.name}.{c.name}{'.previous' if previous else ''}.log", log)
+                    save(f"{pod.metadata.name}.{c.name}{'.previous' if previous else ''}.log", log or "")
                 except client.ApiException:
                     pass
             if "agent" in c.name:

@@ -281,7 +281,7 @@ def test_install_at_zero_gpus_is_live_not_ready_then_gpus_run_a_queued_item_as_a
     texts = [e.message or "" for e in core.list_namespaced_event(release.namespace).items]
     for p in release.pods(f"app.kubernetes.io/instance={release.name}"):
         for c in p.spec.containers:
-            texts.append(core.read_namespaced_pod_log(p.metadata.name, release.namespace, container=c.name))
+            texts.append(core.read_namespaced_pod_log(p.metadata.name, release.namespace, container=c.name) or "")
     assert texts and not [t for t in texts for tok in tokens if tok in t]
 
     # pre-delete cleanup removes leftover work Pods of the release, releasing the finalizer the agent keeps on each

@@ -9,7 +9,7 @@ import uuid
 
 from kubernetes import client
 
-from e2e.helpers import domain_status, wait_until
+from e2e.helpers import domain_status, pod_log, wait_until
 from e2e.release import Release
 
 NA = "app.kubernetes.io/component=node-agent"
@@ -35,7 +35,7 @@ def test_node_agent_levels_0_and_3_show_their_lines_and_level_0_keeps_the_peer_l
         return status.get("status") == "Ready" and len(status.get("nodes") or []) == len(nodes)
 
     def logs(pods) -> dict[str, str]:
-        return {p.spec.node_name: core.read_namespaced_pod_log(p.metadata.name, namespace) for p in pods}
+        return {p.spec.node_name: pod_log(core, namespace, p.metadata.name) for p in pods}
 
     def running(exclude: set[str]):
         pods = [p for p in release.pods(NA) if p.metadata.name not in exclude and p.status.phase == "Running"
