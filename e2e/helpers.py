@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import urllib3
 import yaml
 from kubernetes import client, utils
 
@@ -27,15 +28,36 @@ def apply(api: client.ApiClient, namespace: str, template: str, **values: Any) -
         utils.create_from_dict(api, doc, namespace=namespace)
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
+def transient(error: BaseException) -> bool:
+    """Whether an error of a poll's read says nothing about what the test waits for: the API server busy or
+    restarting (429, 5xx) or the connection to it failing. Anything else (a 404, a 403, a TypeError) is an answer."""
+    if isinstance(error, client.ApiException):
+        return error.status == 429 or (error.status or 0) >= 500
+    return isinstance(error, urllib3.exceptions.HTTPError)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.25, *,
+               clock=time.monotonic, sleep=time.sleep):
+    """Poll `predicate` every `interval` seconds until it returns something true (returned) or `timeout` passes
+    (AssertionError naming `what`). A transient error of one read (see `transient`) is polled through, as
+    gomega's Eventually does, and named in the timeout's message if it was the last thing seen; any other error
+    ends the wait at once."""
+    deadline = clock() + timeout
+    last_error: BaseException | None = None
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+            last_error = None
+        except Exception as error:  # re-raised at once unless transient
+            if not transient(error):
+                raise
+            value, last_error = None, error
         if value:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+        if clock() > deadline:
+            seen = f" (the last read failed: {type(last_error).__name__}: {last_error})" if last_error else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{seen}") from last_error
+        sleep(interval)
 
 
 def pod_log(core: client.CoreV1Api, namespace: str, pod: str, container: str | None = None) -> str:
