@@ -19,8 +19,6 @@ def uuid_of(line: str) -> str:
     return line.split("UUID: ")[1].rstrip(")")
 
 
-
-
 def ready(core, ns, pod) -> bool:
     p = core.read_namespaced_pod(pod, ns)
     return any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
@@ -56,7 +54,7 @@ def test_advertised_count_and_attributes_match_the_layout(fake_gpus, api, core, 
     node = core.read_node(fake_gpus.node)
     assert node.status.capacity["nvidia.com/gpu"] == "3"
     apply(api, namespace, "gpu-pod.yaml.j2", name="all", gpus=3, sleep=60)
-    lines = wait_until(lambda: len(uuid_lines(pod_log(core, namespace, "all"))) == 3 and uuid_lines(pod_log(core, namespace, "all")),
+    lines = wait_until(lambda: (lambda lines: len(lines) == 3 and lines)(uuid_lines(pod_log(core, namespace, "all"))),
                        30, "three UUID lines")
     assert all("NVIDIA A100-SXM4-40GB" in line for line in lines), lines
     fake_gpus.set(0)
@@ -106,7 +104,7 @@ def test_ten_rapid_create_delete_cycles_leak_nothing(fake_gpus, api, core, names
         core.delete_namespaced_pod(f"rapid-{k}", namespace, grace_period_seconds=0)
     wait_until(lambda: not core.list_namespaced_pod(namespace).items, 60, "every pod gone")
     apply(api, namespace, "gpu-pod.yaml.j2", name="after", gpus=2, sleep=5)
-    lines = wait_until(lambda: len(uuid_lines(pod_log(core, namespace, "after"))) == 2 and uuid_lines(pod_log(core, namespace, "after")),
+    lines = wait_until(lambda: (lambda lines: len(lines) == 2 and lines)(uuid_lines(pod_log(core, namespace, "after"))),
                        60, "both GPUs free for the next pod")
     assert len({uuid_of(x) for x in lines}) == 2
     assert fake_gpus.allocatable() == 2
