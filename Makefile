@@ -27,9 +27,12 @@ ARGS ?=
 run: setup
 	$(BIN)/gpu-agent local $(ARGS)
 
-## test: every test (lint, unit, integration, then the e2e suite: each test once, the `fast` ones on a 2-node kind
-## cluster through podman, the rest on the 3-node CI cluster; needs root)
-test: lint test-unit test-integration e2e-split
+## test: every test, stage by stage (scripts/test.sh): the tools the unit stage needs, lint, unit, integration, then
+## the e2e suite (each test once: the `fast` ones on a 2-node kind cluster through podman, the rest on the 3-node CI
+## cluster; needs root); at the end a report of where the time went, the slowest tests and any skipped test. Fails on
+## any skip and when the run passes TEST_BUDGET_MINUTES (80; CI stops a run at 90)
+test: setup
+	BIN=$(abspath $(BIN)) TEST_JOBS=$(TEST_JOBS) bash scripts/test.sh
 
 ## e2e-split: the e2e part of `make test`: every e2e test once. The CI cluster runs all but the `fast` ones
 ## (`make e2e` alone runs them all); the kind stage (e2e-kind-podman) runs the `fast` ones, so that `make e2e
@@ -48,7 +51,8 @@ lint: setup
 ## test-unit / test-integration: on TEST_JOBS workers (pytest-xdist; default auto, one per core; 0 runs in-process)
 TEST_JOBS ?= auto
 test-unit: setup
-	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/unit fake-gpu/tests hooks/tests ci/tests
+	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/unit fake-gpu/tests hooks/tests ci/tests charts/tests
+
 
 test-integration: setup
 	$(BIN)/pytest -n $(TEST_JOBS) agent/tests/integration

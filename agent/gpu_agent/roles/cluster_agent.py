@@ -61,6 +61,9 @@ SETTINGS = [
     VERBOSITY,
     Setting("listenAddress", "address", "127.0.0.1:8080", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     *GPU_SOURCE_SETTINGS,
+    Setting("gpuNodeSelector", "labels", "", "node labels (key=value,...): with gpuSource=cluster only the GPUs of the "
+            "nodes that carry them count, and work Pods are placed on those nodes (their nodeSelector); empty: every "
+            "node", optional=True),
     Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
     Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
@@ -113,6 +116,7 @@ SETTINGS = [
 class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     """The settings above, typed (`Config.problems` holds the two to each other)."""
     listenAddress: str
+    gpuNodeSelector: str
     controlPlaneUrl: str
     controlPlaneToken: Secret
     controlPlaneTokenFile: str
@@ -168,7 +172,8 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         # One watch of the release's work Pods says when each item reads its Pod again (not every 0.5 s each).
         changes = PodChanges(core_v1_list(api, "pods"), cfg.workNamespace, work_pod_selector(cfg.releaseName), clock=clock)
         return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
-                           pod_changes=changes)
+                           pod_changes=changes, node_selector=cfg.gpuNodeSelector)
+
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
 

@@ -18,7 +18,7 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 # (leaderElection, which the hooks look for).
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
-                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "domainName",
+                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "domainName", "gpuNodeSelector",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"},
     "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",

@@ -79,3 +79,45 @@ async def test_every_gpu_unallocatable_is_not_ready_and_the_reason_names_each_no
     assert entry.reason.startswith("no healthy GPU: 4 GPUs Unhealthy (node n1: 4 nvidia.com/gpu in capacity, "
                                    "0 allocatable (marked unhealthy by its device plugin")
     assert "… Unhealthy (node n2: 2 nvidia.com/gpu in capacity, 0 allocatable" in entry.reason
+
+
+
+def listing_once(list_call, *, on_list, on_event, on_error, stop, **kwargs):
+    """list_then_watch reduced to its list: what the source asks the API server for, answered once."""
+    watch_args = {k: v for k, v in kwargs.items() if k not in ("retry_seconds", "resync_seconds")}
+    on_list(list_call(_request_timeout=10, **watch_args))
+
+
+def test_a_node_selector_counts_only_the_matching_nodes_and_says_so_when_none_has_gpus(monkeypatch):
+    from gpu_agent.mechanisms.inventory import cluster
+
+    nodes = {"a1": ({"pool": "a"}, "4"), "b1": ({"pool": "b"}, "8"), "a2": ({"pool": "a"}, "0")}
+    selectors = []
+
+    class Core:  # list_node as the API server answers it: the nodes whose labels match the selector
+        def __init__(self, api):
+            pass
+
+        def list_node(self, _request_timeout, label_selector=None):
+            selectors.append(label_selector)
+            wanted = dict(p.split("=", 1) for p in label_selector.split(",")) if label_selector else {}
+            return NS(items=[NS(metadata=NS(name=name), spec=NS(unschedulable=False),
+                                status=NS(conditions=[NS(type="Ready", status="True")],
+                                          allocatable={"nvidia.com/gpu": gpus}, capacity={"nvidia.com/gpu": gpus}))
+                             for name, (labels, gpus) in sorted(nodes.items())
+                             if all(labels.get(k) == v for k, v in wanted.items())])
+
+    monkeypatch.setattr(cluster.client, "CoreV1Api", Core)
+    monkeypatch.setattr(cluster, "list_then_watch", listing_once)
+
+    def read(**kwargs):
+        source = cluster.ClusterSource(api=None, **kwargs)
+        source._thread.join(5)
+        return source.read()
+
+    pooled = read(node_selector="pool=a")
+    assert selectors == ["pool=a"]
+    assert pooled.inventory.count == 4 and {g.name.rsplit(" ", 1)[1] for g in pooled.inventory.gpus} == {"a1"}
+    assert read().inventory.count == 12 and selectors[-1] is None
+    del nodes["a1"]
+    assert read(node_selector="pool=a").note == "no Ready node among the nodes labelled pool=a has nvidia.com/gpu"

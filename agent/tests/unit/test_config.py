@@ -91,7 +91,22 @@ def test_feature_gates_parse_and_unknown_gates_are_refused():
         parse(["--feature-gates", "Warp=true"])
 
 
+def test_a_gpu_node_selector_is_canonical_labels_from_a_flag_or_a_mapping_and_a_bad_one_is_refused_naming_it(tmp_path):
+    assert parse([]).gpuNodeSelector == ""
+    assert parse(["--gpu-node-selector", " team=x , gpu-agent.io/pool=a"]).gpuNodeSelector == "gpu-agent.io/pool=a,team=x"
+    f = tmp_path / "c.yaml"
+    f.write_text("gpuNodeSelector: {pool: a100, rack: 7}\n")
+    assert parse(["--config", str(f)]).gpuNodeSelector == "pool=a100,rack=7"
+    for bad in ("pool", "pool=a b", "Bad_Prefix/x=1", "x=" + "v" * 64, "=v"):
+        with pytest.raises(ConfigError, match=r"gpuNodeSelector.*key=value pairs"):
+            parse(["--gpu-node-selector", bad])
+    f.write_text("gpuNodeSelector: [pool]\n")
+    with pytest.raises(ConfigError, match=r"gpuNodeSelector"):
+        parse(["--config", str(f)])
+
+
 def test_every_commands_typed_settings_agree_with_its_table():
+
     from gpu_agent import cli
     from gpu_agent.foundations.config import VERBOSITY
     from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS

@@ -22,6 +22,7 @@ class ScriptedCore:
         self.create_faults, self.read_faults = [], []
         self.deleting = None
         self.patched = []
+        self.node_selectors = []
 
     def create_namespaced_pod(self, namespace, body, _request_timeout):
         self.created.append(body["metadata"]["name"])
@@ -40,9 +41,12 @@ class ScriptedCore:
                   metadata=NS(deletion_timestamp=self.deleting, finalizers=["gpu-agent.io/work-item"]),
                   spec=NS(containers=[NS(resources=NS(limits=limits))]))
 
-    def list_node(self, _request_timeout):
+    def list_node(self, _request_timeout, label_selector=None):
         self.node_lists += 1
-        return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in self.node_gpus])
+        self.node_selectors.append(label_selector)
+        # a selector is the API server's to apply: here it keeps the first node only
+        gpus = self.node_gpus[:1] if label_selector else self.node_gpus
+        return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in gpus])
 
     def patch_namespaced_pod(self, name, namespace, body, _request_timeout, _content_type):
         self.patched.append((name, body, _content_type))
@@ -59,9 +63,10 @@ class Executing:
     """The executor on a ManualClock, its calls made inline: `execute` runs to its end as the
     clock is advanced (every poll waits on that clock, none on wall time)."""
 
-    def __init__(self, core):
+    def __init__(self, core, node_selector=""):
         self.clock = ManualClock()
-        self.ex = PodExecutor(core, "work", "img", poll_seconds=0.5, clock=self.clock, run_blocking=inline)
+        self.ex = PodExecutor(core, "work", "img", poll_seconds=0.5, clock=self.clock, run_blocking=inline,
+                              node_selector=node_selector)
 
     def execute(self, item, leader=None):
         async def drive():
@@ -86,7 +91,23 @@ def test_a_pod_asking_more_gpus_than_any_node_has_fails_at_once_and_is_deleted()
     assert core.deleted == [pod_name("too-big")] and core.node_lists == 1
 
 
+def test_with_a_gpu_node_selector_the_pod_is_placed_on_those_nodes_and_only_their_gpus_bound_what_it_may_ask():
+    core = ScriptedCore(["Pending"], node_gpus=[2, 8])
+    with pytest.raises(RuntimeError) as e:
+        Executing(core, node_selector="gpu-agent.io/pool=a,team=x").execute(WorkItem(1, "pooled", {"gpus": 4}, "l", 1))
+    assert core.body["spec"]["nodeSelector"] == {"gpu-agent.io/pool": "a", "team": "x"}
+    assert core.node_selectors == ["gpu-agent.io/pool=a,team=x"]
+    assert "the most on one node: 2" in str(e.value)  # the 8-GPU node is another pool's
+
+
+def test_without_a_gpu_node_selector_the_pod_has_none_and_every_node_counts():
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    executor(core).execute(WorkItem(1, "anywhere", {"gpus": 1}, "l", 1))
+    assert "nodeSelector" not in core.body["spec"]
+
+
 def test_a_pod_waiting_for_gpus_in_use_keeps_waiting_until_it_runs():
+
     core = ScriptedCore(["Pending", "Pending", "Pending", "Running", "Succeeded"], node_gpus=[8])
     assert executor(core).execute(WorkItem(1, "fits", {"gpus": 8}, "l", 1)) == "executed"
     assert core.deleted == [] and core.node_lists == 1  # nodes looked at once, not on every poll

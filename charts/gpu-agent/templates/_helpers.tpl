@@ -309,8 +309,10 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "workImage" (default (include "gpu-agent.image" (dict "ctx" . "image" $v.clusterAgent.image)) $v.clusterAgent.workImage)
   "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
   "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" -}}
+{{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
 {{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
-{{- with $v.domain.name }}{{ $_ := set $wiring "domainName" . }}{{ end -}}
+{{- with $v.domain.name }}
+{{ $_ := set $wiring "domainName" . }}{{ end -}}
 {{- if $v.domain.joinMatching }}{{ $_ := set $wiring "foldAllDomains" true }}{{ end -}}
 {{- $_ := set $wiring "domainNamespace" .Release.Namespace -}}
 {{- end -}}

@@ -14,6 +14,10 @@ nothing (registration takes the healthy ones), and when none is healthy the agen
 reason names the nodes. Kubelet reads the same way for a second or so after it restarts (the
 plugin's devices are unhealthy until it registers again), which the monitor's loss window absorbs.
 A node that is not Ready, or cordoned, lists nothing: its GPUs are not the cluster's to use.
+
+A node selector (the cluster agent's gpuNodeSelector) narrows the watch to the nodes with those labels: a
+cluster whose GPU pools are served by different releases (a pool per team, per control plane) gives each
+release its own pool's GPUs, and the API server filters, so the other nodes' changes never reach this agent.
 """
 
 from __future__ import annotations
@@ -78,9 +82,10 @@ def inventory_of(table: dict[str, NodeGPUs]) -> Inventory:
 class ClusterSource:
     name = "cluster"
 
-    def __init__(self, api: client.ApiClient, resync_seconds: int = 300) -> None:
+    def __init__(self, api: client.ApiClient, resync_seconds: int = 300, node_selector: str = "") -> None:
         self.core = client.CoreV1Api(api)
         self.resync_seconds = resync_seconds
+        self.node_selector = node_selector  # a label selector; "": every node
         self._lock = threading.Lock()
         self._table: dict[str, NodeGPUs] = {}
         self._error: str | None = None
@@ -108,8 +113,10 @@ class ClusterSource:
         log.warning("%s; retrying in 2s", self._error)
 
     def _run(self) -> None:
-        list_then_watch(self.core.list_node, on_list=self._listed_nodes, on_event=self._node_event, on_error=self._failed,
-                        stop=self._stop, retry_seconds=2.0, resync_seconds=self.resync_seconds)
+        selector: dict[str, Any] = {"label_selector": self.node_selector} if self.node_selector else {}
+        list_then_watch(
+self.core.list_node, on_list=self._listed_nodes, on_event=self._node_event, on_error=self._failed,
+                        stop=self._stop, retry_seconds=2.0, resync_seconds=self.resync_seconds, **selector)
 
     def read(self) -> Reading:
         with self._lock:
@@ -119,7 +126,9 @@ class ClusterSource:
         if error:
             return Reading(Inventory(), error=error)
         inventory = inventory_of(table)
-        return Reading(inventory, note=None if inventory.count else f"no Ready node has {RESOURCE}")
+        where = f" among the nodes labelled {self.node_selector}" if self.node_selector else ""
+        return Reading(inventory, note=None if inventory.count else f"no Ready node{where} has {RESOURCE}")
+
 
     def close(self) -> None:
         self._stop.set()

@@ -71,5 +71,6 @@ def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, c
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.inventory.cluster import ClusterSource
 
-        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")))
+        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")), node_selector=getattr(cfg, "gpuNodeSelector", ""))
+
     return FakeFileSource(Path(cfg.fakeGpuStateFile), tracker)

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.config import parse_labels
 from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
@@ -80,8 +81,10 @@ def _status(e: BaseException) -> int | None:
 class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
-                 pod_changes: PodChanges | Polling | None = None) -> None:
+                 pod_changes: PodChanges | Polling | None = None, node_selector: str = "") -> None:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
+        # the nodes whose GPUs the agent counts (gpuNodeSelector): work Pods go there and nowhere else
+        self.node_selector = node_selector
         self.namespace = namespace
         self.image = image
         self.release = release
@@ -110,6 +113,7 @@ class PodExecutor:
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
+                **({"nodeSelector": parse_labels(self.node_selector)} if self.node_selector else {}),
                 "containers": [{
                     "name": "work", "image": self.image, "imagePullPolicy": "IfNotPresent",
                     "command": [str(c) for c in command],
@@ -216,7 +220,9 @@ class PodExecutor:
             await self.pod_changes.wait(changed, self.poll_seconds)
 
     async def _most_gpus_on_a_node(self) -> int:
-        nodes = (await self._api(self.core.list_node)).items
+        selector = {"label_selector": self.node_selector} if self.node_selector else {}
+        nodes = (await self._api(self.core.list_node, **selector)).items
+
         return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
 
     async def _delete(self, name: str) -> None:

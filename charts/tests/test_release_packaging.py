@@ -18,7 +18,7 @@ import yaml
 from e2e.cluster import tool
 from e2e.release import APP_VERSION, helm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def release(clone: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,358 @@
+"""charts/gpu-agent as `helm template` renders it: values refused naming the value, and what each value
+set puts in the manifests. No cluster is needed (the unit stage runs these); the tests that install the chart
+are in e2e/test_chart.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from e2e.release import APP_VERSION, BASE, CHART, helm
+
+
+def render(*sets: str) -> list[dict]:
+    out = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *sets).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def cluster_agent_deployment(docs):
+    return next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-cluster-agent"))
+
+
+def agent_config(docs, agent):
+    """The settings in an agent's ConfigMap (what `--config` reads)."""
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"t-gpu-agent-{agent}"]
+    return yaml.safe_load(cm["data"]["config.yaml"])
+
+
+BAD_VALUES = [
+    (["--set", "logVerbosity=9"], "logVerbosity"),
+    (["--set", "logVerbosity=-1"], "logVerbosity"),
+    (["--set", "gracefulNoGPU=maybe"], "gracefulNoGPU"),
+    (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+    (["--set", "clusterAgent.gpuSource=tpu"], "gpuSource"),
+    (["--set", "clusterAgent.executor=shell"], "executor"),
+    (["--set", "clusterAgent.registrationRetryMax=0"], "registrationRetryMax"),
+    (["--set", "clusterAgent.strategy.type=BlueGreen"], "strategy"),
+    (["--set", "clusterAgent.leaderElection.enabled=false", "--set", "clusterAgent.strategy.type=RollingUpdate"],
+     "clusterAgent.strategy"),
+    (["--set", "clusterAgent.clusterId=Not_A_Name"], "clusterId"),
+    (["--set", "nodeAgent.gpuSource=cuda"], "gpuSource"),
+    (["--set", "nodeAgent.fakeGpuStateDir=relative/dir"], "fakeGpuStateDir"),
+    (["--set", "featureGates.WarpDrive=true"], "featureGates"),
+    (["--set", "hooks.activeDeadlineSeconds=1"], "activeDeadlineSeconds"),
+    (["--set", "controlPlane.url=ftp://x"], "url"),
+    (["--set", "controlPlane.enabled=false"], "controlPlane.url is required"),
+    (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=http://cp"], "controlPlane.existingSecret is required"),
+    (["--set", "unknownValue=1"], "unknownValue"),
+    (["--set", "controlPlane.faultInjection=yes"], "faultInjection"),
+]
+
+
+@pytest.mark.parametrize("sets,named", BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_bad_values_are_refused_naming_the_value(sets, named):
+    r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr
+
+
+def test_rendered_strategy_follows_the_readiness_model():
+    hand_over = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert cluster_agent_deployment(render())["spec"]["strategy"] == hand_over  # leader election is on by default
+    assert cluster_agent_deployment(render("--set", "clusterAgent.replicas=2"))["spec"]["strategy"] == hand_over
+    graceful = cluster_agent_deployment(render("--set", "gracefulNoGPU=true"))
+    assert graceful["spec"]["strategy"] == {"type": "Recreate"}
+    alone = cluster_agent_deployment(render("--set", "clusterAgent.leaderElection.enabled=false"))
+    assert alone["spec"]["strategy"] == {"type": "Recreate"}
+    explicit = cluster_agent_deployment(render("--set", "gracefulNoGPU=true", "--set", "clusterAgent.strategy.type=RollingUpdate"))
+    assert explicit["spec"]["strategy"] == {"type": "RollingUpdate"}
+    no_surge = cluster_agent_deployment(render("--set", "clusterAgent.leaderElection.enabled=false",
+                                               "--set", "clusterAgent.strategy.type=RollingUpdate",
+                                               "--set", "clusterAgent.strategy.rollingUpdate.maxSurge=0"))
+    assert no_surge["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0}
+
+
+def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_selector_wins():
+    def node_agent(*sets):
+        return next(d for d in render(*sets) if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+
+    spec = node_agent()
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = [t["matchExpressions"][0]["key"] for t in terms]
+    assert keys[0] == "nvidia.com/gpu.present" and "feature.node.kubernetes.io/pci-10de.present" in keys
+    assert "nodeSelector" not in spec and spec["priorityClassName"] == "system-node-critical"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists"} in spec["tolerations"]  # any value, any effect
+    chosen = node_agent("--set", "nodeAgent.nodeSelector.pool=gpu")
+    assert chosen["nodeSelector"] == {"pool": "gpu"} and "affinity" not in chosen
+    mine = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}
+    users = node_agent("--set-json", f"nodeAgent.affinity={json.dumps({'nodeAffinity': mine})}")
+    assert users["affinity"] == {"nodeAffinity": mine}
+    spread = node_agent("--set-json", 'nodeAgent.affinity={"podAntiAffinity": {}}')
+    assert spread["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == terms
+    assert "affinity" not in node_agent("--set", "nodeAgent.gpuNodeSelectorTerms=null")  # every node
+
+
+def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_renders_only_with_leader_election():
+    def fencing(*sets):
+        docs = render(*sets)
+        return ([d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-work-pod-fence")],
+                [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
+                 and d["metadata"]["name"].endswith("-work-pod-fence")], docs)
+
+    [policy], [binding], docs = fencing()
+    assert policy["spec"]["paramKind"] == {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
+    assert "'gpu-agent.io/leader' in object.metadata.annotations" in policy["spec"]["matchConditions"][0]["expression"]
+    assert [v["reason"] for v in policy["spec"]["validations"]] == ["Forbidden"]
+    lease = agent_config(docs, "cluster-agent")["leaderElectionLeaseName"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["paramRef"] == {"name": lease, "namespace": "ns", "parameterNotFoundAction": "Deny"}
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ns"}},
+        "objectSelector": {"matchLabels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "t"}}}
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent"))
+    assert "patch" in next(r for r in role["rules"] if r["resources"] == ["pods"])["verbs"]  # the finalizer's release
+    assert fencing("--set", "clusterAgent.workPodFencing=false")[:2] == ([], [])
+    assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
+
+
+def test_the_member_policy_renders_whenever_node_agents_write_members_and_checks_before_and_after():
+    def policy(*sets):
+        docs = render(*sets)
+        return ([d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-own-member")],
+                [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and d["metadata"]["name"].endswith("-own-member")])
+
+    assert policy() == ([], [])  # no domain: node agents write no member
+    [joining], [binding] = policy("--set", "domain.joinMatching=true")  # no chart domain, members all the same
+    assert binding["spec"]["policyName"] == joining["metadata"]["name"]
+    assert policy("--set", "domain.name=fabric")[0] == [joining]
+    assert policy("--set", "domain.name=fabric", "--set", "domain.writeStrategy=dra") == ([], [])
+    assert policy("--set", "domain.joinMatching=true", "--set", "domain.memberAdmissionPolicy=false") == ([], [])
+    assert policy("--set", "domain.joinMatching=true", "--set", "nodeAgent.enabled=false") == ([], [])
+    spec = joining["spec"]
+    assert spec["matchConstraints"]["resourceRules"][0]["operations"] == ["CREATE", "UPDATE", "DELETE"]
+    assert spec["matchConditions"][0]["expression"] == (
+        "request.userInfo.username == 'system:serviceaccount:ns:t-gpu-agent-node-agent'")
+    checks = " ".join(v["expression"] for v in spec["validations"])
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert "oldObject.spec.node" in variables["nodeBefore"] and "object.spec.node" in variables["nodeAfter"]
+    assert "variables.nodeBefore == variables.node" in checks and "variables.nodeAfter == variables.node" in checks
+    assert "variables.label == variables.domain" in checks and "!variables.domain.contains('.')" in checks
+    assert "request.operation == 'UPDATE' && variables.legacy" in checks  # 0.1's names: never on CREATE
+
+
+def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_user_set_reach_the_config():
+    def agents(*sets):
+        docs = render(*sets)
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        return ([cluster_agent_deployment(docs), ds], [agent_config(docs, "cluster-agent"), agent_config(docs, "node-agent")])
+
+    (ca, na), (ca_config, na_config) = agents()
+    container = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in (ca, na)}
+    # The hooks (and 0.2's) tell an agent that elects by its --leader-election=true; the rest is in the ConfigMap.
+    assert container["t-gpu-agent-cluster-agent"]["args"] == [
+        "cluster-agent", "--config=/etc/gpu-agent/config.yaml", "--leader-election=true"]
+    assert container["t-gpu-agent-node-agent"]["args"] == ["node-agent", "--config=/etc/gpu-agent/config.yaml"]
+    for d in (ca, na):
+        mounts = d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": "config", "mountPath": "/etc/gpu-agent", "readOnly": True} in mounts
+    # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
+    assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
+                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile",
+                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"}
+    assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
+    assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
+
+    (ca2, na2), (ca2_config, na2_config) = agents(
+        "--set", "clusterAgent.registrationRetryMax=40", "--set", "clusterAgent.config.leaseSeconds=60",
+        "--set", "logVerbosity=2", "--set", "domain.name=d1", "--set", "domain.heartbeatInterval=1")
+    assert ca2_config["registrationRetryMax"] == 40 and ca2_config["leaseSeconds"] == 60 and ca2_config["verbosity"] == 2
+    assert na2_config["domainHeartbeatInterval"] == 1 and na2_config["verbosity"] == 2
+    rendered = yaml.safe_dump_all([ca2, na2])
+    assert "registration-retry-max" not in rendered and "lease-seconds" not in rendered and "-v=" not in rendered
+    assert "registrationRetryInitial" not in ca2_config and "domainHeartbeatTtl" not in ca2_config  # set nowhere
+    assert "reregistration" not in yaml.safe_dump_all(render("--set", "clusterAgent.registrationRetryMax=40"))
+    # A changed setting rolls the pods (a new pod template), an unchanged one does not.
+    checksum = [d["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for d in (ca, na, ca2, na2)]
+    assert checksum[0] != checksum[2] and checksum[1] != checksum[3]
+    assert checksum[:2] == [d["spec"]["template"]["metadata"]["annotations"]["checksum/config"] for d in agents()[0]]
+
+
+CONFIG_REFUSED = [
+    (["--set", "logVerbosity=2", "--set", "clusterAgent.config.verbosity=3"], "clusterAgent.config.verbosity (3) and logVerbosity (2)"),
+    (["--set", "clusterAgent.config.listenAddress=0.0.0.0:1"], "listenAddress"),
+    (["--set", "nodeAgent.config.noSuchSetting=1"], "noSuchSetting"),
+    (["--set", "clusterAgent.config.leaseSeconds=0"], "leaseSeconds"),
+    (["--set", "clusterAgent.leaderElection.leaseDuration=5", "--set", "clusterAgent.config.leaderElectionRenewDeadline=6"],
+     "retryPeriod < renewDeadline < leaseDuration"),
+]
+
+
+@pytest.mark.parametrize("sets,named", CONFIG_REFUSED, ids=[n[:40] for _, n in CONFIG_REFUSED])
+def test_a_config_setting_the_chart_wires_or_a_conflicting_one_is_refused_naming_it(sets, named):
+    r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr
+
+
+def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
+    def budget(*sets):
+        return [d for d in render(*sets) if d["kind"] == "PodDisruptionBudget"]
+
+    assert budget() == [] and "affinity" not in cluster_agent_deployment(render())["spec"]["template"]["spec"]
+    two = render("--set", "clusterAgent.replicas=2")
+    [pdb] = [d for d in two if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["spec"]["selector"]["matchLabels"] == cluster_agent_deployment(two)["spec"]["selector"]["matchLabels"]
+    preferred = cluster_agent_deployment(two)["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert budget("--set", "clusterAgent.replicas=2", "--set", "clusterAgent.podDisruptionBudget.enabled=false") == []
+
+
+def test_both_charts_render_as_subcharts_of_an_umbrella_chart_with_global_values(tmp_path):
+    umbrella = tmp_path / "umbrella"
+    (umbrella / "charts").mkdir(parents=True)
+    for chart in ("gpu-agent", "fake-gpu"):
+        shutil.copytree(CHART.parent / chart, umbrella / "charts" / chart)
+    (umbrella / "Chart.yaml").write_text(yaml.safe_dump({"apiVersion": "v2", "name": "umbrella", "version": "0.0.1",
+                                                         "dependencies": [{"name": "gpu-agent", "version": APP_VERSION},
+                                                                          {"name": "fake-gpu", "version": APP_VERSION}]}))
+    (umbrella / "values.yaml").write_text(yaml.safe_dump({"global": {"imageRegistry": "registry.example", "x": 1},
+                                                         "gpu-agent": {"controlPlane": {"enabled": True}}}))
+    docs = [d for d in yaml.safe_load_all(helm("template", "u", str(umbrella)).stdout) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "DaemonSet", "Service"} <= kinds
+    assert any(d["metadata"]["name"].startswith("u-fake-gpu") for d in docs)
+
+
+def test_pull_secrets_pod_metadata_and_extra_env_reach_every_workload():
+    docs = render("--set", "imagePullSecrets[0].name=regcred", "--set", "clusterAgent.podAnnotations.a=b",
+                  "--set", "nodeAgent.podLabels.team=gpu", "--set", "controlPlane.extraEnv[0].name=HTTPS_PROXY",
+                  "--set", "controlPlane.extraEnv[0].value=http://proxy:3128")
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in docs if d["kind"] in ("Deployment", "DaemonSet", "Job")}
+    assert len(pods) >= 5  # 3 workloads, the crds (with the skew check) and cleanup hook Jobs
+    assert all(t["spec"].get("imagePullSecrets") == [{"name": "regcred"}] for t in pods.values()), "a workload lacks the pull secret"
+    by_suffix = {name.rsplit("-gpu-agent-", 1)[1]: t for name, t in pods.items()}
+    assert by_suffix["cluster-agent"]["metadata"]["annotations"] == {
+        "a": "b", "checksum/config": by_suffix["cluster-agent"]["metadata"]["annotations"]["checksum/config"]}
+    assert by_suffix["node-agent"]["metadata"]["labels"]["team"] == "gpu"
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in by_suffix["control-plane"]["spec"]["containers"][0]["env"]
+
+
+def test_the_nvml_node_agent_runs_unprivileged_under_the_nvidia_runtime_class():
+    (ds,) = [d for d in render() if d["kind"] == "DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["runtimeClassName"] == "nvidia"
+    ctx = spec["containers"][0]["securityContext"]
+    assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]} and ctx["readOnlyRootFilesystem"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (fake,) = [d for d in render("--set", "nodeAgent.gpuSource=fake") if d["kind"] == "DaemonSet"]
+    assert "runtimeClassName" not in fake["spec"]["template"]["spec"]
+    assert fake["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_each_component_takes_its_own_image_service_account_and_extra_volumes():
+    digest = "sha256:" + "a" * 64
+    docs = render("--set", f"image.digest={digest}", "--set", "clusterAgent.image.tag=ca1",
+                  "--set", "nodeAgent.image.repository=registry.example/node-agent", "--set", "nodeAgent.image.pullPolicy=Always",
+                  "--set", "clusterAgent.serviceAccount.create=false", "--set", "clusterAgent.serviceAccount.name=platform-sa",
+                  "--set", "nodeAgent.serviceAccount.annotations.iam\\.example/role=gpu",
+                  "--set", "controlPlane.extraVolumes[0].name=ca", "--set", "controlPlane.extraVolumes[0].configMap.name=corp-ca",
+                  "--set", "controlPlane.extraVolumeMounts[0].name=ca", "--set", "controlPlane.extraVolumeMounts[0].mountPath=/etc/ssl/corp")
+    pods = {d["metadata"]["name"].rsplit("-gpu-agent-", 1)[1]: d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in ("Deployment", "DaemonSet", "Job")}
+    container = {name: spec["containers"][0] for name, spec in pods.items()}
+    assert container["cluster-agent"]["image"] == f"localhost/gpu-agent:ca1@{digest}"
+    assert container["node-agent"]["image"] == "registry.example/node-agent:dev"  # another repository: no inherited digest
+    assert container["node-agent"]["imagePullPolicy"] == "Always" and container["control-plane"]["imagePullPolicy"] == "IfNotPresent"
+    assert container["control-plane"]["image"] == container["crds"]["image"] == f"localhost/gpu-agent:dev@{digest}"
+    assert pods["cluster-agent"]["serviceAccountName"] == "platform-sa"
+    accounts = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ServiceAccount"}
+    assert "platform-sa" not in accounts and not any(n.endswith("-cluster-agent") for n in accounts)
+    subjects = [s["name"] for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and d["metadata"]["name"].endswith("-cluster-agent") for s in d["subjects"]]
+    assert subjects and set(subjects) == {"platform-sa"}
+    assert accounts["t-gpu-agent-node-agent"]["metadata"]["annotations"] == {"iam.example/role": "gpu"}
+    assert {"name": "ca", "configMap": {"name": "corp-ca"}} in pods["control-plane"]["volumes"]
+    assert {"name": "ca", "mountPath": "/etc/ssl/corp"} in container["control-plane"]["volumeMounts"]
+    r = helm("template", "t", str(CHART), *BASE, "--set", "clusterAgent.serviceAccount.create=false", check=False)
+    assert r.returncode and "clusterAgent.serviceAccount.name is required" in r.stderr
+
+
+def test_an_existing_tokens_secret_makes_every_render_the_same_and_the_chart_makes_none():
+    """GitOps renders with `helm template`, where `lookup` finds nothing: the chart's own tokens
+    would change on every render, an existing Secret does not."""
+    first, second = (helm("template", "t", str(CHART), *BASE, "--set", "controlPlane.existingTokensSecret=cp-tokens").stdout
+                     for _ in range(2))
+    assert first == second
+    docs = [d for d in yaml.safe_load_all(first) if d]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    mounted = [v["secret"]["secretName"] for d in docs if d["kind"] in ("Deployment", "Job")
+               for v in d["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
+    assert mounted and set(mounted) == {"cp-tokens"}
+    own = [helm("template", "t", str(CHART), *BASE).stdout for _ in range(2)]
+    assert own[0] != own[1]  # the limitation the value exists for
+
+
+def test_name_overrides_rename_every_object():
+    docs = render("--set", "fullnameOverride=acme-gpus")
+    names = {d["metadata"]["name"] for d in docs if d["kind"] not in ("CustomResourceDefinition",)}
+    assert all(n.startswith("acme-gpus") for n in names), names
+    docs = render("--set", "nameOverride=gpuagent")
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/name"] == "gpuagent" for d in docs if "labels" in d["metadata"])
+
+
+def test_hook_jobs_have_resources_and_placement_values():
+    docs = render("--set", "hooks.tolerations[0].operator=Exists", "--set", "hooks.nodeSelector.pool=system")
+    jobs = [d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Job"]
+    assert len(jobs) == 2  # crds (the skew check runs first in it) and cleanup
+    for spec in jobs:
+        assert spec["containers"][0]["resources"]["requests"] and spec["containers"][0]["resources"]["limits"]
+        assert spec["tolerations"] == [{"operator": "Exists"}] and spec["nodeSelector"] == {"pool": "system"}
+
+
+def test_the_control_planes_fault_injection_is_off_unless_asked_for():
+    def control_plane_args(*sets):
+        (cp,) = [d for d in render(*sets) if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
+        return cp["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not [a for a in control_plane_args() if "fault" in a]
+    assert not [a for a in control_plane_args("--set", "controlPlane.faultInjection=false") if "fault" in a]
+    assert "--fault-injection=true" in control_plane_args("--set", "controlPlane.faultInjection=true")
+
+
+def test_monitors_and_the_control_planes_claim_render_only_when_asked():
+    kinds = [d["kind"] for d in render()]
+    assert not {"ServiceMonitor", "PodMonitor", "PersistentVolumeClaim"} & set(kinds)
+    docs = render("--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true",
+                  "--set", "metrics.serviceMonitor.labels.release=prom", "--set", "controlPlane.persistence.enabled=true")
+    monitors = [d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")]
+    assert sorted((d["kind"], d["metadata"]["name"].rsplit("-", 2)[-2]) for d in monitors) == [
+        ("PodMonitor", "cluster"), ("PodMonitor", "node"), ("ServiceMonitor", "cluster"), ("ServiceMonitor", "node")]
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for sm in (d for d in monitors if d["kind"] == "ServiceMonitor"):
+        assert sm["metadata"]["labels"]["release"] == "prom"
+        target = services[sm["metadata"]["name"]]
+        assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in target["spec"]["ports"]]
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    (cp,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]
+    data = next(v for v in cp["spec"]["template"]["spec"]["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_a_gpu_node_selector_reaches_the_cluster_agents_config_only_when_set_and_a_bad_one_is_refused():
+    assert "gpuNodeSelector" not in agent_config(render(), "cluster-agent")
+    config = agent_config(render("--set", "clusterAgent.gpuNodeSelector.gpu-agent\\.io/pool=a"), "cluster-agent")
+    assert config["gpuNodeSelector"] == {"gpu-agent.io/pool": "a"}
+    r = helm("template", "t", str(CHART), *BASE, "--set", "clusterAgent.gpuNodeSelector.pool=" + "x" * 64, check=False)
+    assert r.returncode != 0 and "gpuNodeSelector" in r.stderr, r.stderr

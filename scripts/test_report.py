@@ -1,0 +1,147 @@
+"""The closing report of `make test` (scripts/test.sh): where the time went, what was skipped, and the budget.
+
+Reads what the run left in its output folder: stages.tsv (one line a stage: name, seconds, exit code), each
+stage's log (the `ci: timing: WHAT Ns` lines and the `ci: PART built in Ns` / `ci: PART cached` lines that
+ci/scripts print) and the JUnit XML of every pytest run (junit/*.xml). Prints four tables and exits 1 when a
+test was skipped (unless --allow-skips) or the run took longer than --budget-minutes; 0 otherwise. A stage
+that failed is test.sh's to report: this only adds the reasons above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMING = re.compile(r" ci: timing: (?P<what>.+?) (?P<seconds>\d+)s$")
+BUILT = re.compile(r" ci: (?P<part>.+?) built in (?P<seconds>\d+)s")
+CACHED = re.compile(r" ci: (?P<part>.+?) (?:binaries )?cached\b")
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: str
+    name: str
+    seconds: float
+    outcome: str  # passed | failed | skipped
+    reason: str = ""
+
+
+def stages(out: Path) -> list[tuple[str, int, int]]:
+    ledger = out / "stages.tsv"
+    rows = []
+    for line in ledger.read_text().splitlines() if ledger.exists() else []:
+        name, seconds, rc = line.split("\t")
+        rows.append((name, int(seconds), int(rc)))
+    return rows
+
+
+def log_lines(out: Path, stage: str) -> list[str]:
+    log = out / f"{stage}.log"
+    return log.read_text(errors="replace").splitlines() if log.exists() else []
+
+
+def cases(out: Path) -> list[Case]:
+    found = []
+    for xml in sorted((out / "junit").glob("*.xml")):
+        try:
+            root = ET.parse(xml).getroot()
+        except ET.ParseError as e:
+            print(f"test report: {xml} is not JUnit XML ({e}); its tests are not counted", file=sys.stderr)
+            continue
+        for case in root.iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            outcome, reason = "passed", ""
+            for child in case:
+                if child.tag == "skipped":
+                    outcome, reason = "skipped", child.get("message", "")
+                elif child.tag in ("failure", "error"):
+                    outcome = "failed"
+            found.append(Case(xml.stem, name, float(case.get("time") or 0), outcome, reason))
+    return found
+
+
+def table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -> str:
+    cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [f"== {title}"]
+    for i, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) -> tuple[str, list[str]]:
+    """(the report's text, the reasons the run fails)."""
+    parts: list[str] = []
+    failures: list[str] = []
+    ran = stages(out)
+    all_cases = cases(out)
+    rows: list[tuple[object, ...]] = []
+    for name, seconds, rc in ran:
+        of_stage = [c for c in all_cases if c.stage == name or c.stage.startswith(name + "-")]
+        counts = (f"{sum(c.outcome == 'passed' for c in of_stage)} passed, {sum(c.outcome == 'failed' for c in of_stage)} "
+                  f"failed, {sum(c.outcome == 'skipped' for c in of_stage)} skipped") if of_stage else ""
+        rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "ok" if rc == 0 else f"FAILED ({rc})", counts))
+        for line in log_lines(out, name):
+            if m := TIMING.search(line):
+                rows.append((f"  {m['what']}", f"{m['seconds']}s", f"{int(m['seconds']) / 60:.1f}", "", ""))
+    rows.append(("whole run", f"{elapsed}s", f"{elapsed / 60:.1f}", f"budget {budget_minutes:g} min", ""))
+    parts.append(table("where the time went (stages, and the steps inside them)", ("stage", "seconds", "minutes",
+                                                                                   "result", "tests"), rows))
+
+    built: dict[str, tuple[str, str]] = {}
+    for name, _, _ in ran:
+        for line in log_lines(out, name):
+            if m := BUILT.search(line):
+                built[m["part"]] = ("built (cold)", f"{m['seconds']}s")
+            elif (m := CACHED.search(line)) and m["part"] not in built:
+                built[m["part"]] = ("cached (warm)", "-")
+    if built:
+        parts.append(table("parts ci/ builds: built this run or found in the cache", ("part", "this run", "seconds"),
+                           [(p, how, s) for p, (how, s) in built.items()]))
+
+    slowest = sorted(all_cases, key=lambda c: -c.seconds)[:15]
+    if slowest:
+        parts.append(table("the slowest 15 tests (setup + call + teardown)", ("test", "stage", "seconds"),
+                           [(c.name, c.stage, f"{c.seconds:.1f}") for c in slowest]))
+
+    skipped = [c for c in all_cases if c.outcome == "skipped"]
+    if skipped:
+        parts.append(table(f"{len(skipped)} skipped test(s)", ("test", "stage", "reason"),
+                           [(c.name, c.stage, c.reason[:160]) for c in skipped]))
+        if not allow_skips:
+            failures.append(f"{len(skipped)} test(s) skipped (listed above): every test must run on this machine "
+                            "(TEST_ALLOW_SKIPS=1 lets a run on a partial machine through)")
+    else:
+        parts.append(f"== no test skipped ({len(all_cases)} test results read)")
+    if elapsed > budget_minutes * 60:
+        failures.append(f"the run took {elapsed / 60:.1f} min, over its budget of {budget_minutes:g} min "
+                        "(TEST_BUDGET_MINUTES): CI stops a run at 90 min; see the tables above for where the time went")
+    return "\n\n".join(parts), failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="the run's output folder (scripts/test.sh's TEST_OUT)")
+    p.add_argument("--elapsed", type=int, required=True, help="seconds the whole run took")
+    p.add_argument("--budget-minutes", type=float, default=80.0)
+    p.add_argument("--allow-skips", action="store_true")
+    args = p.parse_args(argv)
+    text, failures = report(args.out, args.elapsed, args.budget_minutes, args.allow_skips)
+    print("\n" + text + "\n", flush=True)
+    for f in failures:
+        print(f"test: FAILED: {f}", flush=True)
+    if not failures:
+        print(f"test: report: the whole run took {args.elapsed / 60:.1f} min, within its {args.budget_minutes:g}-minute "
+              "budget", flush=True)
+
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
