@@ -13,6 +13,7 @@ leaves the previous layout in force.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, config
@@ -74,6 +75,9 @@ class ClusterLayout:
     def set(self, node: str, count: int, product: str, memory_mib: int, clique: str | None = None) -> NodeLayout:
         """`clique` None keeps the node's current clique; "" takes it away. The faults of GPUs that stay are kept."""
         self._check_node(node)
+        return _compare_and_swap(lambda: self._set_once(node, count, product, memory_mib, clique))
+
+    def _set_once(self, node: str, count: int, product: str, memory_mib: int, clique: str | None) -> NodeLayout:
         cm = self._configmap()
         try:
             current = json.loads((cm.data or {}).get(node) or "{}")
@@ -102,6 +106,9 @@ class ClusterLayout:
         """Set `fault` on GPU `gpu` of `node` (None: clear it; with `gpu` None too, clear every fault of the node).
         `write` False checks the node and the GPU and changes nothing (an error that does not act)."""
         self._check_node(node)
+        return _compare_and_swap(lambda: self._fault_once(node, gpu, fault, write))
+
+    def _fault_once(self, node: str, gpu: int | None, fault: Fault | None, write: bool) -> NodeLayout:
         cm = self._configmap()
         data = cm.data or {}
         if node not in data:
@@ -135,6 +142,21 @@ class ClusterLayout:
                            "allocatable": ((n.status.allocatable if n.status else None) or {}).get("nvidia.com/gpu", "0")}
         return {"namespace": self.namespace, "maxCount": max_count(cm.data or {}), "nodes": nodes}
 
+
+# A write of another node's entry (another test, another terminal) between this one's read and its write.
+CONFLICT_TRIES = 8
+
+
+def _compare_and_swap(attempt: Callable[[], NodeLayout]) -> NodeLayout:
+    """Run a read-modify-write again when its write lost the race (409 Conflict on the resourceVersion): each try
+    reads the ConfigMap afresh, so nobody's entry is overwritten and nobody's change is lost."""
+    for tries in range(1, CONFLICT_TRIES + 1):
+        try:
+            return attempt()
+        except client.ApiException as e:
+            if e.status != 409 or tries == CONFLICT_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _meta(obj: client.V1ConfigMap | client.V1Node) -> client.V1ObjectMeta:

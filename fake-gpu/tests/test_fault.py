@@ -220,3 +220,36 @@ def test_the_daemon_writes_a_layouts_faults_to_the_state_file_and_the_device_lis
     assert [h for h, _ in healths(path)] == ["Healthy"] * 3 and devices.version == version + 2
     applier.apply({"n1": '{"count": 3}'})
     assert devices.version == version + 2  # nothing changed, nothing re-sent
+
+
+class Racing(CoreV1):
+    """Another writer changes n2's entry between this writer's read and its write, `races` times: the API server
+    answers the stale resourceVersion with 409 Conflict."""
+
+    def __init__(self, data, races):
+        super().__init__(data)
+        self.races = races
+
+    def patch_namespaced_config_map(self, name, namespace, patch, _request_timeout):
+        if patch["metadata"]["resourceVersion"] != self.cm.metadata.resource_version:
+            raise client.ApiException(status=409, reason="Conflict")
+        if self.races:
+            self.races -= 1
+            self.cm.data = {**self.cm.data, "n2": json.dumps({"count": 10 - self.races})}
+            self.cm.metadata.resource_version = str(int(self.cm.metadata.resource_version) + 1)
+            raise client.ApiException(status=409, reason="Conflict")
+        super().patch_namespaced_config_map(name, namespace, patch, _request_timeout)
+
+
+def test_a_set_or_fault_that_loses_a_race_reads_again_and_keeps_the_other_writers_entry():
+    c = cluster({"n1": '{"count": 4}', "maxCount": "16"})
+    c.core = Racing(c.core.cm.data, races=3)
+    c.set("n1", 2, "NVIDIA H100 80GB HBM3", 81559)
+    assert json.loads(c.core.cm.data["n1"])["count"] == 2 and json.loads(c.core.cm.data["n2"])["count"] == 10
+    c.core.races = 2
+    c.fault("n1", 1, Fault("Lost", "Xid 79 (GPU has fallen off the bus)"))
+    assert list(json.loads(c.core.cm.data["n1"])["faults"]) == ["1"] and json.loads(c.core.cm.data["n2"])["count"] == 10
+    c.core.races = 99  # a writer that always wins: the conflict reaches the caller after a bounded number of tries
+    with pytest.raises(client.ApiException) as e:
+        c.set("n1", 3, "NVIDIA H100 80GB HBM3", 81559)
+    assert e.value.status == 409
