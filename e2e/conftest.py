@@ -4,7 +4,6 @@ and Helm through pyhelm3 over the real binary."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -13,13 +12,12 @@ import time
 import uuid
 from pathlib import Path
 
-import pyhelm3
 import pytest
 import yaml
 from kubernetes import client, config
 
-from e2e import cluster
-from e2e.cluster import host_paths, tool
+from e2e import cluster, fake_gpu_release, helpers, release
+from e2e.cluster import tool
 from e2e.helpers import pod_http_get, wait_until
 from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, RELEASE_PATCH, RELEASE_PATCH_TYPE
 
@@ -188,25 +186,23 @@ def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = N
     return folder
 
 
-TIMINGS: list[tuple[str, float, str]] = []
+TIMINGS: dict[str, list] = {}  # nodeid -> [seconds of setup + call + teardown, outcome]
 # What passing tests printed (their measured figures): pytest shows a passing test's output only
 # with -s, so the summary repeats it, and CI logs keep the figures.
 FIGURES: list[tuple[str, str]] = []
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    started = time.monotonic()
-    result = yield
-    outcome = "passed"
-    for when in ("setup", "call", "teardown"):
-        rep = getattr(item, "rep_" + when, None)
-        if rep is not None and rep.failed:
-            outcome = "FAILED"
-        elif rep is not None and rep.skipped:
-            outcome = "skipped"
-    TIMINGS.append((item.nodeid, time.monotonic() - started, outcome))
-    return result
+def pytest_runtest_logreport(report):
+    """Each phase's report, where the terminal is: in the one process, or in pytest-xdist's controller (the workers
+    send theirs), so the tables below cover every worker's tests."""
+    seconds, outcome = TIMINGS.setdefault(report.nodeid, [0.0, "passed"])
+    TIMINGS[report.nodeid][0] = seconds + report.duration
+    if report.failed:
+        TIMINGS[report.nodeid][1] = "FAILED"
+    elif report.skipped and outcome == "passed":
+        TIMINGS[report.nodeid][1] = "skipped"
+    if report.when == "call" and report.passed:
+        FIGURES.extend((report.nodeid, line.strip()) for line in report.capstdout.splitlines() if line.strip())
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -214,17 +210,44 @@ def pytest_terminal_summary(terminalreporter):
     if not TIMINGS:
         return
     terminalreporter.section("per-test wall time")
-    for nodeid, seconds, outcome in TIMINGS:
+    for nodeid, (seconds, outcome) in TIMINGS.items():
         terminalreporter.write_line(f"{seconds:7.1f}s  {outcome:7}  {nodeid}")
-    terminalreporter.write_line(f"{sum(t for _, t, _ in TIMINGS):7.1f}s  total of {len(TIMINGS)} tests")
+    terminalreporter.write_line(f"{sum(t for t, _ in TIMINGS.values()):7.1f}s  total of {len(TIMINGS)} tests")
     if FIGURES:
         terminalreporter.section("figures the tests measured")
         for nodeid, line in FIGURES:
             terminalreporter.write_line(f"{nodeid.split('::', 1)[-1][:60]}: {line}")
 
 
+def serial_reason(item) -> str | None:
+    """Why a test cannot run beside others, or None. A test says so itself: `@pytest.mark.serial(reason=...)`; a test
+    that disrupts the cluster or a node (disruptive, ci_host) is serial without saying more."""
+    mark = item.get_closest_marker("serial")
+    if mark is not None:
+        reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+        if not reason:
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.serial needs reason=\"why it cannot run beside others\"")
+        return reason
+    for name in ("disruptive", "ci_host"):
+        if item.get_closest_marker(name) is not None:
+            return f"{name}: changes what other tests run on"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """A cluster the suite did not create is never disrupted: those tests skip, saying why."""
+    """A cluster the suite did not create is never disrupted: those tests skip, saying why. E2E_PHASE=serial keeps
+    the tests that cannot run beside others (serial_reason), E2E_PHASE=parallel the rest (ci/scripts/e2e.sh runs
+    the one phase, then the other on E2E_JOBS workers); unset, every test."""
+    reasons = {item.nodeid: serial_reason(item) for item in items}
+    phase = os.environ.get("E2E_PHASE", "")
+    if phase not in ("", "serial", "parallel"):
+        raise pytest.UsageError(f"E2E_PHASE must be serial, parallel or unset; got {phase!r}")
+    if phase:
+        keep = [i for i in items if (reasons[i.nodeid] is not None) == (phase == "serial")]
+        dropped = [i for i in items if i not in keep]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     if cluster.provider() == "existing":
         skip = pytest.mark.skip(reason="disruptive (restarts kubelet or deletes cluster-wide objects): "
                                        "runs on E2E_CLUSTER=ci only, never on a cluster the suite did not create")
@@ -242,50 +265,41 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     rep = yield
-    setattr(item, "rep_" + rep.when, rep)
-    if rep.when == "call" and rep.passed:
-        FIGURES.extend((item.nodeid, line.strip()) for line in rep.capstdout.splitlines() if line.strip())
+    setattr(item, "rep_" + rep.when, rep)  # for the namespace fixture's dump of a failed test
     return rep
 
 
-FAKE_GPU_CHART = Path(__file__).resolve().parent.parent / "charts" / "fake-gpu"
+def worker_index() -> int | None:
+    """N of pytest-xdist's worker gwN (this process runs beside others), None in a process of its own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
 
 
 @pytest.fixture(scope="session")
 def fake_gpus(kubeconfig, core, apps):
-    """charts/fake-gpu installed once for the session (one device plugin per node): every test that
-    needs GPUs sets the count it needs."""
-    ns = f"e2e-fake-gpu-{uuid.uuid4().hex[:5]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-    helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
-    values = {**host_paths(), "image": {"repository": "localhost/gpu-agent", "tag": "dev", "pullPolicy": "Never"},
-              "maxCount": 16, "logVerbosity": 2}
+    """charts/fake-gpu (one device plugin per node): installed for the session, or the one ci/scripts/e2e.sh installed
+    for the whole run where E2E_FAKE_GPU_NAMESPACE names it. Every test that needs GPUs sets the count it needs.
 
-    async def install():
-        chart = await helm.get_chart(str(FAKE_GPU_CHART))
-        await helm.install_or_upgrade_release("fg", chart, values, namespace=ns, wait=True, timeout="90s")
-
-    asyncio.run(install())
-    ds = wait_until(lambda: (lambda d: d if d.status.number_ready == d.status.desired_number_scheduled >= 1 else None)(
-        apps.read_namespaced_daemon_set("fg-fake-gpu", ns)), 60, "fake-gpu DaemonSet ready")
-    # Each node the plugin runs on labelled as GPU feature discovery would: the gpu-agent chart's node agents find
-    # them by it. Every node on the CI cluster; on kind the control-plane node is tainted, so the workers.
-    every = ds.status.desired_number_scheduled
-    labelled = wait_until(lambda: (lambda n: n if len(n) == every else None)(fake_gpu_nodes(core, "fg")), 30,
-                          f"all {every} node(s) running the fake-gpu plugin labelled by it")
-    node = min(n.metadata.name for n in labelled)  # gpu-ci-node (the control plane) on the CI cluster; kind: the worker
+    Side by side (the parallel phase), worker gwN owns the Nth fake-GPU node: its GPUs are the only ones its tests
+    change, its releases' cluster agents count only that node's GPUs and place their work Pods there
+    (clusterAgent.gpuNodeSelector), their node agents run there alone (nodeAgent.nodeSelector), and the GPU Pods the
+    tests make are bound to it (e2e/helpers.py GPU_NODE). One process alone owns the first node and counts them all."""
+    shared = os.environ.get("E2E_FAKE_GPU_NAMESPACE", "")
+    ns = shared or fake_gpu_release.install(kubeconfig, core, apps)
+    nodes = fake_gpu_release.labelled(core, apps, ns)
+    index = worker_index() if os.environ.get("E2E_PHASE") == "parallel" else None
+    if index is None:
+        node = nodes[0]  # gpu-ci-node (the control plane) on the CI cluster; kind: the worker
+    else:
+        if index >= len(nodes):
+            raise pytest.UsageError(f"worker gw{index} has no fake-GPU node of its own ({len(nodes)} nodes: {nodes}): "
+                                    f"run at most {len(nodes)} workers (E2E_JOBS)")
+        node = nodes[index]
+        release.NODE_SCOPE[:] = release.scope_to(node)
+        helpers.GPU_NODE = node
     yield FakeGPUs(kubeconfig, core, ns, node)
-    asyncio.run(helm.uninstall_release("fg", namespace=ns, wait=True))
-    core.delete_namespace(ns)
-    left = {n.metadata.name: {k: v for k, v in (n.metadata.labels or {}).items() if k.startswith("nvidia.com/gpu.")}
-            for n in fake_gpu_nodes(core, "fg")}
-    assert not left, f"helm uninstall of fake-gpu left its node labels (the post-delete hook did not run?): {left}"
-
-
-def fake_gpu_nodes(core, release: str) -> list:
-    """Nodes carrying a fake-gpu release's labels, present=true among them."""
-    return [n for n in core.list_node(label_selector=f"gpu-agent.io/fake-gpu-release={release}").items
-            if (n.metadata.labels or {}).get("nvidia.com/gpu.present") == "true"]
+    if not shared:
+        fake_gpu_release.uninstall(kubeconfig, core, ns)
 
 
 class FakeGPUs:

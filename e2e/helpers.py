@@ -18,8 +18,13 @@ IMAGE = "localhost/gpu-agent:dev"
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(MANIFESTS), undefined=jinja2.StrictUndefined)
 
 
+# The node this process's GPU Pods go to: the one it owns when it runs beside other workers (e2e/conftest.py
+# fake_gpus), so that its Pods never take another worker's GPUs; None: wherever the scheduler finds GPUs.
+GPU_NODE: str | None = None
+
+
 def render(template: str, **values: Any) -> list[dict[str, Any]]:
-    text = _env.get_template(template).render(image=IMAGE, **values)
+    text = _env.get_template(template).render(image=IMAGE, **{"gpu_node": GPU_NODE, **values})
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 

@@ -31,6 +31,16 @@ CONTROL_PLANE_PRELUDE = ("from gpu_agent.foundations.control_plane_client import
                          "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
                          "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
 WAIT = ["--wait", "--timeout", "3m"]
+# Where this process's releases may look for GPUs: empty alone; beside other workers, the node it owns
+# (e2e/conftest.py fake_gpus), so that each release counts, uses and serves that node's GPUs only.
+NODE_SCOPE: list[str] = []
+
+
+def scope_to(node: str) -> list[str]:
+    """The values that keep a release on one node: its cluster agent counts that node's GPUs and places work Pods
+    there, and its node agents run there alone."""
+    return ["--set", f"clusterAgent.gpuNodeSelector.kubernetes\\.io/hostname={node}",
+            "--set", f"nodeAgent.nodeSelector.kubernetes\\.io/hostname={node}"]
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -51,7 +61,8 @@ class Release:
     def args(self, *extra):
         return ["--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, str(CHART), *BASE,
                 "--set", "image.pullPolicy=Never", "--set", "nodeAgent.gpuSource=fake",
-                "--set", f"nodeAgent.fakeGpuStateDir={host_paths()['stateDir']}", "--set", "logVerbosity=2", *extra]
+                "--set", f"nodeAgent.fakeGpuStateDir={host_paths()['stateDir']}", "--set", "logVerbosity=2", *NODE_SCOPE,
+                *extra]
 
     def install(self, *extra):
         return helm("install", *self.args(*extra), "--timeout", "120s")

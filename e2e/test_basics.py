@@ -25,6 +25,8 @@ from e2e.cluster import host_paths, tool
 from e2e.helpers import exec_in, exec_python, pod_http_get, pod_log, wait_until
 from e2e.release import CHART, Release
 
+pytestmark = pytest.mark.serial(reason="the bats helper's install looks cluster-wide for the chart's pods and takes values of its own, not the worker's node")
+
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 IMAGE = "localhost/gpu-agent:dev"
 

@@ -215,6 +215,7 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
     print("\n" + "\n".join(rows))
 
 
+@pytest.mark.serial(reason="sets GPUs on every node")
 def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release, fake_gpus, api):
     """Every node's agent (one GPU each) is a member, numbered 0..N-1; one node losing its GPU turns its
     member NotReady, and the domain with it."""

@@ -18,6 +18,8 @@ from e2e.cluster import tool
 from e2e.helpers import wait_until
 from e2e.release import Release
 
+pytestmark = pytest.mark.serial(reason="sets GPUs on every node")
+
 GROUP, VERSION = "gpu-agent.io", "v1beta1"
 
 

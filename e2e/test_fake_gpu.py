@@ -119,6 +119,7 @@ def test_bad_layouts_are_refused_and_the_previous_layout_stays(fake_gpus, core):
     assert json.loads(layout)["count"] == 0
 
 
+@pytest.mark.serial(reason="installs a second fake-gpu release, whose plugins register nvidia.com/gpu on every node")
 def test_each_release_has_its_own_layout_and_the_command_asks_which_when_there_are_several(fake_gpus, core):
     """A second release's layout ConfigMap in the same namespace (made here as the chart would make
     it) neither collides with the first nor is picked silently by `fake-gpu set`."""
@@ -141,6 +142,7 @@ def test_each_release_has_its_own_layout_and_the_command_asks_which_when_there_a
 GFD_COUNT, GFD_PRESENT = "nvidia.com/gpu.count", "nvidia.com/gpu.present"
 
 
+@pytest.mark.serial(reason="reads every node's GPU labels, which other workers' layouts change")
 def test_fake_gpu_labels_its_nodes_as_gpu_feature_discovery_would_and_the_count_follows(fake_gpus, core):
     """Every node the DaemonSet runs on carries present/count/product/memory and the release marker;
     the count label follows `fake-gpu set`; present stays "true" at 0 GPUs (the node agent must stay
@@ -164,6 +166,7 @@ def test_fake_gpu_labels_its_nodes_as_gpu_feature_discovery_would_and_the_count_
           f"(allocatable: at most {max(allocatable):.2f} s after `fake-gpu set`)")
 
 
+@pytest.mark.serial(reason="sets GPUs on every node and installs with the chart's placement defaults")
 def test_quick_start_fake_gpu_then_gpu_agent_with_its_placement_defaults_forms_the_domain(
         fake_gpus, api, core, apps, kubeconfig, namespace):
     """The README's quick start on a plain cluster: charts/fake-gpu (the session's), then charts/gpu-agent
@@ -202,6 +205,7 @@ def test_quick_start_fake_gpu_then_gpu_agent_with_its_placement_defaults_forms_t
             fake_gpus.set(0, node=node)
 
 
+@pytest.mark.serial(reason="counts the nodes the chart's default placement reaches: every node, not the worker's one")
 def test_notes_warn_when_no_node_matches_the_node_agents_placement_and_say_how_to_fix_it(
         fake_gpus, api, core, apps, kubeconfig, namespace):
     """`helm install --dry-run=server` renders NOTES with the cluster's nodes: a nodeSelector no node

@@ -69,6 +69,8 @@ class Faults:
 # how many polls it has made: the test reads the lines as they come and times them on its own clock.
 REGISTERED = """
 import time
+
+pytestmark = pytest.mark.serial(reason="its release sets every other node's GPUs to 0 so that its cluster agent sees only the first node's")
 end, polls, last, said = time.monotonic() + SECONDS, 0, None, 0.0
 while time.monotonic() < end:
     regs = c.status(t)["registrations"]

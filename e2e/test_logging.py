@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from kubernetes import client
 
 from e2e.helpers import domain_status, pod_log, wait_until
 from e2e.release import Release
+
+pytestmark = pytest.mark.serial(reason="sets GPUs on every node")
 
 NA = "app.kubernetes.io/component=node-agent"
 SHOWN_FROM = {  # level -> lines of the node agent that appear from this level on

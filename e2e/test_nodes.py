@@ -17,12 +17,12 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import node_fault, provider, tool
-from e2e.conftest import fake_gpu_nodes
+from e2e.fake_gpu_release import fake_gpu_nodes
 from e2e.helpers import Sampler, apply, domain_status, exec_python, wait_until
 from e2e.release import CA, WAIT, Active, Release, WorkPods, enqueue, items, leaderless, lost_and_doubled
 from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.serial(reason="sets GPUs on every node, stops, partitions, drains or deletes nodes")]
 
 PROBE = """
 import json, socket, time, urllib.request

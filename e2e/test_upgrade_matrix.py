@@ -72,6 +72,7 @@ def tokens_secret(core, namespace: str) -> None:
               for k in ("registrationToken", "adminToken")}))
 
 
+@pytest.mark.serial(reason="the last stable chart has no clusterAgent.gpuNodeSelector: its agent counts and uses every node's GPUs, and its CRDs replace the current ones")
 @pytest.mark.parametrize("value_set", list(VALUE_SETS))
 def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wait(
         value_set, last_stable, api, core, apps, kubeconfig, namespace, fake_gpus):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from kubernetes import client
 
 from e2e.helpers import api_server_requests, wait_until
@@ -105,6 +106,7 @@ LONG_SECONDS = 20
 MOST_POD_GETS = 3 * LONG_SECONDS // 2
 
 
+@pytest.mark.serial(reason="counts the API server's Pod GETs, which every other test's Pods add to")
 def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(16)
     release = Release(api, core, apps, kubeconfig, namespace, name="side")

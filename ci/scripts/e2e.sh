@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
 #   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 3: the control-plane node
-#             and two workers) brought up (idempotent), images built and imported, tests run, torn
-#             down, the host checked to be exactly as before. E2E_NODES=1 for a quick local run (the
-#             tests that need several nodes skip, saying so).
+#             and two workers) brought up (idempotent), images built and imported, tests run (ci_suite
+#             below: the cluster's qualification, the serial phase, the parallel phase on E2E_JOBS
+#             workers), torn down, the host checked to be exactly as before. E2E_NODES=1 for a quick
+#             local run (the tests that need several nodes skip, saying so; then E2E_JOBS=0).
+
 #             KEEP_CLUSTER=1: the running cluster (NODES nodes, default E2E_NODES), left running after
 #   existing  the current KUBECONFIG; images must already be loadable by its nodes
 #   kind|k3d  a local cluster (e2e/local_cluster.py): created unless it exists (E2E_CLUSTER_NAME, default
@@ -19,18 +21,50 @@ repo=$(cd "$here/.." && pwd)
 source "$here/scripts/common.sh"
 cluster=${1:-ci}
 pytest=${PYTEST:-$repo/.venv/bin/pytest}
+python=$(dirname "$pytest")/python
+junit_prefix=$([[ $cluster == ci ]] && echo e2e || echo "$cluster")
 export E2E_CLUSTER=$cluster
 export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y%m%dT%H%M%S)}
 rc=0
 
-run_suite() {  # run_suite WHAT PYTEST_ARGS...
-  local what=$1 t=$SECONDS; shift
+run_suite() {  # run_suite WHAT PYTEST_ARGS...: one pytest run, its JUnit XML beside the others of `make test`
+  local what=$1 t=$SECONDS slug; shift
+  slug=$(tr -c 'a-z0-9\n' '-' <<< "${what,,}" | tr -s '-' | sed 's/-$//')
+  "$pytest" -p no:cacheprovider ${TEST_JUNIT_DIR:+--junitxml="$TEST_JUNIT_DIR/$junit_prefix-$slug.xml"} "$@" || rc=$?
+  log "timing: e2e $what $((SECONDS - t))s"
+}
+
+kstatus() {
+  local t=$SECONDS
   # The GitOps checks (e2e/test_gitops.py) run kstatus; cluster-up.sh has built it on ci, and the other
   # clusters may lack Go: then those tests fail naming the build command, the rest still run.
   bash "$here/scripts/build-kstatus.sh" || log "kstatus not built (needs Go): the GitOps tests will fail"
-  log "timing: kstatus $((SECONDS - t))s"; t=$SECONDS
-  "$pytest" -p no:cacheprovider "$repo/e2e" "$@" || rc=$?
-  log "timing: e2e $what $((SECONDS - t))s"
+  log "timing: kstatus $((SECONDS - t))s"
+}
+
+# The suite on the CI cluster. The cluster's own qualification first (e2e/test_smoke.py: pods, rollouts, DNS, RBAC,
+# helm), and nothing else if it fails. Then one fake-gpu release for the run (e2e/fake_gpu_release.py), and the
+# suite in two phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
+# serial_reason) one after another, then the rest on E2E_JOBS pytest-xdist workers (default 2: one per core), each
+# owning one fake-GPU node. E2E_JOBS=0: every test in one process, one after another (no phases).
+ci_suite() {  # ci_suite PYTEST_ARGS...
+  local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-2} fake_ns t
+  kstatus
+  run_suite "cluster qualification" "$smoke" "$@"
+  if ((rc != 0)); then log "FAILED: the cluster's qualification (e2e/test_smoke.py): the product suite did not run"; return; fi
+  t=$SECONDS
+  fake_ns=$(cd "$repo" && "$python" -m e2e.fake_gpu_release up "$KUBECONFIG_PATH") || { rc=1; log "FAILED: fake-gpu install"; return; }
+  log "timing: fake-gpu install $((SECONDS - t))s"
+  if ((jobs == 0)); then
+    E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
+  else
+    E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
+    E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=parallel run_suite "parallel phase ($jobs workers)" "$repo/e2e" \
+      --ignore="$smoke" -n "$jobs" --dist load "$@"
+  fi
+  t=$SECONDS
+  (cd "$repo" && "$python" -m e2e.fake_gpu_release down "$KUBECONFIG_PATH" "$fake_ns") || { rc=1; log "FAILED: fake-gpu uninstall"; }
+  log "timing: fake-gpu uninstall $((SECONDS - t))s"
 }
 
 cluster_up() {  # cluster_up NODES
@@ -43,7 +77,7 @@ case $cluster in
   ci)
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
       cluster_up "${NODES:-${E2E_NODES:-3}}"
-      run_suite suite "${@:2}"
+      ci_suite "${@:2}"
       exit $rc
     fi
     # Teardown is checked too: the host must look exactly as it did before cluster-up.
@@ -62,10 +96,11 @@ case $cluster in
     }
     trap 'code=$?; down_and_check || code=1; rm -f "$before" "$after"; exit $code' EXIT
     cluster_up "${E2E_NODES:-3}"
-    run_suite "suite (${E2E_NODES:-3} node(s))" "${@:2}"
+    ci_suite "${@:2}"
     ;;
   existing)
-    run_suite suite "${@:2}"
+    kstatus
+    run_suite suite "$repo/e2e" "${@:2}"
     ;;
   kind|k3d)
     local_cluster() { python3 "$repo/e2e/local_cluster.py" "$cluster" "$@"; }
@@ -100,7 +135,8 @@ case $cluster in
     fi
     log "timing: images $((SECONDS - t))s"; t=$SECONDS
     local_cluster load "$archive"; log "timing: image load into every $cluster node $((SECONDS - t))s"
-    run_suite "suite ($cluster)" "${@:2}"
+    kstatus
+    run_suite "suite ($cluster)" "$repo/e2e" "${@:2}"
     ;;
   *) echo "CLUSTER must be one of ci, existing, kind, k3d (got '$cluster')" >&2; exit 2 ;;
 esac
