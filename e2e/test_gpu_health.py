@@ -32,6 +32,8 @@ from kubernetes.stream import stream
 from e2e.helpers import Sampler, drops, exec_api, pod_log, wait_until
 from e2e.release import CONTROL_PLANE_PRELUDE, Release
 
+pytestmark = pytest.mark.serial(reason="its release sets every other node's GPUs to 0 so that its cluster agent sees only the first node's")
+
 DOMAIN = "health"
 GOAL = 2.0  # seconds from a fault (or its clear) to allocatable and the registered count following
 CYCLES = 10  # faults the latency figures are taken over
@@ -69,8 +71,6 @@ class Faults:
 # how many polls it has made: the test reads the lines as they come and times them on its own clock.
 REGISTERED = """
 import time
-
-pytestmark = pytest.mark.serial(reason="its release sets every other node's GPUs to 0 so that its cluster agent sees only the first node's")
 end, polls, last, said = time.monotonic() + SECONDS, 0, None, 0.0
 while time.monotonic() < end:
     regs = c.status(t)["registrations"]
