@@ -80,6 +80,7 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
     parts: list[str] = []
     failures: list[str] = []
     ran = stages(out)
+    logs = {name: log_lines(out, name) for name, _, _ in ran}  # each stage's log read once, for both tables
     all_cases = cases(out)
     rows: list[tuple[object, ...]] = []
     for name, seconds, rc in ran:
@@ -87,7 +88,7 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
         counts = (f"{sum(c.outcome == 'passed' for c in of_stage)} passed, {sum(c.outcome == 'failed' for c in of_stage)} "
                   f"failed, {sum(c.outcome == 'skipped' for c in of_stage)} skipped") if of_stage else ""
         rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "ok" if rc == 0 else f"FAILED ({rc})", counts))
-        for line in log_lines(out, name):
+        for line in logs[name]:
             if m := TIMING.search(line):
                 rows.append((f"  {m['what']}", f"{m['seconds']}s", f"{int(m['seconds']) / 60:.1f}", "", ""))
     rows.append(("whole run", f"{elapsed}s", f"{elapsed / 60:.1f}", f"budget {budget_minutes:g} min", ""))
@@ -95,8 +96,8 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
                                                                                    "result", "tests"), rows))
 
     built: dict[str, tuple[str, str]] = {}
-    for name, _, _ in ran:
-        for line in log_lines(out, name):
+    for lines in logs.values():
+        for line in lines:
             if m := BUILT.search(line):
                 built[m["part"]] = ("built (cold)", f"{m['seconds']}s")
             elif (m := CACHED.search(line)) and m["part"] not in built:

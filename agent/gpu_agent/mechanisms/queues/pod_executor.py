@@ -85,6 +85,7 @@ class PodExecutor:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
         # the nodes whose GPUs the agent counts (gpuNodeSelector): work Pods go there and nowhere else
         self.node_selector = node_selector
+        self.node_labels = parse_labels(node_selector)  # parsed once, not for every Pod
         self.namespace = namespace
         self.image = image
         self.release = release
@@ -113,7 +114,8 @@ class PodExecutor:
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
-                **({"nodeSelector": parse_labels(self.node_selector)} if self.node_selector else {}),
+                **({"nodeSelector": dict(self.node_labels)} if self.node_labels else {}),
+
                 "containers": [{
                     "name": "work", "image": self.image, "imagePullPolicy": "IfNotPresent",
                     "command": [str(c) for c in command],
