@@ -83,12 +83,13 @@ async def refused():
     raise AssertionError("never refused here")
 
 
-async def start(control_plane, executor, *, gpus=None, max_in_flight=0, lease_seconds=30.0):
+async def start(control_plane, executor, *, gpus=None, max_in_flight=0, lease_seconds=30.0, run_blocking=direct):
     clock = ManualClock()
     consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
                              health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
-                             lease_seconds=lease_seconds, poll_interval=1.0, on_refused=refused, run_blocking=direct,
-                             max_in_flight=max_in_flight)
+                             lease_seconds=lease_seconds, poll_interval=1.0, on_refused=refused,
+                             run_blocking=run_blocking, max_in_flight=max_in_flight)
+
     if gpus is not None:
         await consumer.set_gpus(gpus)
     await consumer.set_open(True, "")
@@ -220,4 +221,33 @@ async def test_a_redelivery_of_an_item_whose_earlier_delivery_still_runs_here_wa
     executor.finish("item-3")
     await clock.settle()
     assert control_plane.acked == ["item-3", "item-3"]
+    task.cancel()
+
+
+async def test_items_leased_while_the_places_shrank_are_released_and_no_more_run_than_there_are_places():
+    """A long-polled lease call asks for the four places free; while it waits at the server two GPUs go (maxInFlight
+    0: the places follow them). The two items past the places are released back, the two others run, and the
+    count of places held stays true through their ends (issue 49)."""
+    control_plane, executor = ControlPlane([item(n, f"k{n}") for n in range(4)]), Executor()
+    answer = asyncio.Event()  # the server's answer to the long-polled lease call
+
+    async def long_polled(fn, *args, **kwargs):
+        if fn.__name__ == "lease_many":
+            await answer.wait()
+        return fn(*args, **kwargs)
+
+    consumer, clock, task = await start(control_plane, executor, gpus=4, run_blocking=long_polled)
+    await consumer.set_gpus(2)
+    answer.set()
+    await clock.settle()
+    assert control_plane.calls == [4], "the call asked for the places free when it was made"
+    assert sorted(executor.running) == ["k0", "k1"] and sorted(executor.ran) == ["k0", "k1"]
+    assert sorted(key for key, _ in control_plane.released) == ["k2", "k3"]
+    assert consumer.in_flight.held == 2 and consumer.health.get("queues").details["inFlight"] == 2
+    executor.finish("k0")
+    await clock.settle()
+    assert consumer.in_flight.held == 1 and consumer.health.get("queues").details["inFlight"] == 1
+    executor.finish()
+    await clock.advance(1.0)
+    assert sorted(control_plane.acked) == ["k0", "k1"] and consumer.in_flight.held == 0
     task.cancel()

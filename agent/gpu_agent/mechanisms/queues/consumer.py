@@ -236,8 +236,8 @@ class QueueConsumer:
         if leased is None:
             return False
         credential, items = leased
-        for item in items:
-            await self._hold(credential, item, self._admit(item))
+        for item, placed in await self._admit(credential, items):
+            await self._hold(credential, item, placed)
         return True
 
     async def _lease(self, most: int) -> tuple[Secret, list[WorkItem]] | None:
@@ -306,11 +306,20 @@ class QueueConsumer:
         """The GPUs the item waits for: what it asks, at most all of those registered."""
         return 0 if self.gpus is None else min(gpus_needed(item), max(1, self.gpus.total))
 
-    def _admit(self, item: WorkItem) -> int | None:
-        """A leased item takes its place in flight (the leasing loop alone takes places, and it asked for no more
-        than were free) and, if they are free, its GPUs: `_place`'s answer."""
-        self.in_flight.try_take(1)
-        return self._place(item)
+    async def _admit(self, credential: Secret, items: list[WorkItem]) -> list[tuple[WorkItem, int | None]]:
+        """The leased items that take a place in flight, each with `_place`'s answer (its GPUs, if free). The
+        leasing loop alone takes places and asked for no more than were free, but the places can shrink while
+        its call waits at the server (with maxInFlight 0 they follow the GPUs registered): an item past them is
+        released back at once, not run on GPUs the agent may no longer have nor counted as a place it lacks."""
+        admitted: list[tuple[WorkItem, int | None]] = []
+        for item in items:
+            if self.in_flight.try_take(1):
+                admitted.append((item, self._place(item)))
+                continue
+            log.info("item %d leased while the places in flight shrank to %d (%d held); releasing it", item.item_id,
+                     self.in_flight.total, self.in_flight.held)
+            await self._quietly(self.client.release, credential, item)
+        return admitted
 
     def _place(self, item: WorkItem) -> int | None:
         """Take the item's GPUs now, as it is leased (so the next lease call counts them): how many it took,
@@ -484,6 +493,7 @@ class QueueConsumer:
                     await self._idle()
                     continue
                 credential, batch = leased
-                for item in batch:
-                    items.create_task(self._hold(credential, item, self._admit(item)), name=f"work-item-{item.item_id}")
+                for item, placed in await self._admit(credential, batch):
+                    items.create_task(self._hold(credential, item, placed), name=f"work-item-{item.item_id}")
                 self._report()
+
