@@ -162,7 +162,8 @@ class NodeAgent:
                 for t in tasks:
                     t.cancel()
             if self.domain is not None:
-                await asyncio.to_thread(self.domain.remove_entries, self.cfg.shutdownTimeout)
+                await self.domain.remove_entries(self.cfg.shutdownTimeout)
+
         finally:
             self.endpoints.stop()
             self.monitor.source.close()

@@ -2,6 +2,7 @@
 
 import asyncio
 
+from gpu_agent.foundations.clock import SystemClock
 from gpu_agent.mechanisms.domain.membership import DomainMembership, selector_matches, wanted_domains
 
 
@@ -25,6 +26,7 @@ def test_the_named_domain_is_always_wanted_and_matching_ones_only_once_the_label
 class RecordingReconciler:
     def __init__(self, name, events):
         self.name, self.events = name, events
+        self.clock = SystemClock()
 
     def set_gpus(self, uuids, ready, clique="", healthy=None, message=""):
         self.events.append(("gpus", self.name, tuple(uuids), ready, clique))
@@ -35,7 +37,7 @@ class RecordingReconciler:
         self.events.append(("run", self.name))
         await asyncio.Event().wait()
 
-    def remove_entry(self, timeout):
+    def remove_entry(self, deadline):
         self.events.append(("removed", self.name))
         return True
 

@@ -41,7 +41,7 @@ from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import REQUEST_TIMEOUT, items_of, list_then_watch
+from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.mechanisms.domain.conditions import generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
@@ -62,7 +62,16 @@ from gpu_agent.mechanisms.domain.entries import (
 )
 from gpu_agent.mechanisms.domain.members import DOMAIN_LABEL, MemberIndex, legacy_member_name, member_name
 from gpu_agent.mechanisms.domain.transitions import transitions
-from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainView, DomainWriter, WriteStats
+from gpu_agent.mechanisms.domain.writer import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    DomainView,
+    DomainWriter,
+    WriteStats,
+    back_off,
+    request_timeout,
+)
 
 log = get_logger(__name__)
 MEMBERS = "gpudomainmembers"
@@ -106,13 +115,17 @@ class MemberWriter(DomainView):
     def needs_reapply(self, obj: GPUDomain, entry: Entry) -> bool:
         return not has_entry(obj, entry) and self.clock.monotonic() - self.applied_at > self.REAPPLY_AFTER
 
-    def ensure(self, entry: Entry, superseded: Any = lambda: False, deadline: float | None = None) -> bool:
+    def ensure(self, entry: Entry, superseded: Any = lambda: False, deadline: float | None = None,
+               cancelled: threading.Event | None = None) -> bool:
+        """Apply this node's member until it lands; False when superseded, cancelled (it ends the backoff: no
+        attempt follows once set) or past `deadline` (writer.py)."""
         backoff = Backoff(0.05, 5.0, 2.0, 0.5, self.rng)
         attempt = 0
         while True:
             attempt += 1
+
             try:
-                self._apply(entry)
+                self._apply(entry, deadline)
                 self.applied_at = self.clock.monotonic()
                 self.applies += 1
                 # Not at the join: a forming domain waits on that first apply, and the lookup doubled its
@@ -127,9 +140,10 @@ class MemberWriter(DomainView):
                             entry.name, self.where, e, attempt)
             if superseded() or (deadline is not None and self.clock.monotonic() + delay > deadline):
                 return False
-            self.clock.sleep_blocking(delay)
+            if not back_off(self.clock, delay, cancelled):
+                return False
 
-    def _apply(self, entry: Entry) -> None:
+    def _apply(self, entry: Entry, deadline: float | None = None) -> None:
         body: dict[str, Any] = {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "GPUDomainMember",
             "metadata": {"name": member_name(self.domain, entry.name), "labels": {DOMAIN_LABEL: self.domain}},
@@ -151,24 +165,25 @@ class MemberWriter(DomainView):
         self.stats.calls += 1
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, body["metadata"]["name"], body,
                                                    field_manager=FIELD_MANAGER, force=True,
-                                                   _content_type="application/apply-patch+yaml", _request_timeout=REQUEST_TIMEOUT)
+                                                   _content_type="application/apply-patch+yaml",
+                                                   _request_timeout=request_timeout(self.clock, deadline))
         self.stats.writes += 1
 
-    def _remove_legacy(self, node: str) -> bool:
+    def _remove_legacy(self, node: str, deadline: float | None = None) -> bool:
         """After an upgrade from 0.1: delete this node's member under 0.1's name, if it is this node's member of
         this domain (that name is not unique: another pair's may have it). True once it is gone or not ours."""
         name = legacy_member_name(self.domain, node)
         self.stats.calls += 1
         try:
             old = cast("dict[str, Any]", self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=REQUEST_TIMEOUT))
+                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=request_timeout(self.clock, deadline)))
             spec = old.get("spec") or {}
             if (spec.get("node"), spec.get("domain")) != (node, self.domain):
                 return True
             # Preconditions: only the object read, not one another writer put under the name since.
             self.stats.calls += 1
             self.custom.delete_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=REQUEST_TIMEOUT,
+                GROUP, VERSION, self.namespace, MEMBERS, name, _request_timeout=request_timeout(self.clock, deadline),
                 body=client.V1DeleteOptions(preconditions=client.V1Preconditions(
                     uid=old["metadata"]["uid"], resource_version=old["metadata"]["resourceVersion"])))
             log.info("deleted %s, this node's member of %s under its 0.1 name", name, self.where)
@@ -182,17 +197,34 @@ class MemberWriter(DomainView):
         return True
 
     def remove(self, node: str, deadline: float | None = None) -> bool:
-        self.stats.calls += 1
-        try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS, member_name(self.domain, node),
-                                                        _request_timeout=REQUEST_TIMEOUT)
-        except client.ApiException as e:
-            if e.status != 404:
-                log.warning("removing member %s of %s failed: %s", node, self.where, e.reason)
+        """Delete this node's member; without a deadline one try, with one tried again after a failure (API
+        trouble) until it is gone or the deadline comes, each call's timeout cut to what is left of it."""
+        backoff = Backoff(0.05, 2.0, 2.0, 0.5, self.rng)
+        attempt = 0
+        while True:
+            attempt += 1
+            self.stats.calls += 1
+            try:
+                self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, MEMBERS,
+                                                            member_name(self.domain, node),
+                                                            _request_timeout=request_timeout(self.clock, deadline))
+                break
+            except client.ApiException as e:
+                if e.status == 404:
+                    break
+                why: object = e.reason
+            except Exception as e:  # noqa: BLE001 - connection trouble, a timeout: the same retry
+                why = e
+            self.stats.errors += 1
+            delay = backoff.next_delay()
+            log.warning("removing member %s of %s failed: %s (attempt %d)", node, self.where, why, attempt)
+            if deadline is None or self.clock.monotonic() + delay > deadline:
                 return False
+            self.clock.sleep_blocking(delay)
         if not self.legacy_done:  # a 0.1 member this agent never got to delete would keep the node in the domain
-            self.legacy_done = self._remove_legacy(node)
+            self.legacy_done = self._remove_legacy(node, deadline)
         return self.legacy_done
+
 
 
 def _same_but_heartbeat(before: dict[str, Any] | None, after: dict[str, Any]) -> bool:

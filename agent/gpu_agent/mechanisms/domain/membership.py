@@ -160,10 +160,13 @@ class DomainMembership:
         reconciler, task = self.joined.pop(name)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        removed = await asyncio.to_thread(reconciler.remove_entry, self.leave_timeout)
+        removed = await asyncio.to_thread(reconciler.remove_entry, reconciler.clock.monotonic() + self.leave_timeout)
         log.info("left GPUDomain %s/%s (%s)%s", self.namespace, name, why, "" if removed else ": entry NOT removed")
 
-    def remove_entries(self, timeout: float) -> None:
-        """On shutdown (after the loop stopped): take this node's entry out of every domain joined."""
-        for _name, (reconciler, _) in sorted(self.joined.items()):
-            reconciler.remove_entry(timeout)
+    async def remove_entries(self, seconds: float) -> None:
+        """On shutdown (after the loop stopped): take this node's entry out of every domain joined, side by side
+        and by one deadline, so that `seconds` (shutdownTimeout, inside the kubelet's grace period) bounds the
+        whole removal however many domains were joined, not each in turn."""
+        reconcilers = [reconciler for _, (reconciler, _) in sorted(self.joined.items())]
+        await asyncio.gather(*(asyncio.to_thread(r.remove_entry, r.clock.monotonic() + seconds) for r in reconcilers))
+

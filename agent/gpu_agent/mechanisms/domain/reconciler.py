@@ -6,6 +6,12 @@ supersedes the retry loop of an older one), and the loop starts over with the ne
 A watch on the domain object feeds the writer's cache and notices when this node's entry is
 missing or stale. The peers file lists this node's NVLink clique only (the nodes it can be a peer
 of), sorted by index, and is written only when that list changes.
+
+The writes block (the Kubernetes client does), so each runs on a worker thread, which cancelling
+the loop's task does not stop. Leaving the domain or shutting down therefore goes in this order:
+set `_stop` (no write of this reconciler starts after it, and a write in backoff gives up at
+once), wait for the write still in flight to return (its call is bounded by the removal's
+deadline), then remove the entry. So no apply lands after the removal and re-adds the node.
 """
 
 from __future__ import annotations
@@ -56,7 +62,12 @@ class DomainReconciler:
         self.generation = 0
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set once the loop ended (leave, shutdown): the watch and the writes stop. `_idle` is clear while a
+        # write runs on its thread; `_writes` makes "not stopped, so this write starts" one step.
         self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._writes = threading.Lock()
         self._peers_text = ""
         self._peer_count = -1
         self._health(False, f"joining {writer.where}")
@@ -136,18 +147,37 @@ class DomainReconciler:
                     self.trigger("resync")
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
-                ok = await asyncio.to_thread(self.writer.ensure, entry, lambda generation=generation: self.generation != generation)
+                ok = await asyncio.to_thread(self._ensure, entry, generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self._health(True, self._entry_shown(entry), **self.writer.stats.__dict__)
                     if self.writer.cached is not None:
                         self._write_peers(self.writer.cached)
         finally:
-            self._stop.set()
+            with self._writes:
+                self._stop.set()
 
-    def remove_entry(self, timeout: float) -> bool:
-        """On shutdown: take this node's entry out, bounded by `timeout`."""
+    def _ensure(self, entry: Entry, generation: int) -> bool:
+        """One write loop, on a worker thread; none starts once the reconciler stopped."""
+        with self._writes:
+            if self._stop.is_set():
+                return False
+            self._idle.clear()
+        try:
+            return self.writer.ensure(entry, lambda: self.generation != generation, cancelled=self._stop)
+        finally:
+            self._idle.set()
+
+    def remove_entry(self, deadline: float) -> bool:
+        """On leave or shutdown: stop the writes, wait for the one in flight, then take this node's entry out,
+        all by `deadline` (on this reconciler's clock)."""
         started = self.clock.monotonic()
-        ok = self.writer.remove(self.node, deadline=started + timeout)
+        with self._writes:
+            self._stop.set()
+        if not self.clock.wait_blocking(self._idle, deadline - started):
+            log.warning("a write of %s's entry in %s was still in flight at the deadline; removing the entry anyway",
+                        self.node, self.writer.where)
+        ok = self.writer.remove(self.node, deadline=deadline)
         log.info("domain entry of %s %s in %.2fs", self.node, "removed" if ok else "NOT removed", self.clock.monotonic() - started)
         return ok
+

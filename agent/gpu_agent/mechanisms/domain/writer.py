@@ -7,6 +7,10 @@ conflict: the "mutation cache"), changes only this node's entry and replaces the
 that resourceVersion. A 409 means someone wrote first: read again and retry after a backoff.
 A 429 waits at least its Retry-After. `superseded()` ends a retry loop as soon as a newer
 event has made its goal stale, and "my entry is missing" is never reported as success.
+`cancelled` (an Event the owner sets on leave or shutdown) cuts a backoff short and ends the
+loop: no attempt follows once it is set (the owner checks it before the first), so a removal
+that waits for the loop to end (reconciler.py) is never followed by a late re-add. A `deadline` bounds the
+loop and each call in it (a call's timeout is what is left of it, at most REQUEST_TIMEOUT).
 
 Strategies (`domainWriteStrategy`), chosen by measurement (make bench-domain):
   dra         NVIDIA DRA driver's: 5 ms doubling to a 6 s cap, x U[0.75, 1.25)
@@ -16,6 +20,7 @@ Strategies (`domainWriteStrategy`), chosen by measurement (make bench-domain):
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from typing import cast
@@ -35,6 +40,22 @@ log = get_logger(__name__)
 # to convert CR to an invalid group/version"). Move to v1beta1 in the release that stores it.
 GROUP, VERSION, PLURAL = "gpu-agent.io", "v1alpha1", "gpudomains"
 STRATEGIES = OCC_STRATEGIES
+
+
+def request_timeout(clock: Clock, deadline: float | None) -> float:
+    """One API call's timeout: REQUEST_TIMEOUT, cut to what is left before `deadline` (shutdownTimeout bounds
+    the removal as a whole, not each of its calls)."""
+    if deadline is None:
+        return REQUEST_TIMEOUT
+    return max(0.05, min(REQUEST_TIMEOUT, deadline - clock.monotonic()))
+
+
+def back_off(clock: Clock, delay: float, cancelled: threading.Event | None) -> bool:
+    """Wait out a retry's `delay`; False when `cancelled` is set (the loop's goal is gone: no attempt follows)."""
+    if cancelled is None:
+        clock.sleep_blocking(delay)
+        return True
+    return not clock.wait_blocking(cancelled, delay)
 
 
 def make_backoff(strategy: str, expected_nodes: int, write_rate: float, rng: random.Random) -> Backoff:
@@ -94,15 +115,16 @@ class DomainWriter(DomainView):
     def __post_init__(self, custom_api: client.CustomObjectsApi | None) -> None:
         self.custom = custom_api if custom_api is not None else client.CustomObjectsApi(self.api)
 
-    def read(self) -> GPUDomain:
+    def read(self, deadline: float | None = None) -> GPUDomain:
         self.stats.calls += 1
         obj = cast(GPUDomain, self.custom.get_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=REQUEST_TIMEOUT))
+            GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=request_timeout(self.clock, deadline)))
         self.observe(obj)
         return obj
 
     def update(self, change: Callable[[GPUDomain], GPUDomain | None], what: str,
-                superseded: Callable[[], bool], deadline: float | None) -> bool:
+               superseded: Callable[[], bool], deadline: float | None,
+               cancelled: threading.Event | None = None) -> bool:
         obj = self.cached if self.cached is not None else None
         attempt = 0
         backoff: Backoff | None = None
@@ -111,13 +133,14 @@ class DomainWriter(DomainView):
             delay = 0.0
             try:
                 if obj is None:
-                    obj = self.read()
+                    obj = self.read(deadline)
                 new = change(obj)
                 if new is None:
                     return True  # already so in the newest view we have
                 self.stats.calls += 1
                 written = cast(GPUDomain, self.custom.replace_namespaced_custom_object_status(
-                    GROUP, VERSION, self.namespace, PLURAL, self.name, dict(new), _request_timeout=REQUEST_TIMEOUT))
+                    GROUP, VERSION, self.namespace, PLURAL, self.name, dict(new),
+                    _request_timeout=request_timeout(self.clock, deadline)))
                 self.stats.writes += 1
                 self.cached = written
                 log.v(3, "domain update: %s in %s (attempt %d)", what, self.where, attempt)
@@ -155,11 +178,14 @@ class DomainWriter(DomainView):
                 log.warning("domain update: gave up trying to %s in %s before the deadline (attempt %d)",
                             what, self.where, attempt)
                 return False
-            self.clock.sleep_blocking(delay)
+            if not back_off(self.clock, delay, cancelled):
+                return False
 
-    def ensure(self, entry: Entry, superseded: Callable[[], bool] = lambda: False, deadline: float | None = None) -> bool:
+    def ensure(self, entry: Entry, superseded: Callable[[], bool] = lambda: False, deadline: float | None = None,
+               cancelled: threading.Event | None = None) -> bool:
         what = f"set node {entry.name} status {'Ready' if entry.ready else 'NotReady'}"
-        return self.update(lambda obj: with_entry(obj, entry), what, superseded, deadline)
+        return self.update(lambda obj: with_entry(obj, entry), what, superseded, deadline, cancelled)
+
 
     def needs_reapply(self, obj: GPUDomain, entry: Entry) -> bool:
         """Whether an observed domain object means this node's entry must be written again."""
