@@ -25,6 +25,8 @@ from waitress.channel import HTTPChannel
 from waitress.server import create_server
 from waitress.task import ErrorTask
 
+from gpu_agent.foundations.threads import start_thread
+
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
@@ -96,7 +98,9 @@ class Listener:
         except ValueError as e:  # waitress refuses an address it cannot resolve
             raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
         self._server.channel_class = _Channel
-        self._thread = threading.Thread(target=self._server.run, name=f"{name}-http", daemon=True)
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def address(self) -> str:
@@ -107,15 +111,17 @@ class Listener:
         return f"http://{self.address}"
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = start_thread(f"{self._name}-http", self._server.run, self._stopping)
 
     def stop(self) -> None:
         # Requests in progress finish first (their responses still need the loop and its trigger),
         # then the listening socket and every connection close.
+        self._stopping.set()
         self._server.task_dispatcher.shutdown(cancel_pending=True, timeout=2)
         self._server.close()
         wasyncore.close_all(self._server._map)
-        self._thread.join(5)
+        if self._thread is not None:
+            self._thread.join(5)
 
 
 def route_waitress_logs(handler: logging.Handler) -> None:

@@ -1,4 +1,16 @@
-"""Running a blocking call off the event loop on a daemon thread.
+"""Threads: the long-lived ones an agent runs (each started through `start_thread`, watched for its death), and
+running a blocking call off the event loop on a daemon thread (`in_daemon_thread`).
+
+Long-lived threads (the watches, the domain aggregator, the event recorder, the HTTP server) start in one
+place, `start_thread`, on the `Threads` of the agent that starts them: the one its role made current
+(`CURRENT`, a context variable, so a thread, a task or a thread started from one inherits its agent's,
+and two agents in one process keep theirs apart). A thread that ends by an exception, or returns while
+its `stop` is not set, is dead: the log says so with its traceback, and the agent's `threads` entry in
+/healthz turns NotReady naming it and why, and stays so (a thread that died of a bug would die again;
+the process is broken and its readiness says it, as controller-runtime's manager fails when a runnable
+does). Nothing restarts it.
+
+Blocking calls:
 
 `asyncio.to_thread` uses the loop's executor, whose threads are joined at exit; a long-polled
 HTTP call there would hold a SIGTERM'd agent up for the whole poll. A daemon thread is left
@@ -13,12 +25,86 @@ their timeouts (`_request_timeout` on the API server, the control-plane client's
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+
 T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
+log = get_logger(__name__)
+COMPONENT = "threads"
+
+
+class Threads:
+    """The long-lived threads of one agent: which run, and which died and why (reported into `health`)."""
+
+    def __init__(self, health: HealthRegistry | None = None) -> None:
+        self._health = health
+        self._lock = threading.Lock()
+        self.running: dict[str, int] = {}  # name -> how many run now
+        self.died: dict[str, str] = {}  # name -> why the first of that name died
+        self._report()
+
+    def start(self, name: str, target: Callable[[], object], stop: threading.Event | None = None) -> threading.Thread:
+        """Start `target` on a daemon thread named `name`; `stop`: set when it is meant to end (a return
+        before it is set is a death). The thread runs in a copy of the caller's context: what it starts is
+        this agent's too."""
+        context = contextvars.copy_context()
+
+        def run() -> None:
+            why, trace = "", ""
+            try:
+                context.run(target)
+                if stop is not None and not stop.is_set():
+                    why = "it returned while it should still run"
+            except BaseException as e:  # noqa: BLE001 - a thread's death is reported, never lost
+                why = f"{type(e).__name__}: {e}"[:300]
+                trace = "\n" + "".join(traceback.format_exception(e)).rstrip()
+            finally:
+                with self._lock:
+                    self.running[name] -= 1
+                    if not self.running[name]:
+                        del self.running[name]
+                    if why:
+                        self.died.setdefault(name, why)
+                if why:
+                    log.error("thread %s died (%s): this agent is NotReady from now on%s", name, why, trace)
+                self._report()
+
+
+        with self._lock:
+            self.running[name] = self.running.get(name, 0) + 1
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        self._report()
+        return thread
+
+    def _report(self) -> None:
+        if self._health is None:
+            return
+        with self._lock:
+            died, running = dict(self.died), dict(self.running)
+        if died:
+            reason = "; ".join(f"thread {name} died: {why}" for name, why in sorted(died.items()))
+        else:
+            reason = "every thread runs"
+        self._health.set(COMPONENT, not died, reason, running=sum(running.values()), died=sorted(died))
+
+
+# The agent whose threads start now: each role sets its own (in its constructor and at the start of its run).
+CURRENT: contextvars.ContextVar[Threads | None] = contextvars.ContextVar("gpu_agent_threads", default=None)
+UNOWNED = Threads()  # threads started outside any agent (a benchmark, a test): their deaths are logged only
+
+
+def start_thread(name: str, target: Callable[[], object], stop: threading.Event | None = None) -> threading.Thread:
+    """Start a long-lived thread on the current agent's `Threads` (the one way to start one)."""
+    return (CURRENT.get() or UNOWNED).start(name, target, stop)
+
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -27,7 +27,6 @@ import asyncio
 import os
 import random
 import socket
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +39,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.randomness import RandomSources
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
@@ -189,6 +189,9 @@ class ClusterAgent:
             raise ConfigError("; ".join(self.election.problems()))
         # What every part reports to and shares.
         self.health = HealthRegistry(self.clock, COMPONENTS)
+        # Every long-lived thread this agent starts, from here on and from its run (foundations/threads.py).
+        self.threads = Threads(self.health)
+        CURRENT.set(self.threads)
         self.metrics = AgentMetrics()
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
         self.gate = Gate(self.clock, self._gate_observed)
@@ -300,7 +303,7 @@ class ClusterAgent:
         api = api_client(self.cfg.kubeconfig, connections=FOLDER_CONNECTIONS)
         self.recorder = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
                                       clock=self.clock)
-        threading.Thread(target=self.recorder.run, name="domain-events", daemon=True).start()
+        start_thread("domain-events", self.recorder.run)
         if self.cfg.foldAllDomains:  # the named domain is one of them
             self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace,
                                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl,
@@ -312,7 +315,7 @@ class ClusterAgent:
                                          heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock,
                                          rng=self.random.for_("domains"), recorder=self.recorder)
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
-        threading.Thread(target=self.aggregator.run, name="domain-aggregator", daemon=True).start()
+        start_thread("domain-aggregator", self.aggregator.run)
 
     def _stop_folding(self) -> None:
         if self.recorder is not None:
@@ -339,6 +342,7 @@ class ClusterAgent:
                              on_new_leader=self._new_leader)
 
     async def run(self, stop: asyncio.Event) -> None:
+        CURRENT.set(self.threads)
         log.info("effective configuration (secrets redacted):")
         for line in self.cfg.describe():
             log.info("  %s", line)

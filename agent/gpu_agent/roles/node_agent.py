@@ -27,6 +27,7 @@ from gpu_agent.foundations.gpus import describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
+from gpu_agent.foundations.threads import CURRENT, Threads
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
@@ -99,6 +100,9 @@ class NodeAgent:
         self.cfg = cfg
         self.clock = clock or SystemClock()
         self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
+        # Every long-lived thread this agent starts, from here on and from its run (foundations/threads.py).
+        self.threads = Threads(self.health)
+        CURRENT.set(self.threads)
         self.domain: Any = None
         if cfg.domainName or cfg.joinMatchingDomains:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
@@ -147,6 +151,7 @@ class NodeAgent:
                                  clique=event.inventory.clique, healthy=healthy, message=member_message(event))
 
     async def run(self, stop: asyncio.Event) -> None:
+        CURRENT.set(self.threads)
         log.info("effective configuration (secrets redacted):")
         for line in self.cfg.describe():
             log.info("  %s", line)

@@ -42,6 +42,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.threads import start_thread
 from gpu_agent.mechanisms.domain.conditions import generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
@@ -517,9 +518,9 @@ class Aggregator:
 
     def run(self) -> None:
         if self.watch_members:
-            threading.Thread(target=self._watch, name="members-watch", daemon=True).start()
+            start_thread("members-watch", self._watch, self._stop)
         if self.watch_domain:
-            threading.Thread(target=self._watch_own_domain, name="domain-watch", daemon=True).start()
+            start_thread("domain-watch", self._watch_own_domain, self._stop)
         silent: frozenset[str] = frozenset()
         while not self._stop.is_set():
             # 0.5 s at most: also the step at which silent members are noticed
@@ -650,7 +651,7 @@ class EveryDomainAggregator:
                                  watch_members=False, arrivals=self.arrivals, bound=bound)
                 if self.members is not None:  # before the members' first list it is handed them with the rest
                     agg.listed_members({"items": list(self.members.get(name, {}).values())})
-                threading.Thread(target=agg.run, name=f"aggregator-{name}", daemon=True).start()
+                start_thread(f"aggregator-{name}", agg.run, agg._stop)
                 self.aggregators[name] = agg
                 log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.namespace, name)
             for name in sorted(set(self.aggregators) - names):
@@ -720,7 +721,7 @@ class EveryDomainAggregator:
                         on_error=lambda e: log.warning("watching GPUDomainMembers of %s failed: %s", self.namespace, e))
 
     def run(self) -> None:
-        threading.Thread(target=self._watch_members, name="members-watch", daemon=True).start()
+        start_thread("members-watch", self._watch_members, self._stop)
         custom = client.CustomObjectsApi(self.api)
         list_then_watch(custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
                         on_list=self._listed,

@@ -29,6 +29,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
+from gpu_agent.foundations.threads import start_thread
 from gpu_agent.mechanisms.domain.members import domain_name_problem
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION
@@ -124,8 +125,8 @@ class DomainMembership:
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.join_matching:
-            threading.Thread(target=self._watch_domains, name="domains-watch", daemon=True).start()
-            threading.Thread(target=self._watch_node, name="node-watch", daemon=True).start()
+            start_thread("domains-watch", self._watch_domains, self._stop)
+            start_thread("node-watch", self._watch_node, self._stop)
         self._changed.set()
         try:
             while True:

@@ -29,6 +29,7 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.threads import start_thread
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.entries import Entry, GPUDomain, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
@@ -138,7 +139,7 @@ class DomainReconciler:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._watch, name="domain-watch", daemon=True).start()
+        start_thread("domain-watch", self._watch, self._stop)
         self.trigger("start")
         try:
             while True:

@@ -32,6 +32,7 @@ from kubernetes import client
 from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.threads import start_thread
 from gpu_agent.mechanisms.inventory.source import Reading
 
 log = get_logger(__name__)
@@ -91,8 +92,7 @@ class ClusterSource:
         self._error: str | None = None
         self._listed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("node-watch", self._run, self._stop)
 
     def _listed_nodes(self, nodes: Any) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from typing import Any
 from gpu_agent.foundations.clock import SystemClock
 from gpu_agent.foundations.gpus import GPU, LOST, Inventory
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.threads import start_thread
 from gpu_agent.foundations.xids import LOST_REASON
 from gpu_agent.mechanisms.inventory.fabric import NOT_SUPPORTED, GPUFabric, node_fabric
 from gpu_agent.mechanisms.inventory.gpu_health import ECC_DOUBLE, ECC_SINGLE, XID, HealthTracker
@@ -67,10 +68,10 @@ class EventWatch:
         self.waits = 0  # waits that ended (an event or the timeout)
         self.delivered = 0
         self.errors: list[str] = []  # the errors other than a timeout, latest last (bounded)
-        self._thread = threading.Thread(target=self._run, name="nvml-events", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = start_thread("nvml-events", self._run, self.stopping)
 
     def _run(self) -> None:
         n = self._nvml
@@ -120,6 +121,8 @@ class EventWatch:
     def stop(self, timeout: float) -> bool:
         """Stop waiting; True once the thread has ended (it ends within one wait)."""
         self.stopping.set()
+        if self._thread is None:
+            return True
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()

@@ -34,6 +34,7 @@ from typing import Any
 from gpu_agent.foundations.clock import Clock, SystemClock, sleep_or
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import list_then_watch
+from gpu_agent.foundations.threads import start_thread
 
 log = get_logger(__name__)
 FALLBACK_SECONDS = 5.0  # the longest an item waits for its Pod's change while the watch is up
@@ -79,8 +80,7 @@ class PodChanges:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="work-pod-watch", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("work-pod-watch", self._run, self._stop)
 
     def stop(self) -> None:
         self._stop.set()
