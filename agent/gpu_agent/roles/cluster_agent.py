@@ -267,6 +267,7 @@ class ClusterAgent:
         self._lead((False, f"standby: lost the lease ({why})"))
         self._stop_folding()
         await self._open_queues_when_ready()
+        self._close_executor()  # its watch of the work Pods: a standby has no item to wake
 
     async def _new_leader(self, identity: str) -> None:
         self._lead((False, f"standby: the leader is {identity or '(nobody yet)'}"))
@@ -317,7 +318,13 @@ class ClusterAgent:
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         start_thread("domain-aggregator", self.aggregator.run)
 
+    def _close_executor(self) -> None:
+        close = getattr(self.executor, "close", None)  # the Pod executor's; the recording one has none
+        if close is not None:
+            close()
+
     def _stop_folding(self) -> None:
+
         if self.recorder is not None:
             self.recorder.stop()  # what it has queued is dropped: the next leader tells what it writes
             self.recorder = None
@@ -372,6 +379,5 @@ class ClusterAgent:
             self.endpoints.stop()
             self.monitor.source.close()
             self.client.close()
-            close = getattr(self.executor, "close", None)
-            if close is not None:
-                close()
+            self._close_executor()
+

@@ -194,3 +194,41 @@ def test_the_watch_thread_lists_then_watches_the_release_work_pods_and_wakes_the
     assert seen == [("listed", True, True), ("event", True, False)]
     assert pods.calls[:2] == [("work", "gpu-agent.io/work-item=true", None, False),
                               ("work", "gpu-agent.io/work-item=true", "41", True)]
+
+
+def test_a_stopped_watch_ends_its_thread_delivers_nothing_more_and_the_next_start_watches_anew():
+    """Leadership lost: the executor's close stops the watch of the work Pods (before, it ran on for good); the next
+    leadership's first item starts it again (issue 49)."""
+    from gpu_agent.foundations.health import HealthRegistry
+    from gpu_agent.foundations.threads import CURRENT, Threads
+
+    pods = WatchedPods(event_for="gpu-work-a")
+    clock = ManualClock()
+    health = HealthRegistry(clock, [])
+    owner = Threads(health)
+
+    async def scenario():
+        CURRENT.set(owner)
+        changes = PodChanges(pods, "work", "gpu-agent.io/work-item=true", clock=clock)
+        ex = PodExecutor(None, "work", "img", clock=clock, pod_changes=changes)
+        with changes.interest("gpu-work-a") as changed:
+            changes.start()
+            await asyncio.wait_for(changed.wait(), 5)  # listed
+            first = changes._thread
+            changed.clear()
+            ex.close()
+            pods.deliver.set()  # the stream's event comes after the stop: not delivered
+            await asyncio.to_thread(first.join, 5)
+            await asyncio.sleep(0)
+            stopped = (first.is_alive(), changed.is_set(), changes.watching)
+            changes.start()
+            await asyncio.wait_for(changed.wait(), 5)  # the new watch lists again
+            again = changes._thread is not first and changes.watching
+        changes.stop()
+        pods.done.set()
+        await asyncio.to_thread(changes._thread.join, 5)
+        return stopped, again
+    stopped, again = asyncio.run(scenario())
+    assert stopped == (False, False, False) and again
+    assert [c for c in pods.calls if not c[3]] == [("work", "gpu-agent.io/work-item=true", None, False)] * 2
+    assert owner.died == {} and owner.running == {} and health.get("threads").ready

@@ -63,3 +63,13 @@ async def test_without_election_the_only_agent_is_active_once_registered(tmp_pat
         a.health.set(component, True, "ok")
     await a._readiness_changed(True, "registered")
     assert state(a) == ("ready", True, True, 1.0, 1.0)
+
+
+async def test_losing_the_lease_closes_the_executor_so_its_watch_of_the_work_pods_stops(tmp_path):
+    a = agent(tmp_path)
+    closed = []
+    a.executor.close = lambda: closed.append("closed")  # the Pod executor's close stops its watch (test_pod_changes)
+    await a._started_leading()
+    assert closed == []
+    await a._stopped_leading("deadline")
+    assert closed == ["closed"]

@@ -50,6 +50,9 @@ class Polling:
     def start(self) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
     @contextmanager
     def interest(self, name: str) -> Iterator[asyncio.Event]:
         yield asyncio.Event()  # never set: nothing watches
@@ -76,13 +79,16 @@ class PodChanges:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the watch (once; later calls do nothing). Called from the event loop its wake-ups go to."""
-        if self._thread is not None:
+        """Start the watch unless it runs (later calls do nothing until `stop`). Called from the event loop its
+        wake-ups go to."""
+        if self._thread is not None and not self._stop.is_set():
             return
         self._loop = asyncio.get_running_loop()
-        self._thread = start_thread("work-pod-watch", self._run, self._stop)
+        self._stop = stop = threading.Event()  # this watch's own: a stopped one never resumes
+        self._thread = start_thread("work-pod-watch", lambda: self._run(stop), stop)
 
     def stop(self) -> None:
+        """Stop the watch (leadership lost, shutdown): waits fall back to polling; the next `start` watches anew."""
         self._stop.set()
         self.watching = False
 
@@ -110,10 +116,11 @@ class PodChanges:
 
     # The watch's thread: everything below hands over to the event loop.
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         list_then_watch(self.list_pods, self.namespace, label_selector=self.label_selector, on_list=self._listed,
-                        on_event=self._event, on_error=self._failed, stop=self._stop, retry_seconds=self.retry_seconds,
+                        on_event=self._event, on_error=self._failed, stop=stop, retry_seconds=self.retry_seconds,
                         resync_seconds=self.resync_seconds, clock=self.clock)
+
 
     def _listed(self, listed: Any) -> None:
         self._to_loop(self._wake_all, True)

@@ -178,7 +178,13 @@ class PodExecutor:
                 log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
         return None
 
+    def close(self) -> None:
+        """Stop watching the work Pods (this agent stopped leading, or shuts down); an item still running then
+        reads its Pod every `poll_seconds`, and the next item leased starts the watch again."""
+        self.pod_changes.stop()
+
     async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
+
         name = pod_name(item.idempotency_key)
         self.pod_changes.start()
         with self.pod_changes.interest(name) as changed:
