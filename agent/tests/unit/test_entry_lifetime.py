@@ -13,6 +13,7 @@ from kubernetes import client
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
+from gpu_agent.mechanisms.domain.entries import with_entry
 from gpu_agent.mechanisms.domain.membership import DomainMembership
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import DomainWriter
@@ -221,3 +222,84 @@ def test_a_write_whose_thread_starts_only_after_the_removal_makes_no_call():
     assert reconciler.remove_entry(clock.monotonic() + 10.0)
     assert reconciler._ensure(reconciler.entry, reconciler.generation) is False
     assert fake.calls == [("delete", "done")] and MEMBER not in fake.objects
+
+
+# ---- two of the mutants that survived the unit suite (issue 49) -------------------------------------------------
+
+class RecordedBodies(ScriptedMembers):
+    """Also keeps the GPUs of every apply that reached the server, in order, landed or not."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.applied: list[tuple[str, ...]] = []
+
+    def patch_namespaced_custom_object(self, g, v, ns, plural, name, body, **kw):
+        self.applied.append(tuple(body["spec"]["gpuUUIDs"]))
+        return super().patch_namespaced_custom_object(g, v, ns, plural, name, body, **kw)
+
+
+async def test_a_newer_event_ends_the_retry_loop_of_an_older_one_so_the_stale_entry_is_not_applied_again():
+    """GPUs change while the writer retries the old entry: its next failure ends that loop (superseded), and the new
+    entry is applied next, not the old one once more (the mutant that made `superseded` always False applied it)."""
+    clock = ManualClock()
+    fake = RecordedBodies(["500", "500"])
+    reconciler, _ = reconciler_on(fake, clock)
+    reconciler.set_gpus(["GPU-old"], True)
+    task = asyncio.create_task(reconciler.run())
+    try:
+        await asyncio.to_thread(until, lambda: len(fake.applied) == 1 and clock.blocked == 1, "the first failure's backoff")
+        reconciler.set_gpus(["GPU-new"], True)
+        for applied in (2, 3):
+            clock.advance_blocking(10.0)
+            await asyncio.to_thread(until, lambda applied=applied: len(fake.applied) >= applied, f"apply #{applied}")
+        await asyncio.sleep(0)
+        assert fake.applied[:3] == [("GPU-old",), ("GPU-old",), ("GPU-new",)]
+        assert fake.objects[MEMBER]["spec"]["gpuUUIDs"] == ["GPU-new"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(3):
+            clock.advance_blocking(100.0)
+
+
+async def test_a_write_that_succeeds_without_the_domain_showing_the_entry_is_not_ready():
+    """"My entry is missing" is never success: the apply answered, but the domain as watched lacks the entry (the
+    aggregator has not folded it, or removed it), so the domain health stays NotReady (the mutant that dropped the
+    has_entry check reported Ready)."""
+    clock = ManualClock()
+    health = HealthRegistry(clock, ["domain"])
+
+    class Writer:  # the writer's face, answering success while its view of the domain lacks this node
+        where, namespace, name = "GPUDomain ns/train", "ns", "train"
+        stats = type("Stats", (), {})()
+
+        def __init__(self):
+            self.cached = {"metadata": {"name": "train", "resourceVersion": "5"}, "status": {"nodes": []}}
+
+        def ensure(self, entry, superseded, cancelled=None):
+            return True
+
+        def observe(self, obj):
+            pass
+
+        def needs_reapply(self, obj, entry):
+            return False
+
+    writer = Writer()
+    reconciler = DomainReconciler(writer, health, node="n1", ip="10.0.0.1", peers_file=None, clock=clock)
+    reconciler._watch = lambda: None
+    reconciler.set_gpus(["GPU-1"], True)
+    task = asyncio.create_task(reconciler.run())
+    try:
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert not health.get("domain").ready and health.get("domain").reason.startswith("joining")
+        writer.cached = with_entry(writer.cached, reconciler.entry)  # the domain now shows it
+
+        reconciler.trigger("resync")
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert health.get("domain").ready, health.get("domain")
