@@ -13,7 +13,7 @@ from kubernetes import client
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
-from gpu_agent.mechanisms.domain.entries import with_entry
+from gpu_agent.mechanisms.domain.entries import Entry, with_entry
 from gpu_agent.mechanisms.domain.membership import DomainMembership
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import DomainWriter
@@ -303,3 +303,65 @@ async def test_a_write_that_succeeds_without_the_domain_showing_the_entry_is_not
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert health.get("domain").ready, health.get("domain")
+
+
+class NoWaitClock(ManualClock):
+    """Backoffs end at once (a synchronous writer test has no one to move the clock)."""
+
+    def wait_blocking(self, event, seconds):
+        return event.is_set()
+
+
+def test_the_writers_warnings_name_the_entry_the_domain_the_error_and_the_attempt(caplog):
+    import logging
+
+    from gpu_agent.mechanisms.domain import aggregate as aggregate_module
+    from gpu_agent.mechanisms.domain import writer as writer_module
+
+    clock = NoWaitClock()
+    members = ScriptedMembers(["500"])
+    domain = ScriptedDomain([])
+    domain.replace_namespaced_custom_object_status = _fail_once(domain.replace_namespaced_custom_object_status)
+    with caplog.at_level(logging.WARNING, logger=aggregate_module.log._log.name), \
+            caplog.at_level(logging.WARNING, logger=writer_module.log._log.name):
+        assert reconciler_on(members, clock)[0].writer.ensure(Entry("n1", "", ("GPU-1",), True))
+        assert DomainWriter(client.ApiClient(), "ns", "train", "fulljitter", 25.0, random.Random(7), clock,
+                            custom_api=domain).ensure(Entry("n1", "", ("GPU-1",), True))
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2, said
+    assert said[0].startswith("domain update: failed to apply member n1 of GPUDomain ns/train: (500)")
+    assert said[0].endswith("(attempt 1)")
+    assert said[1] == "domain update: failed to set node n1 status Ready in GPUDomain ns/train: 500 scripted (attempt 1)"
+
+
+def _fail_once(call):
+    failed = []
+
+    def once(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise client.ApiException(status=500, reason="scripted")
+        return call(*args, **kwargs)
+    return once
+
+
+def test_the_peer_list_is_logged_at_level_3_only_and_its_count_at_level_0(caplog):
+    import logging
+
+    from gpu_agent.mechanisms.domain import reconciler as reconciler_module
+
+    clock = ManualClock()
+    reconciler, _ = reconciler_on(ScriptedMembers(), clock)
+    domain = {"metadata": {"name": "train"}, "status": {"nodes": [
+        {"name": "n1", "index": 0, "ip": "10.0.0.1", "status": "Ready"},
+        {"name": "n2", "index": 1, "ip": "10.0.0.2", "status": "Ready"}]}}
+    name = reconciler_module.log._log.name
+    with caplog.at_level(logging.INFO, logger=name):
+        reconciler._write_peers(domain)
+    level_0 = [r.getMessage() for r in caplog.records]
+    assert level_0 == ["domain GPUDomain ns/train has 2 peer(s)"], level_0  # no node name, no address
+    caplog.clear()
+    reconciler._peer_count = -1
+    with caplog.at_level(1, logger=name):
+        reconciler._write_peers(domain)
+    assert "domain peers: 0=n1, 1=n2" in [r.getMessage() for r in caplog.records]

@@ -2,6 +2,7 @@
 
 import asyncio
 import inspect
+import logging
 
 import pytest
 
@@ -314,3 +315,49 @@ async def test_the_reason_stays_one_bounded_line_however_many_gpus_are_unhealthy
         await h.manager.gpus_changed(2, inventory(4, broken=same))
         await h.clock.advance(1)
         assert h.health.get("registration").reason.startswith("no healthy GPU: 4 GPUs Unhealthy (node n1: 4 nvidia.com/gpu in capacity")
+
+
+# ---- mutants that survived the unit suite (issue 49) -----------------------------------------------------------
+
+async def test_a_registered_agent_registers_again_every_reregistration_interval_and_keeps_its_gpus(harness):
+    async with harness(reregister=100.0) as h:
+        await h.manager.gpus_changed(1, inventory(2))
+        await h.clock.advance(350)
+        assert h.cp.times("register") == [0, 100, 200, 300]  # the initial one, then one per interval
+        assert [gen for gen, _ in h.cp.registered] == [1, 1, 1, 1] and h.ready
+
+
+async def test_a_renewal_answered_after_the_credential_was_refused_is_discarded_and_the_new_registration_wins(harness):
+    """The queue is refused (401) while a renewal is at the server: the credential is dropped and a registration
+    follows the renewal through the gate. The renewal's late answer must not be installed over that (the mutant
+    that turned the stale check off installed it, then the registration's)."""
+    async with harness(ttl=100, renew=10) as h:
+        await h.manager.gpus_changed(1, inventory(1))
+        await h.clock.advance(1)
+        h.cp.hold_renew = asyncio.Event()
+        await h.clock.advance(10)  # the renewal is at the server, holding the gate
+        await h.manager.credential_refused()
+        assert h.manager.credential is None and not h.ready
+        installed = []
+        install = h.manager._install
+        h.manager._install = lambda credential: (installed.append(credential.token), install(credential))
+        h.cp.hold_renew.set()
+        await h.clock.advance(0.5)
+        assert h.cp.times("register") == [0, 11]  # registered again once the renewal let go of the gate
+        assert installed == [Secret("credential-0003-secret")], installed  # the registration's; the renewal's (0002) not
+        assert h.manager.credential == Secret("credential-0003-secret") and h.ready
+
+
+
+async def test_a_failed_registration_attempt_is_a_warning_naming_the_attempt_and_the_next_retry(harness, caplog):
+    from gpu_agent.mechanisms.registration import manager as manager_module
+
+    async with harness(initial=1, cap=8, jitter=0) as h:
+        h.cp.register_script = [Unavailable("POST /v1/registrations: connection failed", None)]
+        with caplog.at_level(logging.INFO, logger=manager_module.log._log.name):
+            await h.manager.gpus_changed(1, inventory(1))
+            await h.clock.advance(2)
+    retries = [r for r in caplog.records if "registration attempt" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()) for r in retries] == [
+        ("WARNING", "registration attempt 1 failed: POST /v1/registrations: connection failed; retrying in 1.00s")]
+    assert h.ready
