@@ -223,3 +223,62 @@ def test_node_metrics_take_the_trackers_reports():
     assert samples[("gpu_agent_gpu_health_transitions_total", ("Lost",))] == 1
     assert samples[("gpu_agent_gpu_health_events_total", ("xid_ignored",))] == 1
     assert samples[("gpu_agent_gpu_health_events_total", ("ecc_double",))] == 0  # every label there from the start
+
+
+# ---- a read that hangs (issue 49) -----------------------------------------------------------------------------
+
+async def test_a_source_read_that_hangs_turns_the_gpus_not_ready_saying_so_and_its_late_answer_recovers():
+    import asyncio
+    import threading
+
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.foundations.gpus import GPU, Inventory
+    from gpu_agent.foundations.health import HealthRegistry
+    from gpu_agent.mechanisms.inventory.monitor import InventoryMonitor
+    from gpu_agent.mechanisms.inventory.source import Reading
+
+    class WedgedDriver:
+        """Answers at once until `wedge` is set; then its read blocks until `unwedge` is set. Counts its reads."""
+        name = "nvml"
+
+        def __init__(self):
+            self.wedged, self.unwedge, self.reads = threading.Event(), threading.Event(), 0
+
+        def read(self):
+            self.reads += 1
+            if self.wedged.is_set():
+                assert self.unwedge.wait(10), "the test never let the read answer"
+            return Reading(Inventory((GPU("GPU-00000000-0000-0000-0000-000000000001", "H200", 1 << 30, index=0),)))
+
+        def close(self):
+            pass
+
+    clock = ManualClock()
+    health = HealthRegistry(clock, ["gpus"])
+    events = []
+
+    async def changed(event):
+        events.append(event)
+
+    driver = WedgedDriver()
+    monitor = InventoryMonitor(driver, clock=clock, health=health, poll_interval=1.0, on_change=changed, read_timeout=5.0)
+    await monitor.poll_once()
+    assert health.get("gpus").ready and driver.reads == 1
+    driver.wedged.set()
+    polls = [asyncio.ensure_future(monitor.poll_once())]
+    for _ in range(200):  # poll to a deadline: the read reaches the driver on its thread
+        if driver.reads == 2:
+            break
+        await asyncio.sleep(0.005)
+    await clock.advance(5.0)
+    await asyncio.wait_for(polls[0], 5)
+    entry = health.get("gpus")
+    assert not entry.ready and "has not answered a read for 5s (a hung driver)" in entry.reason, entry.reason
+    polls.append(asyncio.ensure_future(monitor.poll_once()))  # the next poll waits for the same read
+    await clock.advance(5.0)
+    await asyncio.wait_for(polls[1], 5)
+    assert driver.reads == 2, "a second read started beside the hung one"
+    assert "has not answered a read for 10s" in health.get("gpus").reason
+    driver.unwedge.set()
+    await asyncio.wait_for(monitor.poll_once(), 5)  # the late answer is the next reading
+    assert health.get("gpus").ready and driver.reads == 2

@@ -22,6 +22,12 @@ device plugin registers again (the cluster source reads that as the node's GPUs 
 Unhealthy: in capacity, not allocatable); without the window every restart would pause the
 queues and register again. A GPU that recovers (Unhealthy or Lost to Healthy) counts again at
 the next poll, as an arrival does. With `loss_debounce` 0 every change is acted on at the next poll.
+
+A read that does not answer within `read_timeout` (a wedged driver: NVML calls can hang after an Xid
+79) reads as an unreadable source, so the GPUs count as none and the agent turns NotReady saying
+the read hangs and for how long, while /livez stays 200 (the loop turns). The read stays out on its
+daemon thread (a call into a driver cannot be cancelled), no second one starts beside it, and each
+poll waits for it again; its answer, whenever it comes, is the next reading.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.clock import Clock, sleep_or
 from gpu_agent.foundations.gpus import GPU, Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.mechanisms.inventory.source import GPUSource, Reading
 
 log = get_logger(__name__)
@@ -83,8 +90,11 @@ class InventoryMonitor:
     def __init__(self, source: GPUSource, *, clock: Clock, health: HealthRegistry, poll_interval: float,
                  on_change: Callable[[InventoryEvent], Awaitable[None]], component: str = "gpus",
                  zero_is_ready: bool = False, loss_debounce: float = 0.0,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None, read_timeout: float = 10.0) -> None:
         self.source = source
+        self.read_timeout = read_timeout
+        self._read: asyncio.Future[Reading] | None = None  # the source's read still out (a hung one), if any
+        self._read_since = 0.0
         self.clock = clock
         self.health = health
         self.poll_interval = poll_interval
@@ -100,11 +110,24 @@ class InventoryMonitor:
         self.pending: PendingDrop | None = None
 
     async def poll_once(self) -> InventoryEvent | None:
+        if self._read is None:
+            self._read = asyncio.ensure_future(in_daemon_thread(self.source.read))
+            self._read_since = self.clock.monotonic()
+        read = self._read
+        if not read.done():
+            await sleep_or(self.clock, self.read_timeout, asyncio.shield(read))
+        if not read.done():
+            waited = self.clock.monotonic() - self._read_since
+            return await self.observe(Reading(Inventory(), error=(
+                f"GPU source {self.source.name} has not answered a read for {waited:.0f}s (a hung driver); "
+                "waiting for it")))
+        self._read = None
         try:
-            reading: Reading = await asyncio.to_thread(self.source.read)
+            reading = read.result()
         except Exception as e:  # noqa: BLE001 - a source that breaks is a source that cannot be read
             reading = Reading(Inventory(), error=f"GPU source {self.source.name} failed: {type(e).__name__}: {e}"[:500])
         return await self.observe(reading)
+
 
     async def observe(self, reading: Reading) -> InventoryEvent | None:
         prev = self.current
