@@ -91,26 +91,53 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
                     on_event: Callable[[str, Any], None], on_error: Callable[[Exception], None],
                     stop: threading.Event, retry_seconds: float = 1.0, resync_seconds: int = 240, clock: Clock | None = None,
                     **kwargs: Any) -> None:
-    """Keep a local view current: list (handing the whole list to `on_list`), then watch from
-    the list's resourceVersion (each event to `on_event(type, object)`). A watch that ends
-    (its timeout, a 410 Gone, an outage) lists again; an error goes to `on_error`, then a pause.
-    Works for typed and custom-object list calls alike. Runs until `stop` is set; its pauses wait on
-    `clock` (the system's by default)."""
+    """Keep a local view current as client-go's reflector does: list (handing the whole list to `on_list`),
+    then watch from the list's resourceVersion (each event to `on_event(type, object)`), asking for bookmarks.
+    A watch that ends cleanly (the server's `resync_seconds` timeout) is resumed from the last version seen,
+    an event's or a bookmark's, without listing: a relist hands every caller the whole list again (the work
+    Pods' watch wakes every item in flight on one). A 410 Gone (that version compacted away) lists again at
+    once; any other error goes to `on_error`, then a pause of `retry_seconds`, then a list, since what the
+    caller missed meanwhile is unknown. Works for typed and custom-object list calls alike. Runs until `stop`
+    is set; its pauses wait on `clock` (the system's by default)."""
     clock = clock or SystemClock()
+    version: str | None = None  # None: list first
     while not stop.is_set():
+        just_listed = version is None
         try:
-            listed = list_call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
-            if stop.is_set():
-                return  # stopped while listing: whoever stopped us no longer wants the view
-            on_list(listed)
+            if version is None:
+                listed = list_call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+                if stop.is_set():
+                    return  # stopped while listing: whoever stopped us no longer wants the view
+                on_list(listed)
+                version = _resource_version(listed)
             w = watch.Watch()
-            for event in w.stream(list_call, *args, resource_version=_resource_version(listed),
+            for event in w.stream(list_call, *args, resource_version=version, allow_watch_bookmarks=True,
                                   timeout_seconds=resync_seconds, _request_timeout=resync_seconds + WATCH_GRACE,
                                   **kwargs):
                 if stop.is_set():  # checked before delivering: no event reaches a stopped caller
                     w.stop()
                     return
-                on_event(event["type"], event["object"])
+                version, just_listed = _event_version(event) or version, False
+                if event["type"] != "BOOKMARK":  # a bookmark carries only a version, no change
+                    on_event(event["type"], event["object"])
+        except ApiException as e:
+            version = None  # expired (410 Gone) or failed: the list is the only way back to a consistent view
+            if e.status == 410 and not just_listed:
+                continue  # the usual expiry of an old version: list again at once, as the reflector does
+            on_error(e)  # an error, or a 410 on a version just listed, no event since (a server that cannot watch): pause
+            clock.wait_blocking(stop, retry_seconds)
         except Exception as e:  # noqa: BLE001 - reported by the caller, then list again
+            version = None
             on_error(e)
             clock.wait_blocking(stop, retry_seconds)
+
+
+def _event_version(event: dict[str, Any]) -> str | None:
+    """The resourceVersion a watch event carries (typed or plain, a bookmark's too); None if it has none."""
+    obj = event.get("raw_object", event.get("object"))
+    if isinstance(obj, dict):
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        return str(version) if version else None
+    metadata = getattr(obj, "metadata", None)
+    version = getattr(metadata, "resource_version", None)
+    return str(version) if version else None
