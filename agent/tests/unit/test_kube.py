@@ -54,9 +54,11 @@ class Script:
         monkeypatch.setattr(kube.watch, "Watch", self.watch())
         seen, errors = [], []
 
+        pauses = self.pauses
+
         class Clock:  # records the pauses instead of waiting
-            def wait_blocking(clock, stop, seconds):
-                self.pauses.append(seconds)
+            def wait_blocking(self, stop, seconds):
+                pauses.append(seconds)
         kube.list_then_watch(self.list_call, "ns1", label_selector="x=y",
                              on_list=lambda lst: seen.append(("list", kube.items_of(lst))),
                              on_event=lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
