@@ -18,7 +18,7 @@ import pytest
 from kubernetes.client import ApiException
 
 from e2e import cluster
-from e2e.helpers import Sampler, drops, pod_log, wait_until
+from e2e.helpers import Sampler, drops, pod_http_get, pod_log, wait_until
 from e2e.release import Release
 
 CLUSTER_SOURCE_WINDOW = 5.0  # gpuLossDebounce default of the cluster source (mechanisms/inventory/select.py)
@@ -152,6 +152,51 @@ def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero,
     # 1, 2, 4 s less up to 20 % jitter: each gap longer than the one before.
     assert all(b > a for a, b in itertools.pairwise(gaps)), gaps
     assert 0.7 <= gaps[0] <= 1.6 and gaps[-1] >= 3.0, gaps
+
+
+def test_a_hung_control_plane_is_tried_once_per_timeout_plus_backoff_and_ready_follows_its_first_answer(
+        release_at_zero, fake_gpus):
+    """NVCA's outage as the seed has it: the control plane's calls hang, they are not refused. Each registration
+    attempt lasts the request timeout and the next starts a backoff later (read from the control plane's log, when
+    each hung call arrived); /healthz stays 503 and /livez 200 (no container restarts) all through; once the
+    control plane answers, the agent is Ready within one attempt."""
+    timeout, backoff = 3.0, 1.0
+    r = release_at_zero
+    r.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.enabled=true", "--set", "logVerbosity=2",
+              "--set", "controlPlane.faultInjection=true", "--set", f"clusterAgent.registrationRetryInitial={backoff:g}",
+              "--set", f"clusterAgent.registrationRetryMax={backoff:g}",
+              "--set-json", f'clusterAgent.config={{"requestTimeout": {timeout:g}, "registrationRetryJitter": 0}}')
+    wait_until(r.all_running, 90, "every release pod Running")
+    wait_until(lambda: service_healthz(r) == 503, 30, "NotReady at 0 GPUs")
+    r.control_plane("c.set_fault(t, mode='hang', count=1000, path='/v1/register')")
+    cp_pod = r.control_plane_pod()
+
+    def hung_calls() -> list[float]:
+        return [klog_seconds(line) for line in pod_log(r.core, r.namespace, cp_pod).splitlines()
+                if "injecting fault hang into POST /v1/register" in line]
+
+    def livez() -> int:
+        pod = r.agent_pod()
+        return pod_http_get(r.core, r.namespace, pod, 8080, "livez", timeout=5)[0] if pod else 0
+    with Sampler(lambda: service_healthz(r), 0.2) as health, Sampler(livez, 0.5) as live:
+        fake_gpus.set(2)
+        wait_until(lambda: len(hung_calls()) >= 4, 60, "four hung registration attempts", interval=0.5)
+        answering = time.monotonic()
+        r.control_plane("c.clear_faults(t)")
+        wait_until(lambda: health.samples[-1][1] == 200, timeout + backoff + 10, "Ready once it answers", interval=0.1)
+        ready_after = next(t for t, v in health.samples if t >= answering and v == 200) - answering
+    arrivals = hung_calls()
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(arrivals)]
+    during = [v for t, v in health.samples if t < answering]
+    print(f"\nhung control plane: {len(arrivals)} hung registrations arrived {gaps} s apart; /healthz {len(during)} "
+          f"samples during the outage, {sorted(set(during))}; /livez {len(live.samples)} samples, "
+          f"{sorted({v for _, v in live.samples}, key=str)}; Ready {ready_after:.1f} s after the control plane answered")
+    assert gaps and all(abs(g - (timeout + backoff)) <= 0.6 for g in gaps), gaps
+    assert len(during) >= 20 and set(during) == {503}, during
+    assert len(live.samples) >= 10 and {v for _, v in live.samples} == {200}, live.samples
+    assert set(agent_restarts(r)) == {0}, "an agent container restarted during the outage"
+    # Within one attempt: the one in flight (answered late) or the next, plus the Service's probe period.
+    assert ready_after <= timeout + backoff + 5, ready_after
 
 
 def klog_seconds(line: str) -> float:

@@ -68,7 +68,8 @@ SETTINGS = [
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
     Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
     Setting("clusterId", "str", "local", "this cluster's name at the control plane"),
-    Setting("registrationRetryInitial", "seconds", 1.0, "first registration retry delay", 0.01, 3600),
+    Setting("registrationRetryInitial", "seconds", 0.0, "first registration retry delay; 0: the GPU poll interval "
+            "(gpuPollInterval), as NVCA's backoff starts", 0, 3600),
     Setting("registrationRetryMax", "seconds", 300.0, "registration retry delay cap", 0.01, 86400),
     Setting("registrationRetryJitter", "number", 0.2, "fraction by which a retry delay may be shortened at random", 0, 0.99),
     Setting("reregistrationInterval", "seconds", 60.0, "periodic re-registration interval", 0.1, 86400),
@@ -177,6 +178,11 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
 
+def first_retry_delay(cfg: ClusterAgentConfig) -> float:
+    """The first registration retry delay: the setting, or the GPU poll interval where it is 0 (unset)."""
+    return cfg.registrationRetryInitial or cfg.gpuPollInterval
+
+
 class ClusterAgent:
     def __init__(self, cfg: ClusterAgentConfig, clock: Clock | None = None, rng: random.Random | None = None) -> None:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
@@ -221,7 +227,7 @@ class ClusterAgent:
 
     def _registration(self) -> RegistrationManager:
         cfg = self.cfg
-        settings = RegistrationSettings(cfg.clusterId, cfg.registrationRetryInitial, cfg.registrationRetryMax,
+        settings = RegistrationSettings(cfg.clusterId, first_retry_delay(cfg), cfg.registrationRetryMax,
                                         cfg.registrationRetryJitter, cfg.reregistrationInterval,
                                         cfg.credentialRenewInterval)
         return RegistrationManager(self.client, cfg.controlPlaneToken, settings=settings, clock=self.clock,

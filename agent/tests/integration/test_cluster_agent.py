@@ -301,3 +301,87 @@ def test_sigterm_while_a_lease_is_long_polling_exits_promptly(rig):
     assert agent.stop(signal.SIGTERM) == 0
     assert time.monotonic() - started < 3.0
     assert agent.grep("shutting down")
+
+
+class ProbeSampler:
+    """Samples /healthz and /livez every 50 ms on a thread: (wall time, healthz code, livez code)."""
+
+    def __init__(self, rig):
+        self.rig, self.samples, self._stop = rig, [], threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                code = self.rig.healthz()[0]
+            except Exception:  # noqa: BLE001 - an unanswered probe is a sample too, and a failing one
+                code = 0
+            self.samples.append((time.time(), code, self.rig.livez()))
+            self._stop.wait(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+        return self.samples
+
+
+def _gate_intervals(agent):
+    """(purpose, acquired, released) for each hold of the registration gate, asserting none overlaps another."""
+    intervals, open_ = [], {}
+    for line in agent.grep(r"gate (acquired|released) by"):
+        purpose = line.split(" by ")[1].split()[0]
+        if " acquired " in line:
+            assert not open_, f"{purpose} acquired the gate while {open_} held it"
+            open_[purpose] = klog_time(line)
+        else:
+            intervals.append((purpose, open_.pop(purpose), klog_time(line)))
+    return intervals
+
+
+def test_a_hung_control_plane_spaces_attempts_by_timeout_plus_backoff_and_ready_follows_one_attempt_after(rig):
+    """NVCA's outage: the control plane's calls hang (they are not refused). Each registration attempt lasts the
+    request timeout, the next starts a backoff later; readiness stays 503 and liveness 200 throughout; once the
+    control plane answers again the agent is Ready within one attempt. Then a renewal that hangs while the GPUs
+    change: the renewal and the recovery registration never hold the gate together."""
+    timeout, backoff = 1.0, 0.5
+    cp = rig.start_control_plane("--credential-ttl", "3", faults=True)
+    cp.set_fault(rig.admin_token, mode="hang", count=1000, path="/v1/")
+    rig.set_gpus(2)
+    agent = rig.start_agent("--request-timeout", str(timeout), "--registration-retry-initial", str(backoff),
+                            "--registration-retry-max", str(backoff), "--registration-retry-jitter", "0")
+    sampler = ProbeSampler(rig)
+    wait_until(lambda: len(agent.grep(r"registration attempt \d+ failed")) >= 4, 20, "four hung attempts")
+    answering_at = time.time()
+    cp.clear_faults(rig.admin_token)
+    rig.wait_health(200, 10)
+    ready_at = klog_time(agent.grep("cluster agent Ready")[0])
+    samples = sampler.stop()
+
+    starts = [klog_time(line) for line in agent.grep(r"registering 2 GPUs")]
+    failures = agent.grep(r"registration attempt \d+ failed")
+    assert all("timed out" in f for f in failures), failures
+    gaps = [b - a for a, b in itertools.pairwise(starts[:len(failures) + 1])]
+    assert len(gaps) >= 4 and gaps == pytest.approx([timeout + backoff] * len(gaps), abs=0.3), gaps
+    during = [s for s in samples if s[0] < answering_at]
+    print(f"hung control plane: attempt starts {[round(t - starts[0], 2) for t in starts]} s; {len(during)} "
+          f"probe samples during the outage; Ready {ready_at - answering_at:.2f} s after it answered")
+    assert len(during) >= 20, "the sampler took too few samples to say anything"
+    assert {s[1] for s in during} == {503} and {s[2] for s in samples} == {200}
+    assert ready_at - answering_at <= timeout + backoff + 0.5  # within one attempt
+
+    # A renewal hangs (at 80 % of the 3 s credential); the GPUs change while it holds the gate.
+    cp.set_fault(rig.admin_token, mode="hang", count=1000, path="/v1/credentials/renew")
+    wait_until(lambda: agent.grep("credential renewal attempt 1 failed"), 10, "a hung renewal to time out")
+    rig.set_gpus(4)
+    wait_until(lambda: agent.grep(r"registered 4 GPUs .*recovery"), 10, "the recovery registration of 4 GPUs")
+    cp.clear_faults(rig.admin_token)
+    rig.wait_health(200, 10)
+    intervals = _gate_intervals(agent)
+    purposes = [p for p, _, _ in intervals]
+    assert "renew" in purposes and "recovery" in purposes
+    for (_, _, end), (_, start, _) in itertools.pairwise(intervals):
+        assert start >= end
+    hung_renewals = [i for i in intervals if i[0] == "renew" and i[2] - i[1] >= timeout - 0.1]
+    assert hung_renewals, intervals  # a renewal held the gate through its whole timeout
+    assert agent.alive() and rig.livez() == 200

@@ -22,7 +22,7 @@ def test_no_token_in_any_log(tmp_path):
         SECRETS.append(reg.credential.token.reveal())
         cp.enqueue(rig.admin_token, "k", {})
         rig.set_gpus(1)
-        rig.start_agent(verbosity=7)
+        rig.start_agent("--registration-retry-initial", "1", verbosity=7)  # not the 0.1 s GPU poll interval
         rig.wait_health(200, 5)
         # A renewal answered 503 lets the 1 s credential expire before the retry (1 s less jitter), which the
         # control plane refuses (401, credential expired). Every token-bearing path has run once it has: a

@@ -16,7 +16,13 @@ def parse(argv, environ=None, tmp_path=None):
 
 def test_defaults():
     cfg = parse([])
-    assert cfg.registrationRetryInitial == 1.0 and cfg.verbosity == 0 and cfg.gpuSource == "fake"
+    assert cfg.registrationRetryInitial == 0 and cfg.verbosity == 0 and cfg.gpuSource == "fake"
+
+
+def test_the_first_registration_retry_waits_the_gpu_poll_interval_unless_set():
+    assert cluster_agent.first_retry_delay(parse([])) == 0.5  # gpuPollInterval's default
+    assert cluster_agent.first_retry_delay(parse(["--gpu-poll-interval", "3"])) == 3
+    assert cluster_agent.first_retry_delay(parse(["--gpu-poll-interval", "3", "--registration-retry-initial", "0.2"])) == 0.2
 
 
 def test_precedence_file_then_env_then_flag(tmp_path):

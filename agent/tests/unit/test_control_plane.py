@@ -1,5 +1,8 @@
 """The reference control plane over real HTTP on loopback, with its client."""
 
+import threading
+import time
+
 import pytest
 import requests
 
@@ -609,3 +612,33 @@ def test_the_lease_query_reads_only_the_items_still_to_run(tmp_path, clock):
     plan = store._db.execute("EXPLAIN QUERY PLAN " + LEASE_QUERY, (0, 0, 1)).fetchall()
     assert any("items_open" in row[-1] for row in plan), plan
     store.close()
+
+
+def test_a_hung_call_holds_past_the_client_timeout_and_is_answered_once_the_faults_are_cleared(cp_faults):
+    """A hang is not a delay: it ends when DELETE /admin/faults clears it, not after a time, and /healthz and the
+    admin calls are answered meanwhile (the hung calls cannot take every worker)."""
+    from gpu_agent.roles.control_plane import api
+    server, client = cp_faults
+    impatient = ControlPlaneClient(server.url, timeout=0.3)
+    client.set_fault(ADMIN, mode="hang", count=api.MAX_HUNG_CALLS + 1, path="/v1/register")
+    started = time.monotonic()
+    for _ in range(api.MAX_HUNG_CALLS):
+        with pytest.raises(ControlPlaneError, match="timed out"):
+            impatient.register(REG, "c1", 1, INV)
+    with pytest.raises(ControlPlaneError) as dropped:  # one more than may hang: dropped at once, not hung
+        impatient.register(REG, "c1", 1, INV)
+    assert dropped.value.kind == "unavailable" and "timed out" not in str(dropped.value)
+    assert requests.get(server.url + "/healthz", timeout=2).status_code == 200  # a worker is still free
+    assert _admin("DELETE", server, "/admin/faults").status_code == 200  # releases the hung ones
+    late = []
+    patient = threading.Thread(target=lambda: late.append(ControlPlaneClient(server.url, timeout=30).register(
+        REG, "c1", 1, INV)), daemon=True)
+    client.set_fault(ADMIN, mode="hang", count=1, path="/v1/register")
+    patient.start()
+    patient.join(1.0)
+    assert patient.is_alive() and not late  # held well past the impatient client's timeout
+    assert _admin("DELETE", server, "/admin/faults").status_code == 200
+    patient.join(10)
+    assert late and late[0].credential  # answered late, in full
+    assert time.monotonic() - started < 20
+    client.register(REG, "c1", 1, INV)  # cleared: nothing hangs any more

@@ -130,6 +130,8 @@ class LeaseRenewal(Model):
 
 
 FAULT_STATUSES = range(500, 600)
+HANG_LIMIT_SECONDS = 300.0  # a hung call is answered after this long even if nobody clears the fault
+MAX_HUNG_CALLS = 8  # of the 16 workers: /healthz and /admin/faults (to clear the fault) always find one free
 
 
 def _server_error(value: int) -> int:
@@ -141,12 +143,17 @@ def _server_error(value: int) -> int:
 
 
 class FaultRequest(Model):
-    mode: Literal["status", "delay", "drop", "malformed"]
+    mode: Literal["status", "delay", "drop", "malformed", "hang"] = Field(
+        description="status: answer `status`; delay: answer after delaySeconds; drop: close the connection mid-answer; "
+                    "malformed: answer a body that is not JSON; hang: hold the call unanswered until DELETE /admin/faults "
+                    f"(or delaySeconds, if set; at most {HANG_LIMIT_SECONDS:.0f} s), then answer it late, as a wedged "
+                    f"control plane does; at most {MAX_HUNG_CALLS} calls hang at once, one more is dropped")
     count: Int = Field(default=1, ge=1, le=1000)
     status: Annotated[int, BeforeValidator(_whole_float_to_int), AfterValidator(_server_error)] = Field(
         default=503, json_schema_extra={"minimum": FAULT_STATUSES.start, "maximum": FAULT_STATUSES.stop - 1},
         description="the status the faulted calls answer with (mode status): a server error, 500 to 599")
-    delaySeconds: float = Field(default=0.0, ge=0, le=60)
+    delaySeconds: float = Field(default=0.0, ge=0, le=60,
+                                description="delay: the wait before the answer; hang: the longest hold (0: until cleared)")
     path: str = Field(default="", max_length=200, description="only calls whose path starts with this")
     retryAfterSeconds: Annotated[int, annotated_types.Ge(0), annotated_types.Le(3600),
                                  BeforeValidator(_whole_float_to_int)] | None = None

@@ -12,7 +12,8 @@ Fault injection is a test facility, off unless the control plane runs with fault
 (`--fault-injection=true`; the chart's controlPlane.faultInjection): without it /admin/faults
 answers 404 naming the setting. Faults armed through /admin/faults apply to the next matching
 calls that passed the token check (never to /healthz or /admin): answer with a 5xx status, delay,
-drop the connection mid-response, or return a malformed body. A call its token would have refused
+drop the connection mid-response, return a malformed body, or hang (hold the call unanswered
+until DELETE /admin/faults clears the faults, then answer it late: a wedged control plane). A call its token would have refused
 gets its 401 or 403, never an injected answer, and does not use up a fault.
 """
 
@@ -53,6 +54,8 @@ class Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed: list[Fault] = []
+        self._release = threading.Event()  # set by clear(): ends every hang
+        self._hung = 0
 
     def arm(self, fault: Fault) -> None:
         with self._lock:
@@ -61,6 +64,23 @@ class Faults:
     def clear(self) -> None:
         with self._lock:
             self._armed.clear()
+            self._release.set()  # every hung call goes on; a hang armed later waits on a new event
+            self._release = threading.Event()
+
+    def hang(self, fault: Fault) -> bool:
+        """Hold a call until the faults are cleared (or the fault's delay, or the limit, passes); False, at once,
+        if MAX_HUNG_CALLS already hang: the caller drops that call instead, so that a worker stays free."""
+        with self._lock:
+            if self._hung >= api.MAX_HUNG_CALLS:
+                return False
+            self._hung += 1
+            release = self._release
+        try:
+            release.wait(fault.delay or api.HANG_LIMIT_SECONDS)
+        finally:
+            with self._lock:
+                self._hung -= 1
+        return True
 
     def take(self, path: str) -> Fault | None:
         with self._lock:
@@ -326,6 +346,10 @@ class ControlPlane:
             if fault.mode == "status":
                 retry = [("Retry-After", str(fault.retry_after))] if fault.retry_after is not None else []
                 raise Refused(fault.status, "injected fault", retry)
+            if fault.mode == "hang" and not self.faults.hang(fault):
+                log.warning("%s %s dropped: %d calls hang already", method, quote(path), api.MAX_HUNG_CALLS)
+                start_response("200 OK", [("Content-Length", "64"), ("Content-Type", "application/json")])
+                return 200, []
             if fault.mode == "drop":  # headers promise a body that never comes: the connection closes
                 start_response("200 OK", [("Content-Length", "64"), ("Content-Type", "application/json")])
                 return 200, []
@@ -358,5 +382,6 @@ class ControlPlaneServer:
 
     def stop(self) -> None:
         self.cp.store.release_waiters()  # a long-polled lease would otherwise hold a worker for its wait
+        self.cp.faults.clear()  # and so would a hung call, for its hang
         self.listener.stop()
         self.cp.store.close()
