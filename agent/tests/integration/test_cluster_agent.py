@@ -15,23 +15,36 @@ from tests.integration.harness import free_port, klog_time, wait_until
 pytestmark = pytest.mark.integration
 
 
-class LivezSampler:
-    """Samples /livez every 20 ms on a thread for the whole test."""
+class Sampler:
+    """Calls `probe` every `interval` seconds on a thread until stopped; `stop()` returns what it answered."""
 
-    def __init__(self, rig):
-        self.rig, self.codes, self._stop = rig, [], threading.Event()
+    def __init__(self, probe, interval):
+        self.probe, self.interval, self.samples, self._stop = probe, interval, [], threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self):
         while not self._stop.is_set():
-            self.codes.append(self.rig.livez())
-            self._stop.wait(0.02)
+            self.samples.append(self.probe())
+            self._stop.wait(self.interval)
 
     def stop(self):
         self._stop.set()
         self._t.join()
-        return self.codes
+        return self.samples
+
+
+def _gate_intervals(agent):
+    """(purpose, acquired, released) for each hold of the registration gate, asserting none overlaps another."""
+    intervals, open_ = [], {}
+    for line in agent.grep(r"gate (acquired|released) by"):
+        purpose = line.split(" by ")[1].split()[0]
+        if " acquired " in line:
+            assert not open_, f"{purpose} acquired the gate while {open_} held it"
+            open_[purpose] = klog_time(line)
+        else:
+            intervals.append((purpose, open_.pop(purpose), klog_time(line)))
+    return intervals
 
 
 def test_gpus_0_4_0_three_cycles_flip_readiness_and_liveness_holds(rig):
@@ -39,7 +52,7 @@ def test_gpus_0_4_0_three_cycles_flip_readiness_and_liveness_holds(rig):
     rig.set_gpus(0)
     agent = rig.start_agent()
     pid = agent.pid
-    sampler = LivezSampler(rig)
+    sampler = Sampler(rig.livez, 0.02)
     code, doc = rig.healthz()
     assert code == 503
     assert doc["components"]["gpus"]["reason"].startswith("no GPUs available")
@@ -87,14 +100,7 @@ def test_renewal_in_flight_when_gpus_arrive_never_overlaps_and_both_complete(rig
     rig.set_gpus(4)  # GPUs change while the renewal holds the gate
     wait_until(lambda: agent.grep(r"registered 4 GPUs .*recovery"), 10, "registration of the new GPUs")
     rig.wait_health(200, 5)
-    intervals, open_ = [], {}
-    for line in agent.grep(r"gate (acquired|released) by"):
-        purpose = line.split(" by ")[1].split()[0]
-        if " acquired " in line:
-            assert not open_, f"{purpose} acquired the gate while {open_} held it"
-            open_[purpose] = klog_time(line)
-        else:
-            intervals.append((purpose, open_.pop(purpose), klog_time(line)))
+    intervals = _gate_intervals(agent)
     purposes = [p for p, _, _ in intervals]
     assert "renew" in purposes and purposes.count("initial") == 1 and purposes.count("recovery") >= 1
     for (_, _, end), (_, start, _) in itertools.pairwise(intervals):
@@ -303,40 +309,13 @@ def test_sigterm_while_a_lease_is_long_polling_exits_promptly(rig):
     assert agent.grep("shutting down")
 
 
-class ProbeSampler:
-    """Samples /healthz and /livez every 50 ms on a thread: (wall time, healthz code, livez code)."""
-
-    def __init__(self, rig):
-        self.rig, self.samples, self._stop = rig, [], threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                code = self.rig.healthz()[0]
-            except Exception:  # noqa: BLE001 - an unanswered probe is a sample too, and a failing one
-                code = 0
-            self.samples.append((time.time(), code, self.rig.livez()))
-            self._stop.wait(0.05)
-
-    def stop(self):
-        self._stop.set()
-        self._t.join()
-        return self.samples
-
-
-def _gate_intervals(agent):
-    """(purpose, acquired, released) for each hold of the registration gate, asserting none overlaps another."""
-    intervals, open_ = [], {}
-    for line in agent.grep(r"gate (acquired|released) by"):
-        purpose = line.split(" by ")[1].split()[0]
-        if " acquired " in line:
-            assert not open_, f"{purpose} acquired the gate while {open_} held it"
-            open_[purpose] = klog_time(line)
-        else:
-            intervals.append((purpose, open_.pop(purpose), klog_time(line)))
-    return intervals
+def _probes(rig):
+    """(wall time, /healthz code, /livez code); 0 for a probe that got no answer."""
+    try:
+        code = rig.healthz()[0]
+    except Exception:  # noqa: BLE001 - an unanswered probe is a sample too, and a failing one
+        code = 0
+    return time.time(), code, rig.livez()
 
 
 def test_a_hung_control_plane_spaces_attempts_by_timeout_plus_backoff_and_ready_follows_one_attempt_after(rig):
@@ -350,7 +329,7 @@ def test_a_hung_control_plane_spaces_attempts_by_timeout_plus_backoff_and_ready_
     rig.set_gpus(2)
     agent = rig.start_agent("--request-timeout", str(timeout), "--registration-retry-initial", str(backoff),
                             "--registration-retry-max", str(backoff), "--registration-retry-jitter", "0")
-    sampler = ProbeSampler(rig)
+    sampler = Sampler(lambda: _probes(rig), 0.05)
     wait_until(lambda: len(agent.grep(r"registration attempt \d+ failed")) >= 4, 20, "four hung attempts")
     answering_at = time.time()
     cp.clear_faults(rig.admin_token)
