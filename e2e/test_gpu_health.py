@@ -176,7 +176,15 @@ def health_release(api, core, apps, kubeconfig, namespace, fake_gpus):
         r.install("--set", "gracefulNoGPU=true", "--set", f"domain.name={DOMAIN}", "--set", "domain.expectedNodes=1",
                   "--set", "clusterAgent.gpuLossDebounce=0")
         wait_until(r.all_running, 90, "every release pod Running")
-        wait_until(lambda: (r.healthz()[1] or {}).get("active"), 60, "the cluster agent Ready and active on 4 GPUs")
+        last: list = [None]  # the agent's last /healthz, named if the wait times out (the kind stage saw one once)
+
+        def active():
+            last[0] = r.healthz()[1]
+            return (last[0] or {}).get("active")
+        try:
+            wait_until(active, 60, "the cluster agent Ready and active on 4 GPUs")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its last /healthz: {last[0]}") from e
         yield r, faults
     finally:
         try:
