@@ -28,6 +28,7 @@ from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, core_v1_list, items_of, list_then_watch
+from gpu_agent.foundations.threads import Threads
 
 log = get_logger("fake_gpu.daemon")
 
@@ -98,11 +99,12 @@ def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_
         config.load_kube_config()
     api = client.ApiClient()
     stopping = threading.Event()
+    threads = Threads()  # the daemon's long-lived threads: a death is logged with its traceback, not lost
     labeler = None
     if release:
         core = client.CoreV1Api(api)
         labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=REQUEST_TIMEOUT))
-        threading.Thread(target=labeler.run, args=(stopping,), name="node-labels", daemon=True).start()
+        threads.start("node-labels", lambda: labeler.run(stopping), stopping)
     devices = Devices()
     applier = LayoutApplier(node, state_file, devices, default_count=default_count, labeler=labeler, release=release)
     runner = PluginRunner(plugin_dir, devices, host_state_file)
@@ -115,7 +117,7 @@ def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    threading.Thread(target=watch_layout, args=(api, namespace, configmap, applier, stopping), daemon=True).start()
+    threads.start("layout-watch", lambda: watch_layout(api, namespace, configmap, applier, stopping), stopping)
     log.info("fake-gpu daemon for node %s: layout ConfigMap %s/%s, state file %s, plugin dir %s", node, namespace, configmap,
              state_file, plugin_dir)
     runner.run()
