@@ -42,8 +42,12 @@ MATRIX = {
         "--set", "fullnameOverride=gpu-agent"]),
     "gpu-agent high availability (disruption budget, critical-priority quota)": (CHART, [*EXTERNAL_CP, "--set", "clusterAgent.replicas=2", "--set", "nodeAgent.priorityQuota.enabled=true"]),
     "gpu-agent without node agents or skew check": (CHART, [*EXTERNAL_CP, "--set", "nodeAgent.enabled=false", "--set", "hooks.skewCheck=false"]),
+    "gpu-agent as the DRA driver (fake GPUs, an extended resource, a domain)": (CHART, [
+        *EXTERNAL_CP, "--set", "dra.enabled=true", "--set", "nodeAgent.gpuSource=fake",
+        "--set", "dra.extendedResourceName=nvidia.com/gpu", "--set", "domain.name=d1"]),
     "fake-gpu defaults": (FAKE_GPU_CHART, []),
     "fake-gpu with a default count": (FAKE_GPU_CHART, ["--set", "defaultCount=4", "--set", "maxCount=8"]),
+    "fake-gpu without its device plugin (nodes served by DRA)": (FAKE_GPU_CHART, ["--set", "devicePlugin.enabled=false"]),
 }
 
 

@@ -49,6 +49,18 @@ BAD_VALUES = [
     (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=http://cp"], "controlPlane.existingSecret is required"),
     (["--set", "unknownValue=1"], "unknownValue"),
     (["--set", "controlPlane.faultInjection=yes"], "faultInjection"),
+    (["--set", "dra.enabled=yes"], "/dra/enabled"),
+    (["--set", "dra.enabled=true", "--set", "dra.driverName=GPU.Example.com"], "/dra/driverName"),
+    (["--set", "dra.enabled=true", "--set", "dra.driverName=gpu_example"], "/dra/driverName"),
+    (["--set", "dra.enabled=true", "--set", "dra.driverName="], "/dra/driverName"),
+    (["--set", "dra.driverName=" + "g" * 61 + ".io"], "/dra/driverName"),  # over 63: refused even while DRA is off
+    (["--set", "dra.deviceClassName=Class"], "/dra/deviceClassName"),
+    (["--set", "dra.extendedResourceName=gpu"], "/dra/extendedResourceName"),  # an extended resource has a domain
+    (["--set", "dra.kubeletRegistryDir=var/lib/kubelet/plugins_registry"], "/dra/kubeletRegistryDir"),
+    (["--set", "dra.kubeletPluginsDir=plugins"], "/dra/kubeletPluginsDir"),
+    (["--set", "dra.cdiDir=cdi"], "/dra/cdiDir"),
+    (["--set", "dra.socketDir=/x"], "socketDir"),
+    (["--set", "nodeAgent.config.draDriverName=x"], "draDriverName"),  # the chart wires it: set dra.driverName
 ]
 
 
@@ -356,3 +368,132 @@ def test_a_gpu_node_selector_reaches_the_cluster_agents_config_only_when_set_and
     assert config["gpuNodeSelector"] == {"gpu-agent.io/pool": "a"}
     r = helm("template", "t", str(CHART), *BASE, "--set", "clusterAgent.gpuNodeSelector.pool=" + "x" * 64, check=False)
     assert r.returncode != 0 and "gpuNodeSelector" in r.stderr, r.stderr
+
+
+DRA_PATHS = {"dra-registry": "/var/lib/kubelet/plugins_registry", "dra-plugins": "/var/lib/kubelet/plugins",
+             "dra-cdi": "/var/run/cdi"}
+
+
+def dra_objects(docs):
+    """The DRA objects the chart renders, by kind."""
+    out = {}
+    for d in docs:
+        name = d["metadata"]["name"]
+        if d["kind"] == "DeviceClass" or name.endswith(("-node-agent-dra", "-dra-own-slices")):
+            out.setdefault(d["kind"], []).append(d)
+    return out
+
+
+def node_agent_pod(docs):
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    return ds["spec"]["template"]["spec"]
+
+
+def test_dra_is_off_by_default_and_renders_nothing_of_its_own():
+    for sets in ([], ["--set", "nodeAgent.gpuSource=fake"], ["--set", "dra.enabled=true", "--set", "nodeAgent.enabled=false"]):
+        docs = render(*sets)
+        assert dra_objects(docs) == {}, sets
+        assert not [d for d in docs if d["apiVersion"].startswith("resource.k8s.io")]
+    docs = render()
+    pod = node_agent_pod(docs)
+    host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
+    assert not [p for p in host_paths if p.startswith(("/var/lib/kubelet", "/var/run/cdi"))], host_paths
+    assert not [v for v in pod["volumes"] if v["name"].startswith("dra-")]
+    assert pod["automountServiceAccountToken"] is False  # no domain, no DRA: no API access
+    assert not [k for k in agent_config(docs, "node-agent") if k.startswith("dra")]
+    rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
+    assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]]
+
+
+def test_dra_renders_the_device_class_the_rbac_the_slice_policy_the_kubelets_folders_and_the_settings():
+    docs = render("--set", "dra.enabled=true")
+    objects = dra_objects(docs)
+    assert sorted(objects) == ["ClusterRole", "ClusterRoleBinding", "DeviceClass", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding"]
+    assert all(len(v) == 1 for v in objects.values()), objects
+    (device_class,) = objects["DeviceClass"]
+    assert device_class["apiVersion"] == "resource.k8s.io/v1" and device_class["metadata"]["name"] == "gpu.gpu-agent.io"
+    assert device_class["spec"] == {"selectors": [{"cel": {"expression": "device.driver == 'gpu.gpu-agent.io'"}}]}
+
+    (role,) = objects["ClusterRole"]
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
+    assert len(rules) == len(role["rules"]) == 4
+    assert rules[("resource.k8s.io",), ("resourceslices",)]["verbs"] == [
+        "get", "list", "watch", "create", "update", "patch", "delete"]
+    assert rules[("resource.k8s.io",), ("resourceclaims",)]["verbs"] == ["get", "list", "watch"]
+    status = rules[("resource.k8s.io",), ("resourceclaims/driver",)]
+    assert status["verbs"] == ["associated-node:update", "associated-node:patch"]
+    assert status["resourceNames"] == ["gpu.gpu-agent.io"]
+    assert rules[("",), ("nodes",)]["verbs"] == ["get"]
+    assert "resourceNames" not in rules[("resource.k8s.io",), ("resourceslices",)]
+    (binding,) = objects["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "t-gpu-agent-node-agent", "namespace": "ns"}]
+
+    (policy,) = objects["ValidatingAdmissionPolicy"]
+    (policy_binding,) = objects["ValidatingAdmissionPolicyBinding"]
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"],
+                                                          "operations": ["CREATE", "UPDATE", "DELETE"],
+                                                          "resources": ["resourceslices"]}]
+    assert spec["matchConditions"] == [{"name": "this-releases-node-agents", "expression": (
+        "request.userInfo.username == 'system:serviceaccount:ns:t-gpu-agent-node-agent'")}]
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    assert "request.userInfo.extra['authentication.kubernetes.io/node-name'][0]" in variables["node"]
+    assert "oldObject.spec.nodeName" in variables["nodeBefore"] and "request.operation != 'CREATE'" in variables["nodeBefore"]
+    assert "object.spec.nodeName" in variables["nodeAfter"] and "oldObject" not in variables["nodeAfter"]
+    assert "request.operation == 'DELETE' ? (has(oldObject.spec)" in variables["driver"]
+    checks = [v["expression"] for v in spec["validations"]]
+    assert checks == ["variables.node != ''",
+                      "request.operation == 'CREATE' || variables.nodeBefore == variables.node",  # UPDATE, DELETE: before
+                      "request.operation == 'DELETE' || variables.nodeAfter == variables.node",  # CREATE, UPDATE: after
+                      "variables.driver == 'gpu.gpu-agent.io'"]
+    assert {v["reason"] for v in spec["validations"]} == {"Forbidden"}
+    assert policy_binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert len(policy["metadata"]["name"]) <= 63
+
+    pod = node_agent_pod(docs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    for name, path in DRA_PATHS.items():
+        assert volumes[name]["hostPath"] == {"path": path, "type": "DirectoryOrCreate"}
+        assert mounts[name] == {"name": name, "mountPath": path}  # at the host path, read-write
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"]["runAsUser"] == 0 and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    ctx = pod["containers"][0]["securityContext"]
+    assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}
+    assert "add" not in ctx["capabilities"]
+    config = agent_config(docs, "node-agent")
+    assert {k: v for k, v in config.items() if k.startswith("dra")} == {
+        "draDriverName": "gpu.gpu-agent.io", "draRegistryDir": DRA_PATHS["dra-registry"],
+        "draPluginDir": DRA_PATHS["dra-plugins"], "draCdiDir": DRA_PATHS["dra-cdi"]}
+    (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "t-gpu-agent-node-agent"]
+    assert sa["automountServiceAccountToken"] is True
+
+
+def test_dra_values_reach_every_object_that_names_them_and_fake_gpus_run_as_root_too():
+    docs = render("--set", "dra.enabled=true", "--set", "nodeAgent.gpuSource=fake", "--set", "dra.driverName=gpu.example.com",
+                  "--set", "dra.deviceClassName=fast-gpus", "--set", "dra.extendedResourceName=nvidia.com/gpu",
+                  "--set", "dra.kubeletRegistryDir=/k/registry", "--set", "dra.kubeletPluginsDir=/k/plugins",
+                  "--set", "dra.cdiDir=/etc/cdi")
+    objects = dra_objects(docs)
+    (device_class,) = objects["DeviceClass"]
+    assert device_class["metadata"]["name"] == "fast-gpus"
+    assert device_class["spec"] == {"selectors": [{"cel": {"expression": "device.driver == 'gpu.example.com'"}}],
+                                    "extendedResourceName": "nvidia.com/gpu"}
+    (role,) = objects["ClusterRole"]
+    assert [r["resourceNames"] for r in role["rules"] if "resourceNames" in r] == [["gpu.example.com"]]
+    (policy,) = objects["ValidatingAdmissionPolicy"]
+    assert policy["spec"]["validations"][-1]["expression"] == "variables.driver == 'gpu.example.com'"
+    config = agent_config(docs, "node-agent")
+    assert (config["draDriverName"], config["draRegistryDir"], config["draPluginDir"], config["draCdiDir"]) == (
+        "gpu.example.com", "/k/registry", "/k/plugins", "/etc/cdi")
+    pod = node_agent_pod(docs)
+    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    for name, path in (("dra-registry", "/k/registry"), ("dra-plugins", "/k/plugins"), ("dra-cdi", "/etc/cdi")):
+        assert volumes[name] == mounts[name] == path
+    assert "fake-gpu-state" in volumes  # the fake source still reads fake-gpu's state file
+    assert pod["securityContext"]["runAsUser"] == 0 and "runAsNonRoot" not in pod["securityContext"]
+    assert "runtimeClassName" not in pod  # NVML's, not DRA's

@@ -20,7 +20,8 @@ Xid (13, 31, 43, 45, 68, 109) or a single-bit ECC error changes nothing; Xid 79 
 Lost; any other Xid and a double-bit ECC error make it Unhealthy. `--clear` makes it Healthy again.
 
 Inside the cluster: `fake-gpu --release R daemon` (the DaemonSet; it labels its node as GPU feature
-discovery would), `fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
+discovery would; `daemon --no-device-plugin` where the node agent offers the GPUs through DRA),
+`fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
 `fake-gpu smi -L` (in a workload).
 Bad input is refused with a message and changes nothing (exit code 2).
 """
@@ -149,12 +150,15 @@ def _parser() -> argparse.ArgumentParser:
     p_cycle.add_argument("--to", type=int, dest="high", default=4, help="the count each cycle starts at (default 4)")
     p_cycle.add_argument("--times", type=int, default=3, help="how many cycles of --to then --from (default 3)")
     p_cycle.add_argument("--interval", type=float, default=2.0, help="seconds between changes (default 2)")
-    p_daemon = sub.add_parser("daemon", help="(in the DaemonSet) apply this node's layout and run the device plugin")
+    p_daemon = sub.add_parser("daemon", help="(in the DaemonSet) apply this node's layout and run the device plugin (unless --no-device-plugin)")
     p_daemon.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), required=not os.environ.get("NODE_NAME"),
                           help="this node's name (default: $NODE_NAME)")
     p_daemon.add_argument("--plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
                           help="kubelet's device-plugin folder (default /var/lib/kubelet/device-plugins)")
     p_daemon.add_argument("--host-state-file", default=None, help="the state file's path on the host (for Allocate's mount)")
+    p_daemon.add_argument("--device-plugin", action=argparse.BooleanOptionalAction, default=True,
+                          help="run the kubelet device plugin (nvidia.com/gpu); --no-device-plugin on a node whose GPUs the "
+                               "node agent offers through DRA: the layout, state file and labels only (default: run it)")
     p_daemon.add_argument("--layout-configmap", default=LEGACY_CONFIGMAP,
                           help=f"the layout ConfigMap to watch in --namespace (default {LEGACY_CONFIGMAP!r}; the chart passes its own)")
     p_daemon.add_argument("--default-count", type=int, default=0,
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
             klog.setup(args.verbosity)
             return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
-                       args.default_count, args.release or "")
+                       args.default_count, args.release or "", device_plugin=args.device_plugin)
         if args.command == "unlabel-nodes":
             from fake_gpu.cluster import unlabel_nodes
 

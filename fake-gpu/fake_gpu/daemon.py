@@ -7,6 +7,10 @@ The state file is the one the node agent's fake source reads, on a host path bot
 mount, so the device plugin's view and the agent's view are one and the same: a fault in the
 layout (`fake-gpu fault --node`) reaches the agent as the GPU's health in the state file and
 kubelet as an Unhealthy device in ListAndWatch.
+
+Without the device plugin (`--no-device-plugin`: a node whose GPUs the node agent offers through DRA)
+the rest runs as before, but nothing registers with kubelet, so the node advertises no `nvidia.com/gpu`:
+a node offers its GPUs one way, never both (each would hand out the same GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,36 +95,68 @@ def watch_layout(api: client.ApiClient, namespace: str, configmap: str, applier:
                     stop=stopping, resync_seconds=60)
 
 
+class Daemon:
+    """The daemon's parts on one node: the layout watch (`watch`, given the applier and the stop event; on a cluster
+    `watch_layout`), the state file, the node labels (`labeler`) and, with `device_plugin`, the device plugin
+    serving kubelet in `plugin_dir`. `run` blocks until `stop`."""
+
+    def __init__(self, node: str, state_file: Path, host_state_file: str, plugin_dir: Path, default_count: int, *,
+                 watch: Callable[[LayoutApplier, threading.Event], None], labeler: NodeLabeler | None = None,
+                 release: str = "", device_plugin: bool = True) -> None:
+        self.node, self.state_file, self.plugin_dir = node, state_file, plugin_dir
+        self.stopping = threading.Event()
+        self.threads = Threads()  # the daemon's long-lived threads: a death is logged with its traceback, not lost
+        self.watch = watch
+        self.labeler = labeler
+        self.devices = Devices()
+        self.applier = LayoutApplier(node, state_file, self.devices, default_count=default_count, labeler=labeler,
+                                     release=release)
+        self.runner = PluginRunner(plugin_dir, self.devices, host_state_file) if device_plugin else None
+
+    def run(self) -> None:
+        labeler = self.labeler
+        if labeler is not None:
+            self.threads.start("node-labels", lambda: labeler.run(self.stopping), self.stopping)
+        self.threads.start("layout-watch", lambda: self.watch(self.applier, self.stopping), self.stopping)
+        if self.runner is None:
+            log.info("fake-gpu daemon for node %s: state file %s; device plugin off (no nvidia.com/gpu advertised)",
+                     self.node, self.state_file)
+            self.stopping.wait()
+        else:
+            log.info("fake-gpu daemon for node %s: state file %s, plugin dir %s", self.node, self.state_file, self.plugin_dir)
+            self.runner.run()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.labeler is not None:
+            self.labeler.changed.set()
+        if self.runner is not None:
+            self.runner.stop()
+
+
 def run(node: str, namespace: str, configmap: str, state_file: Path, host_state_file: str, plugin_dir: Path,
-        default_count: int, release: str = "") -> int:
-    """`release` (the chart's release name): label the node as GPU feature discovery would; empty: leave it."""
+        default_count: int, release: str = "", device_plugin: bool = True) -> int:
+    """`release` (the chart's release name): label the node as GPU feature discovery would; empty: leave it.
+    `device_plugin` false: advertise nothing to kubelet (the node's GPUs are offered through DRA)."""
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
     api = client.ApiClient()
-    stopping = threading.Event()
-    threads = Threads()  # the daemon's long-lived threads: a death is logged with its traceback, not lost
     labeler = None
     if release:
         core = client.CoreV1Api(api)
         labeler = NodeLabeler(node, lambda name, body: core.patch_node(name, body, _request_timeout=REQUEST_TIMEOUT))
-        threads.start("node-labels", lambda: labeler.run(stopping), stopping)
-    devices = Devices()
-    applier = LayoutApplier(node, state_file, devices, default_count=default_count, labeler=labeler, release=release)
-    runner = PluginRunner(plugin_dir, devices, host_state_file)
+    log.info("fake-gpu daemon for node %s: layout ConfigMap %s/%s", node, namespace, configmap)
+    daemon = Daemon(node, state_file, host_state_file, plugin_dir, default_count,
+                    watch=lambda applier, stopping: watch_layout(api, namespace, configmap, applier, stopping),
+                    labeler=labeler, release=release, device_plugin=device_plugin)
 
     def stop(*_: object) -> None:
-        stopping.set()
-        if labeler is not None:
-            labeler.changed.set()
-        runner.stop()
+        daemon.stop()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    threads.start("layout-watch", lambda: watch_layout(api, namespace, configmap, applier, stopping), stopping)
-    log.info("fake-gpu daemon for node %s: layout ConfigMap %s/%s, state file %s, plugin dir %s", node, namespace, configmap,
-             state_file, plugin_dir)
-    runner.run()
+    daemon.run()
     time.sleep(0.1)
     return 0

@@ -23,7 +23,7 @@ WIRED = {
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"},
     "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",
                    "domainNamespace", "domainWriteStrategy", "peersFile", "kubeconfig", "nodeName", "nodeIp",
-                   "podName", "podUid"},
+                   "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir"},
 }
 ROLES = {"cluster-agent": (cluster_agent.SETTINGS, "clusterAgent"), "node-agent": (node_agent.SETTINGS, "nodeAgent")}
 

@@ -20,11 +20,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{/* fake-gpu.lintSuppressions: checkov annotations for the findings this chart accepts, each with its reason. */}}
 {{- define "fake-gpu.lintSuppressions" -}}
 {{- $reasons := dict
+  "CKV_K8S_8" "without the device plugin (devicePlugin.enabled false) there is no socket whose loss a liveness probe could see; the state file is the readiness probe's"
   "CKV_K8S_11" "no CPU limit: a limit throttles the plugin; its request reserves what it needs"
   "CKV_K8S_15" "the pull policy is a value (image.pullPolicy); IfNotPresent suits locally imported images"
-  "CKV_K8S_23" "root without capabilities or privilege: kubelet's device-plugin folder and socket are root's"
+  "CKV_K8S_23" "root without capabilities or privilege: kubelet's device-plugin folder and socket, and the state folder (hostPath), are root's"
   "CKV_K8S_38" "the daemon watches its layout ConfigMap and labels its node through the API server"
-  "CKV_K8S_40" "root without capabilities or privilege: kubelet's device-plugin folder and socket are root's"
+  "CKV_K8S_40" "root without capabilities or privilege: kubelet's device-plugin folder and socket, and the state folder (hostPath), are root's"
   "CKV_K8S_43" "fake GPUs are a development tool; its image is built locally and has no digest" -}}
 {{- $lines := list -}}
 {{- range $i, $id := . -}}

@@ -152,9 +152,9 @@ its reason (the test command runs checkov and allows no other finding); call wit
 {{- $reasons := dict
   "CKV_K8S_11" "no CPU limit: a limit throttles the agent under load; its request reserves what it needs"
   "CKV_K8S_15" "the pull policy is a value (image.pullPolicy); IfNotPresent suits pinned and locally imported images"
-  "CKV_K8S_23" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML)"
+  "CKV_K8S_23" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
   "CKV_K8S_38" "this component talks to the API server"
-  "CKV_K8S_40" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML)"
+  "CKV_K8S_40" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
   "CKV_K8S_43" "the digest is a value (image.digest); locally built images have none" -}}
 {{- $lines := list -}}
 {{- range $i, $id := . -}}
@@ -173,6 +173,19 @@ its reason (the test command runs checkov and allows no other finding); call wit
 release's name, within 63 characters like every other name of the chart. */}}
 {{- define "gpu-agent.memberPolicyName" -}}
 {{- printf "%s-%s-own-member" (include "gpu-agent.fullname" . | trunc 44 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
+{{- end -}}
+
+{{/* Whether the node agents are the DRA driver (dra.enabled, with node agents to be it): the DeviceClass, the RBAC,
+     the ResourceSlices' admission policy, the kubelet's folders in the DaemonSet and the settings in its config.
+     "true" or "". */}}
+{{- define "gpu-agent.draOn" -}}
+{{- if and .Values.nodeAgent.enabled .Values.dra.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The ResourceSlices' admission policy: cluster-scoped like the members' one, so its name carries a hash of the
+namespace as well, within 63 characters. */}}
+{{- define "gpu-agent.draSlicePolicyName" -}}
+{{- printf "%s-%s-dra-own-slices" (include "gpu-agent.fullname" . | trunc 40 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
 
 {{/* The work Pods' fencing policy: cluster-scoped like the members' one, so its name carries a hash of the namespace
@@ -359,6 +372,13 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- $_ := set $wiring "domainWriteStrategy" $v.domain.writeStrategy -}}
 {{- $_ := set $wiring "peersFile" "/tmp/peers" -}}
 {{- $named = append $named (list "domainHeartbeatInterval" $v.domain.heartbeatInterval "domain.heartbeatInterval") -}}
+{{- end -}}
+{{- if include "gpu-agent.draOn" . -}}
+{{- /* The DaemonSet mounts each folder at its host path: the paths the agent hands the kubelet resolve on the host. */ -}}
+{{- $_ := set $wiring "draDriverName" $v.dra.driverName -}}
+{{- $_ := set $wiring "draRegistryDir" $v.dra.kubeletRegistryDir -}}
+{{- $_ := set $wiring "draPluginDir" $v.dra.kubeletPluginsDir -}}
+{{- $_ := set $wiring "draCdiDir" $v.dra.cdiDir -}}
 {{- end -}}
 {{- include "gpu-agent.agentConfig" (dict "wiring" $wiring "named" $named "config" ($v.nodeAgent.config | default dict)
   "key" "nodeAgent" "role" "node-agent") -}}
