@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Stops everything cluster-up started, by PID, and removes what it made: pod processes and
-# their cgroups, mounts, network namespaces, the pod bridge, iptables rules (the fence, the
-# NetworkPolicy shim, kube-proxy's), the node address,
-# changed sysctls and the cluster's state folder. Caches (CI_CACHE) stay.
+# their cgroups, mounts (the DRA plugin folders' binds onto /var/lib/kubelet too), network namespaces,
+# the pod bridge, iptables rules (the fence, the NetworkPolicy shim, kube-proxy's), the node address,
+# changed sysctls, the CDI folder it made and the cluster's state folder. Caches (CI_CACHE) stay.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -48,6 +48,17 @@ wait
 stop_daemon etcd
 step "control plane stopped"
 
+# The control-plane node's DRA plugin folders, bound onto /var/lib/kubelet/plugins_registry and .../plugins
+# (lib.sh bind_plugin_dirs; the workers' went with their mount namespaces): unmounted while the folder there is
+# still ours, so a bind made twice goes too and the host's own folder, if it had one, is never touched.
+for d in $KUBELET_PLUGIN_DIRS; do
+  [[ -d $CLUSTER_DIR/kubelet/$d ]] || continue
+  while [[ $(stat -c %d:%i "$CLUSTER_DIR/kubelet/$d") == $(stat -c %d:%i "/var/lib/kubelet/$d" 2>/dev/null) ]]; do
+    umount "/var/lib/kubelet/$d" && continue
+    log "down: /var/lib/kubelet/$d busy, detached lazily"
+    umount -l "/var/lib/kubelet/$d" || break
+  done
+done
 # Mounts under the cluster folder (pod volumes, overlay snapshots, sandbox shm), deepest first.
 if [[ -d $CLUSTER_DIR ]]; then
   awk -v d="$CLUSTER_DIR" '$2 ~ "^"d {print $2}' /proc/mounts | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
@@ -81,6 +92,10 @@ if [[ -f $CLUSTER_DIR/sysctl.saved ]]; then
   while IFS= read -r line; do sysctl -qw "$line" 2>/dev/null; done < "$CLUSTER_DIR/sysctl.saved"
 fi
 if [[ -f $CLUSTER_DIR/made-var-lib-kubelet ]]; then rm -rf /var/lib/kubelet
-else rm -rf /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/fake-gpu.sock /var/lib/kubelet/fake-gpu; fi
+else
+  rm -rf /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/fake-gpu.sock /var/lib/kubelet/fake-gpu
+  for d in $KUBELET_PLUGIN_DIRS; do [[ -f $CLUSTER_DIR/made-var-lib-kubelet-$d ]] && rmdir "/var/lib/kubelet/$d"; done
+fi
+[[ -f $CLUSTER_DIR/made-run-cdi ]] && rm -rf /var/run/cdi
 rm -rf "$CLUSTER_DIR"
 log "cluster down in $((SECONDS - t0))s"

@@ -98,6 +98,10 @@ done
 # kubelet's device-plugin folder is fixed at /var/lib/kubelet/device-plugins, outside its
 # root dir: remember whether we made /var/lib/kubelet so that teardown removes only ours.
 [[ -d /var/lib/kubelet || -f $CLUSTER_DIR/made-var-lib-kubelet ]] || touch "$CLUSTER_DIR/made-var-lib-kubelet"
+# This node's CDI folder is the host's /var/run/cdi (a worker binds its own there, node.sh); made here if missing,
+# so that cluster-down removes it with whatever specs a DRA driver left.
+host_mkdir run-cdi /var/run/cdi
+# start_kubelet binds <root-dir>/plugins_registry and <root-dir>/plugins onto /var/lib/kubelet/... (lib.sh bind_plugin_dirs)
 start_kubelet
 
 start kube-proxy kube-proxy --config="$CLUSTER_DIR/kube-proxy.yaml" --v=1

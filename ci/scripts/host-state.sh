@@ -24,12 +24,12 @@ if command -v nft >/dev/null; then
   echo "## nftables"; nft list tables 2>/dev/null | grep -vE '^table (ip|ip6|arp|bridge) (filter|nat|mangle|raw|security)$' | sort
 fi
 echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables 2>/dev/null
-echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd" | sort
+echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd|/run/cdi" | sort
 # kube-network-policies is "kube-network-po" here (a command name keeps 15 characters)
 echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause)' | sort | uniq -c
 ps -eo args= | grep -c '^gpuci-node-holder' | sed 's/^/worker node holders: /'
 echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/gpuci-* 2>/dev/null
-echo "## state"; ls -d "$CLUSTER_DIR" /run/secrets/kubernetes.io 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort
+echo "## state"; ls -d "$CLUSTER_DIR" /run/secrets/kubernetes.io /var/run/cdi 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort
 # The kind stage (ci/scripts/kind-stage.sh): podman's containers, networks and volumes (its images are a cache,
 # as CI_CACHE is), the CNI configurations and host-local leases podman's networks leave, dnsname's dnsmasq, and
 # the containers.conf the stage writes.

@@ -15,7 +15,10 @@
 # own pod bridge and pod CIDR (10.244.N.0/24, routed by the host); a mount namespace, held open by
 # a sleeping "holder" process, in which /var/lib/kubelet is the node's own folder (kubelet fixes
 # the device-plugin folder there, whatever its root dir), and so are /var/log/pods and
-# /var/log/containers (each kubelet deletes the pod logs of pods it does not run); and a cgroup root gpuci-wN so that its
+# /var/log/containers (each kubelet deletes the pod logs of pods it does not run), and /var/run/cdi (CDI specs a DRA
+# driver writes for its node only); <root-dir>/plugins_registry and <root-dir>/plugins of its kubelet are bound
+# onto /var/lib/kubelet/plugins_registry and /var/lib/kubelet/plugins there (lib.sh bind_plugin_dirs), the paths a
+# DRA plugin's DaemonSet pod uses; and a cgroup root gpuci-wN so that its
 # pods never share the kubepods tree of another node. Every daemon of the node is entered into
 # the holder's namespaces with nsenter, so it sees exactly what the node sees.
 set -euo pipefail
@@ -65,15 +68,23 @@ network_up() {
 
 holder_up() {
   running "$w-holder" && return 0
-  mkdir -p "$dir/var-lib-kubelet" /var/lib/kubelet "$dir/var-log-pods" /var/log/pods "$dir/var-log-containers" /var/log/containers
+  mkdir -p "$dir/var-lib-kubelet" /var/lib/kubelet "$dir/var-log-pods" /var/log/pods "$dir/var-log-containers" /var/log/containers "$dir/cdi"
+  # the mount point of each node's CDI folder; the control-plane node's is the host's own (cluster-up makes it)
+  host_mkdir run-cdi /var/run/cdi
   # slave: the host's mounts reach the node, the node's (pod volumes, snapshots) never reach the host.
   # The pod logs are the node's own as well: a kubelet's log GC removes every folder of /var/log/pods whose
   # pod it does not run, so on a shared folder each node deleted the others' logs (kubectl logs then lost
-  # every line written before that minute's sweep).
+  # every line written before that minute's sweep). The CDI folder too: a DRA driver on each node writes its own
+  # node's specs there (a same-named device in two nodes' specs would be refused), which a containerd that reads
+  # CDI (cdi_spec_dirs, containerd 1.7 and later) then finds. The new namespace starts as a copy of the host's,
+  # the control-plane node's plugin-folder binds on /var/lib/kubelet included: dropped first, not left beneath.
   start "$w-holder" unshare --mount --propagation slave -- nsenter --net="/run/netns/$netns" -- \
-    bash -c "mount --bind '$dir/var-lib-kubelet' /var/lib/kubelet && mount --bind '$dir/var-log-pods' /var/log/pods \
-      && mount --bind '$dir/var-log-containers' /var/log/containers && exec -a gpuci-node-holder sleep infinity"
-  wait_for 10 "$w's mount namespace" grep -q " /var/lib/kubelet " "/proc/$(cat "$PIDS/$w-holder.pid")/mountinfo"
+    bash -c "for d in $KUBELET_PLUGIN_DIRS; do ! mountpoint -q /var/lib/kubelet/\$d || umount /var/lib/kubelet/\$d; done
+      mount --bind '$dir/var-lib-kubelet' /var/lib/kubelet && mount --bind '$dir/var-log-pods' /var/log/pods \
+      && mount --bind '$dir/var-log-containers' /var/log/containers && mount --bind '$dir/cdi' /var/run/cdi \
+      && exec -a gpuci-node-holder sleep infinity"
+  # the last of its mounts (/var/run is a link to /run here)
+  wait_for 10 "$w's mount namespace" grep -qE " (/var)?/run/cdi " "/proc/$(cat "$PIDS/$w-holder.pid")/mountinfo"
 }
 
 daemons_up() {
@@ -89,6 +100,7 @@ daemons_up() {
   bash "$here/scripts/netpol.sh" up "$w"  # before any pod of the node runs
   start "$w-containerd" "${in_node[@]}" containerd --config "$dir/containerd/config.toml"
   wait_for 30 "$w's containerd" ctr --address "$sock" version
+  bind_plugin_dirs "$dir/kubelet" "${in_node[@]}"  # before every start of the kubelet (node start too)
   start "$w-kubelet" "${in_node[@]}" kubelet --config="$dir/kubelet/config.yaml" --kubeconfig="$CLUSTER_DIR/kubelet-$name.kubeconfig" \
     --root-dir="$dir/kubelet" --node-ip="$ip" --hostname-override="$name" --v=1
   start "$w-kube-proxy" "${in_node[@]}" kube-proxy --config="$dir/kube-proxy.yaml" --v=1
