@@ -23,7 +23,7 @@ from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, RoleConfig, Setting
-from gpu_agent.foundations.gpus import describe_unhealthy
+from gpu_agent.foundations.gpus import Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
@@ -59,6 +59,16 @@ SETTINGS = [
     Setting("peersFile", "path", "", "file the sorted peer list is rendered into (empty: none)", optional=True),
     Setting("shutdownTimeout", "seconds", 10.0, "how long shutdown may spend removing this node's entry", 0.1, 300),
     Setting("kubeconfig", "path", "", "kubeconfig; empty: in-cluster", optional=True),
+    Setting("draDriverName", "str", "", "serve this node's GPUs as the DRA driver of this name (e.g. gpu.gpu-agent.io): "
+            "ResourceSlices, and claims prepared for the kubelet through CDI (mechanisms/dra); empty: no DRA", optional=True),
+    Setting("draRegistryDir", "path", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registry folder, where the "
+            "DRA driver's registration socket goes"),
+    Setting("draPluginDir", "path", "/var/lib/kubelet/plugins", "folder the DRA driver keeps <driver>/checkpoint.json in "
+            "(prepared claims, kept across restarts)"),
+    Setting("draCdiDir", "path", "/var/run/cdi", "folder the DRA driver writes the CDI spec of each prepared claim into "
+            "(one the container runtime reads)"),
+    Setting("draCleanupInterval", "seconds", 600.0, "how often the DRA driver unprepares claims it left half-prepared "
+            "whose object is gone or replaced (also at start)", 1, 86400),
 ]
 
 
@@ -78,6 +88,11 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     peersFile: str
     shutdownTimeout: float
     kubeconfig: str
+    draDriverName: str
+    draRegistryDir: str
+    draPluginDir: str
+    draCdiDir: str
+    draCleanupInterval: float
 
 
 def member_message(event: InventoryEvent) -> str:
@@ -99,7 +114,8 @@ class NodeAgent:
         cfg = cfg.replace(gpuLossDebounce=loss_debounce(cfg))  # the source's default made explicit in the log
         self.cfg = cfg
         self.clock = clock or SystemClock()
-        self.health = HealthRegistry(self.clock, ["gpus", "domain"] if cfg.domainName else ["gpus"])
+        self.health = HealthRegistry(self.clock, ["gpus"] + (["domain"] if cfg.domainName else [])
+                                     + (["dra"] if cfg.draDriverName else []))
         # Every long-lived thread this agent starts, from here on and from its run (foundations/threads.py).
         self.threads = Threads(self.health)
         CURRENT.set(self.threads)
@@ -134,6 +150,15 @@ class NodeAgent:
             self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, named=cfg.domainName,
                                            join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout,
                                            writes_members=cfg.domainWriteStrategy == "aggregate")
+        self.dra: Any = None
+        if cfg.draDriverName:
+            from gpu_agent.foundations.kube import api_client
+            from gpu_agent.mechanisms.dra.driver import DRADriver
+
+            self.dra = DRADriver(api_client(cfg.kubeconfig), driver=cfg.draDriverName, node=cfg.nodeName,
+                                 registry_dir=Path(cfg.draRegistryDir), plugin_dir=Path(cfg.draPluginDir),
+                                 cdi_dir=Path(cfg.draCdiDir), health=self.health, clock=self.clock,
+                                 cleanup_interval=cfg.draCleanupInterval)
         self.metrics = NodeMetrics()
         self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock), clock=self.clock,
                                         health=self.health, poll_interval=cfg.gpuPollInterval,
@@ -146,6 +171,9 @@ class NodeAgent:
         healthy = len(event.inventory.healthy)
         self.metrics.gpus.set(healthy)
         self.metrics.gpu_generation.set(event.generation)
+        if self.dra is not None:
+            # an unreadable source offers nothing: the slice empties rather than offer GPUs nobody can see
+            self.dra.set_inventory(event.inventory if event.error is None else Inventory())
         if self.domain is not None:
             self.domain.set_gpus(sorted(event.inventory.uuids), ready=event.error is None and healthy > 0,
                                  clique=event.inventory.clique, healthy=healthy, message=member_message(event))
@@ -162,6 +190,8 @@ class NodeAgent:
                 tasks = [tg.create_task(self.health.keep_beating()), tg.create_task(self.monitor.run())]
                 if self.domain is not None:
                     tasks.append(tg.create_task(self.domain.run()))
+                if self.dra is not None:
+                    tasks.append(tg.create_task(self.dra.run(stop)))
                 await stop.wait()
                 log.info("shutting down")
                 for t in tasks:

@@ -1,0 +1,113 @@
+"""The DRA driver of one node: the publisher, the kubelet plugin and the cleanup, started and stopped together.
+
+    node agent's inventory event ──> set_inventory ──> NodeDevices ──> SlicePublisher (thread dra-slices,
+                                                                        its watch dra-slice-watch)
+                                                                  └──> KubeletPlugin health stream
+    kubelet ──> KubeletPlugin (gRPC) ──> ClaimPreparer ──> Checkpoint, CDI specs
+    thread dra-cleanup: stale PrepareStarted claims unprepared at start and every `cleanup_interval`
+
+Its `/healthz` component `dra` is Ready once the kubelet has accepted the registration and the
+node's slice is published, and says which of the two is missing otherwise (a kubelet that refuses the
+plugin names why). All threads start on the agent's `Threads` (foundations/threads.py) and end with
+`run`'s stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.gpus import Inventory
+from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.threads import start_thread
+from gpu_agent.mechanisms.dra.checkpoint import Checkpoint
+from gpu_agent.mechanisms.dra.devices import NodeDevices
+from gpu_agent.mechanisms.dra.plugin import KubeletPlugin
+from gpu_agent.mechanisms.dra.prepare import ClaimPreparer, api_claim_getter
+from gpu_agent.mechanisms.dra.slices import SlicePublisher
+
+log = get_logger(__name__)
+
+COMPONENT = "dra"
+
+
+class DRADriver:
+    def __init__(self, api: client.ApiClient, *, driver: str, node: str, registry_dir: Path, plugin_dir: Path,
+                 cdi_dir: Path, health: HealthRegistry, clock: Clock | None = None, cleanup_interval: float = 600.0,
+                 mounts: list[dict[str, Any]] | None = None) -> None:
+        self.driver, self.node = driver, node
+        self.clock = clock or SystemClock()
+        self.health = health
+        self.cleanup_interval = cleanup_interval
+        self._devices = NodeDevices((), {})
+        self._registered: tuple[bool, str] | None = None
+        self._published: tuple[int, int] | None = None
+        self._publish_error = ""
+        self.checkpoint = Checkpoint(plugin_dir / driver / "checkpoint.json")
+        self.preparer = ClaimPreparer(api_claim_getter(api), driver=driver, node=node, checkpoint=self.checkpoint,
+                                      cdi_dir=cdi_dir, devices=lambda: self._devices, clock=self.clock, mounts=mounts)
+        self.plugin = KubeletPlugin(self.preparer, driver=driver, registry_dir=registry_dir, clock=self.clock,
+                                    on_registered=self._on_registered)
+        self.publisher = SlicePublisher(api, node=node, driver=driver, clock=self.clock,
+                                        on_published=self._on_published, on_error=self._on_publish_error)
+        self._report()
+
+    def set_inventory(self, inventory: Inventory) -> None:
+        self._devices = NodeDevices.of(inventory, self.driver)
+        self.publisher.set_devices(self._devices.devices)
+        self.plugin.set_health([
+            (self.node, name, "HEALTHY" if gpu.is_healthy else "UNHEALTHY",
+             "" if gpu.is_healthy else f"{gpu.health}" + (f": {gpu.health_reason}" if gpu.health_reason else ""))
+            for name, gpu in sorted(self._devices.gpus.items())])
+
+    def _on_registered(self, ok: bool, error: str) -> None:
+        self._registered = (ok, error)
+        self._report()
+
+    def _on_published(self, generation: int, count: int) -> None:
+        self._published, self._publish_error = (generation, count), ""
+        self._report()
+
+    def _on_publish_error(self, reason: str) -> None:
+        self._publish_error = reason
+        self._report()
+
+    def _report(self) -> None:
+        missing = []
+        if self._registered is None:
+            missing.append(f"the kubelet has not registered plugin socket {self.plugin.socket} yet")
+        elif not self._registered[0]:
+            missing.append(f"the kubelet refused the plugin: {self._registered[1]}")
+        if self._publish_error:
+            missing.append(self._publish_error)
+        elif self._published is None:
+            missing.append("this node's ResourceSlice is not published yet")
+        generation, count = self._published or (0, 0)
+        self.health.set(COMPONENT, not missing, "; ".join(missing) or f"registered; {count} device(s) published",
+                        driver=self.driver, poolGeneration=generation, devices=count)
+
+    def _cleanup(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.preparer.cleanup_stale()
+            except Exception as e:  # noqa: BLE001 - tried again at the next interval
+                log.warning("Checkpointed RC cleanup failed: %s", e)
+            self.clock.wait_blocking(stop, self.cleanup_interval)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        halt = threading.Event()
+        self.plugin.start()
+        try:
+            start_thread("dra-slices", lambda: self.publisher.run(halt), halt)
+            start_thread("dra-slice-watch", lambda: self.publisher.watch(halt), halt)
+            start_thread("dra-cleanup", lambda: self._cleanup(halt), halt)
+            await stop.wait()
+        finally:
+            halt.set()
+            self.plugin.stop()
