@@ -20,9 +20,10 @@ or was replaced (a new UID under the name) is unprepared by the driver itself, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,18 +128,15 @@ class ClaimPreparer:
                 out[ref.uid] = f"error unpreparing devices for claim {ref}: {e}"
         return out
 
-    def _locked(self, deadline: float) -> Any:
-        preparer = self
-
-        class _Held:
-            def __enter__(self) -> None:
-                left = deadline - preparer.clock.monotonic()
-                if left <= 0 or not preparer._serial.acquire(timeout=left):
-                    raise DeadlineExceeded("another prepare or unprepare held this node's lock until the call's deadline")
-
-            def __exit__(self, *exc: object) -> None:
-                preparer._serial.release()
-        return _Held()
+    @contextlib.contextmanager
+    def _locked(self, deadline: float) -> Iterator[None]:
+        left = deadline - self.clock.monotonic()
+        if left <= 0 or not self._serial.acquire(timeout=left):
+            raise DeadlineExceeded("another prepare or unprepare held this node's lock until the call's deadline")
+        try:
+            yield
+        finally:
+            self._serial.release()
 
     # -- prepare ----------------------------------------------------------------------------------------------------
 
