@@ -497,3 +497,30 @@ def test_dra_values_reach_every_object_that_names_them_and_fake_gpus_run_as_root
     assert "fake-gpu-state" in volumes  # the fake source still reads fake-gpu's state file
     assert pod["securityContext"]["runAsUser"] == 0 and "runAsNonRoot" not in pod["securityContext"]
     assert "runtimeClassName" not in pod  # NVML's, not DRA's
+
+
+def test_with_dra_the_cluster_agent_counts_slices_claims_work_gpus_through_templates_and_the_hook_deletes_them():
+    docs = render("--set", "dra.enabled=true", "--set", "dra.driverName=gpus.example.com",
+                  "--set", "dra.deviceClassName=example-gpu")
+    config = agent_config(docs, "cluster-agent")
+    assert config["draDriverName"] == "gpus.example.com" and config["draDeviceClassName"] == "example-gpu"
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "t-gpu-agent-cluster-agent"]
+    assert {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["get", "list", "watch"]} \
+        in cluster_role["rules"]
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Role"}
+    templates = {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"]}
+    assert {**templates, "verbs": ["create", "get", "delete"]} in roles["t-gpu-agent-cluster-agent"]["rules"]
+    assert {**templates, "verbs": ["list", "delete"]} in roles["t-gpu-agent-hooks"]["rules"]
+    (cleanup,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-cleanup")]
+    assert "--work-claim-templates=true" in cleanup["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    # without DRA, or with a source or executor that has no use for them: neither setting nor right
+    for sets in ([], ["--set", "dra.enabled=true", "--set", "clusterAgent.gpuSource=fake",
+                      "--set", "clusterAgent.executor=record"]):
+        docs = render(*sets)
+        assert not [k for k in agent_config(docs, "cluster-agent") if k.startswith("dra")], sets
+        rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") and "cluster-agent" in d["metadata"]["name"]
+                 for r in d["rules"]]
+        assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]], sets
+    (cleanup,) = [d for d in render() if d["kind"] == "Job" and d["metadata"]["name"].endswith("-cleanup")]
+    assert "--work-claim-templates=false" in cleanup["spec"]["template"]["spec"]["containers"][0]["args"]

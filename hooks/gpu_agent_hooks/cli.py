@@ -17,6 +17,7 @@ from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
 from gpu_agent.mechanisms.queues.pod_executor import LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
+from gpu_agent.mechanisms.queues.work_claims import CLAIM_LABEL as WORK_CLAIM_LABEL
 from gpu_agent_hooks.migrate import MigrationError, migrate
 from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_versions
 
@@ -207,8 +208,19 @@ def delete_work_pods_of(core: client.CoreV1Api, namespace: str, release: str) ->
     return len(pods)
 
 
+def delete_work_claim_templates_of(resource: Any, namespace: str, release: str) -> int:
+    """Delete the ResourceClaimTemplates the release's cluster agent made for its work Pods (a claim made from one
+    belongs to its Pod and goes with it). One already gone is fine. Returns how many were listed."""
+    listed = resource.list_namespaced_resource_claim_template(
+        namespace, label_selector=f"{WORK_CLAIM_LABEL}=true,app.kubernetes.io/instance={release}",
+        _request_timeout=REQUEST_TIMEOUT).items
+    for template in listed:
+        _ignore_404(resource.delete_namespaced_resource_claim_template, template.metadata.name, namespace)
+    return len(listed)
+
+
 def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
-            timeout: float, domain: str = "") -> None:
+            timeout: float, domain: str = "", work_claim_templates: bool = False) -> None:
     deadline = time.monotonic() + timeout
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
@@ -234,6 +246,11 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
     def delete_work_pods() -> None:
         say(f"{delete_work_pods_of(core, namespace, release)} work pod(s) released (finalizer removed) and deleted")
 
+    def delete_templates() -> None:
+        if work_claim_templates:
+            count = delete_work_claim_templates_of(client.ResourceV1Api(api), namespace, release)
+            say(f"{count} work ResourceClaimTemplate(s) deleted")
+
     def delete_members() -> None:
         # members whose agents were killed before they could remove them (aggregate strategy)
         if not domain:
@@ -245,7 +262,7 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
                                                    m["metadata"]["name"], _request_timeout=REQUEST_TIMEOUT)
 
     for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
-                       ("GPUDomain members", delete_members)):
+                       ("work claim templates", delete_templates), ("GPUDomain members", delete_members)):
         _bounded(name, deadline - time.monotonic(), step)
 
 
@@ -275,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--token-file", type=Path, required=True)
     u.add_argument("--timeout", type=float, default=60)
     u.add_argument("--domain", default="", help="GPUDomain whose leftover members to delete")
+    u.add_argument("--work-claim-templates", choices=("true", "false"), default="false",
+                   help="true: also delete the ResourceClaimTemplates the cluster agent made for work Pods (dra.enabled)")
     a = p.parse_args(argv)
     api = api_client(a.kubeconfig)
     try:
@@ -288,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         elif a.hook == "skew-check":
             skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
         else:
-            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain)
+            cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain,
+                    a.work_claim_templates == "true")
     except SkewError as e:
         print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
         return 1

@@ -79,3 +79,33 @@ def test_the_cleanup_step_reports_how_many_work_pods_it_released(monkeypatch, ca
     assert "1 work pod(s) released (finalizer removed) and deleted" in out
     assert "cleanup work pods: ok" in out
     assert ("delete", "gpu-work-a", "ns", 0, REQUEST_TIMEOUT) in core.calls
+
+
+class FakeResource:
+    def __init__(self, names, gone=()):
+        self.names, self.gone, self.calls = names, set(gone), []
+
+    def list_namespaced_resource_claim_template(self, namespace, label_selector=None, _request_timeout=None):
+        self.calls.append(("list", namespace, label_selector, _request_timeout))
+        return client.V1PodList(items=[client.V1Pod(metadata=client.V1ObjectMeta(name=n)) for n in self.names])
+
+    def delete_namespaced_resource_claim_template(self, name, namespace, _request_timeout=None):
+        self.calls.append(("delete", name, namespace, _request_timeout))
+        if name in self.gone:
+            raise client.ApiException(status=404, reason="Not Found")
+
+
+def test_the_work_claim_templates_of_the_release_are_deleted_only_when_asked(monkeypatch, capsys, tmp_path):
+    resource = FakeResource(["ga-work-gpus-1", "ga-work-gpus-2"], gone={"ga-work-gpus-1"})
+    monkeypatch.setattr(cli.client, "CoreV1Api", lambda api: FakeCore([]))
+    monkeypatch.setattr(cli.client, "ResourceV1Api", lambda api: resource)
+    monkeypatch.setattr(cli.client, "CustomObjectsApi", lambda api: type("C", (), {
+        "list_namespaced_custom_object": lambda self, *a, **k: {"items": []}})())
+    cli.cleanup(None, "ns", "ga", "ga", "http://127.0.0.1:9", tmp_path / "absent", timeout=5)
+    assert resource.calls == []  # dra off: the hook has no right to them, and there are none
+    cli.cleanup(None, "ns", "ga", "ga", "http://127.0.0.1:9", tmp_path / "absent", timeout=5, work_claim_templates=True)
+    assert resource.calls == [
+        ("list", "ns", "gpu-agent.io/work-claim=true,app.kubernetes.io/instance=ga", REQUEST_TIMEOUT),
+        ("delete", "ga-work-gpus-1", "ns", REQUEST_TIMEOUT), ("delete", "ga-work-gpus-2", "ns", REQUEST_TIMEOUT)]
+    out = capsys.readouterr().out
+    assert "2 work ResourceClaimTemplate(s) deleted" in out and "cleanup work claim templates: ok" in out

@@ -64,6 +64,12 @@ SETTINGS = [
     Setting("gpuNodeSelector", "labels", "", "node labels (key=value,...): with gpuSource=cluster only the GPUs of the "
             "nodes that carry them count, and work Pods are placed on those nodes (their nodeSelector); empty: every "
             "node", optional=True),
+    Setting("draDriverName", "str", "", "with gpuSource=cluster, count the devices of this DRA driver's ResourceSlices "
+            "(healthy: untainted, on Ready nodes) instead of allocatable nvidia.com/gpu; empty: device plugins",
+            optional=True),
+    Setting("draDeviceClassName", "str", "", "work Pods (executor=pod) get their GPUs through a ResourceClaimTemplate "
+            "asking this DeviceClass (one template per GPU count, made on first use); empty: nvidia.com/gpu limits",
+            optional=True),
     Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
     Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
@@ -118,6 +124,8 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     """The settings above, typed (`Config.problems` holds the two to each other)."""
     listenAddress: str
     gpuNodeSelector: str
+    draDriverName: str
+    draDeviceClassName: str
     controlPlaneUrl: str
     controlPlaneToken: Secret
     controlPlaneTokenFile: str
@@ -165,6 +173,7 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         from gpu_agent.foundations.kube import api_client, core_v1_list
         from gpu_agent.mechanisms.queues.pod_changes import PodChanges
         from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, work_pod_selector
+        from gpu_agent.mechanisms.queues.work_claims import DraWorkClaims
 
         # Each item in flight reads its Pod: a pool smaller than the calls in flight closes connections it cannot
         # keep, and the next call pays a TLS handshake (foundations/kube.py). 0 in flight: the GPUs, not known yet.
@@ -172,8 +181,10 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         api = api_client(cfg.kubeconfig, connections=connections)
         # One watch of the release's work Pods says when each item reads its Pod again (not every 0.5 s each).
         changes = PodChanges(core_v1_list(api, "pods"), cfg.workNamespace, work_pod_selector(cfg.releaseName), clock=clock)
+        claims = DraWorkClaims(client.ResourceV1Api(api), cfg.workNamespace, cfg.draDeviceClassName, release=cfg.releaseName,
+                               driver=cfg.draDriverName) if cfg.draDeviceClassName else None
         return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
-                           pod_changes=changes, node_selector=cfg.gpuNodeSelector)
+                           pod_changes=changes, node_selector=cfg.gpuNodeSelector, claims=claims)
 
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 

@@ -323,6 +323,12 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
   "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" -}}
 {{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
+{{- if $v.dra.enabled -}}
+{{- /* GPUs through DRA: the cluster agent counts the driver's devices in ResourceSlices, and its work Pods claim
+     theirs through ResourceClaimTemplates of the chart's DeviceClass. */ -}}
+{{- if eq $v.clusterAgent.gpuSource "cluster" }}{{ $_ := set $wiring "draDriverName" $v.dra.driverName }}{{ end -}}
+{{- if eq $v.clusterAgent.executor "pod" }}{{ $_ := set $wiring "draDeviceClassName" $v.dra.deviceClassName }}{{ end -}}
+{{- end -}}
 {{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
 {{- with $v.domain.name }}
 {{ $_ := set $wiring "domainName" . }}{{ end -}}

@@ -26,7 +26,8 @@ HEALTH_RECOVERY_DEFAULTS = {"cluster": 0.0, "fake": 0.0, "nvml": 60.0}
 
 GPU_SOURCE_SETTINGS = [
     Setting("gpuSource", "choice", "fake", "where GPUs are read from: fake (state file), nvml (this node), "
-            "cluster (allocatable nvidia.com/gpu of Ready nodes)", choices=("fake", "nvml", "cluster")),
+            "cluster (allocatable nvidia.com/gpu of Ready nodes, or with draDriverName the devices of that DRA driver's "
+            "ResourceSlices)", choices=("fake", "nvml", "cluster")),
     Setting("fakeGpuStateFile", "path", str(fake_state.default_path()), "fake GPU state file (gpuSource=fake)"),
     Setting("gpuPollInterval", "seconds", 0.5, "how often the GPU source is read", 0.05, 60),
     Setting("gpuLossDebounce", "seconds", "", "how long a loss of GPUs must hold before it is acted on (arrivals act "
@@ -71,6 +72,7 @@ def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, c
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.inventory.cluster import ClusterSource
 
-        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")), node_selector=getattr(cfg, "gpuNodeSelector", ""))
+        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")), node_selector=getattr(cfg, "gpuNodeSelector", ""),
+                             dra_driver=getattr(cfg, "draDriverName", ""))
 
     return FakeFileSource(Path(cfg.fakeGpuStateFile), tracker)

@@ -47,9 +47,11 @@ from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
+from gpu_agent.foundations.slices import node_usable
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome
 from gpu_agent.mechanisms.queues.pod_changes import PodChanges, Polling
+from gpu_agent.mechanisms.queues.work_claims import GPU_COUNT_ANNOTATION, DraWorkClaims
 
 log = get_logger(__name__)
 LABEL = "gpu-agent.io/work-item"
@@ -81,8 +83,11 @@ def _status(e: BaseException) -> int | None:
 class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
-                 pod_changes: PodChanges | Polling | None = None, node_selector: str = "") -> None:
+                 pod_changes: PodChanges | Polling | None = None, node_selector: str = "",
+                 claims: DraWorkClaims | None = None) -> None:
         self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
+        # GPUs through DRA (a ResourceClaimTemplate per count: work_claims.py); None: nvidia.com/gpu limits
+        self.claims = claims
         # the nodes whose GPUs the agent counts (gpuNodeSelector): work Pods go there and nowhere else
         self.node_selector = node_selector
         self.node_labels = parse_labels(node_selector)  # parsed once, not for every Pod
@@ -106,20 +111,22 @@ class PodExecutor:
         labels = {LABEL: "true", "app.kubernetes.io/managed-by": "gpu-agent"}
         if self.release:
             labels["app.kubernetes.io/instance"] = self.release
+        spec_claims, resources = ({}, {"limits": {GPU: str(gpus)}}) if self.claims is None or not gpus \
+            else self.claims.pod_parts(gpus)
         return {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(item.idempotency_key), "labels": labels, "finalizers": [FINALIZER],
                          "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250], ITEM_ID: str(item.item_id),
-                                         **(leader.annotations() if leader else {})}},
+                                         GPU_COUNT_ANNOTATION: str(gpus), **(leader.annotations() if leader else {})}},
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
                 **({"nodeSelector": dict(self.node_labels)} if self.node_labels else {}),
-
+                **spec_claims,
                 "containers": [{
                     "name": "work", "image": self.image, "imagePullPolicy": "IfNotPresent",
                     "command": [str(c) for c in command],
-                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {},
+                    "resources": resources if gpus else {},
                     # Admitted by Pod Security "restricted", like every pod of the chart.
                     "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
                                         "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -132,6 +139,9 @@ class PodExecutor:
         answer is sent again: if the first landed, the second's conflict is our own Pod."""
         fenced_waits = list(FENCED_RETRIES)
         unanswered = 0
+        gpus = int(item.payload.get("gpus", 1))
+        if self.claims is not None and gpus:
+            await self.claims.ensure(gpus, self._api)
         while unanswered < CREATE_ATTEMPTS:
             try:
                 await self._api(self.core.create_namespaced_pod, self.namespace, self._pod(item, leader))
@@ -203,11 +213,12 @@ class PodExecutor:
             deleting = pod is not None and pod.metadata.deletion_timestamp is not None
             if phase == "Pending" and unschedulable(pod) and self.clock.monotonic() - nodes_checked >= NODE_CHECK_SECONDS:
                 nodes_checked = self.clock.monotonic()
-                wanted, most = gpus_asked(pod), await self._most_gpus_on_a_node()
+                wanted, most = gpus_asked(pod, dra=self.claims is not None), await self._most_gpus_on_a_node()
                 if wanted > most:
                     await self._delete(name)
-                    raise RuntimeError(f"the item asks for {wanted} {GPU} and no node has that many (the most on one node: "
-                                       f"{most}); its pod {self.namespace}/{name} can never be scheduled and was deleted")
+                    raise RuntimeError(f"the item asks for {wanted} {self._offered} and no node has that many (the most "
+                                       f"on one node: {most}); its pod {self.namespace}/{name} can never be scheduled "
+                                       "and was deleted")
             if phase in ("Pending", "Failed", "Unknown") and never_started(pod) and (phase == "Failed" or deleting):
                 # Refused by the kubelet before any container ran (UnexpectedAdmissionError, OutOf<resource>
                 # right after a kubelet restart), or deleted by someone before it started: not a run.
@@ -227,10 +238,15 @@ class PodExecutor:
                 raise RuntimeError(f"pod {self.namespace}/{name} did not finish within {self.timeout_seconds:.0f}s")
             await self.pod_changes.wait(changed, self.poll_seconds)
 
+    @property
+    def _offered(self) -> str:
+        return GPU if self.claims is None else f"GPUs of DeviceClass {self.claims.device_class}"
+
     async def _most_gpus_on_a_node(self) -> int:
         selector = {"label_selector": self.node_selector} if self.node_selector else {}
         nodes = (await self._api(self.core.list_node, **selector)).items
-
+        if self.claims is not None:
+            return await self.claims.most_on_a_node({n.metadata.name for n in nodes if node_usable(n)}, self._api)
         return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
 
     async def _delete(self, name: str) -> None:
@@ -304,5 +320,9 @@ def unschedulable(pod: Any) -> bool:
                for c in (pod.status.conditions or []))
 
 
-def gpus_asked(pod: Any) -> int:
+def gpus_asked(pod: Any, *, dra: bool = False) -> int:
+    """The GPUs a work Pod asks for: its limits, or through DRA the count it was made with (its annotation)."""
+    if dra:
+        value = (pod.metadata.annotations or {}).get(GPU_COUNT_ANNOTATION, "0")
+        return int(value) if value.isdigit() else 0
     return sum(int(((c.resources.limits if c.resources else None) or {}).get(GPU, "0")) for c in pod.spec.containers)
