@@ -23,8 +23,8 @@ import uuid
 import pytest
 from kubernetes import client
 
-from e2e.cluster import tool
-from e2e.helpers import IMAGE, wait_until
+from e2e.cluster import restart_kubelet, tool
+from e2e.helpers import IMAGE, pod_log, wait_until
 from e2e.release import Release
 
 pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
@@ -199,3 +199,291 @@ def test_an_unknown_field_in_the_opaque_config_fails_prepare_at_once_naming_the_
     agent = [p.metadata.name for p in release.pods("app.kubernetes.io/component=node-agent") if p.spec.node_name == fake_gpus.node]
     log = core.read_namespaced_pod_log(agent[0], release.namespace)
     assert "Permanent error preparing devices for claim" in log and 'unknown field "unexpectedField"' in log
+
+
+def gpus_component(release):
+    """(HTTP status, the gpus component) of the cluster agent's own /healthz; (0, {}) until it answers."""
+    code, body = release.healthz()
+    return code, (body or {}).get("components", {}).get("gpus", {})
+
+
+def gpus_when(release, status):
+    """The gpus component of the cluster agent's /healthz once it answers `status`; None before."""
+    code, gpus = gpus_component(release)
+    return gpus if code == status else None
+
+
+def slice_uuids(resource, node):
+    return sorted(d["attributes"]["uuid"]["string"] for s in slices(resource, node) for d in s["spec"].get("devices") or [])
+
+
+def test_the_cluster_agent_counts_the_slices_devices_ready_within_2s_of_the_first_and_not_ready_when_the_last_goes(
+        dra, core, fake_gpus):
+    """Graceful no-GPU on a DRA cluster: the cluster agent's GPUs are the driver's devices in the ResourceSlices (the
+    UUIDs in its /healthz are the slice's, which the node agent wrote: the device plugin's count carries none), a
+    device tainted for an Xid counts for nothing, and readiness follows the slices both ways."""
+    release, resource = dra
+    nodes = [n.metadata.name for n in core.list_node().items]
+    for node in nodes:
+        fake_gpus.set(0, node=node)
+    gpus = wait_until(lambda: gpus_when(release, 503), 20, "the cluster agent NotReady with no device in any slice",
+                      interval=0.2)
+    assert f"no Ready node has a device of DRA driver {DRIVER} in its ResourceSlices" in gpus["reason"], gpus
+
+    r = fake_gpus.command("set", "--node", fake_gpus.node, "--count", "1")
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: device_count(resource, fake_gpus.node) == 1, 5, "1 device in the slice", interval=0.05)
+    in_slice = time.monotonic()
+    gpus = wait_until(lambda: gpus_when(release, 200), 10, "the cluster agent Ready", interval=0.05)
+    ready_after = time.monotonic() - in_slice
+    assert gpus["details"]["uuids"] == slice_uuids(resource, fake_gpus.node), gpus
+    assert gpus["details"]["gpus"][0]["health"] == "Healthy"
+
+    fault = fake_gpus.command("fault", "--node", fake_gpus.node, "--gpu", "0", "--xid", "48")
+    assert fault.returncode == 0, fault.stderr
+    started = time.monotonic()
+    gpus = wait_until(lambda: gpus_when(release, 503), 15, "NotReady: the one device tainted", interval=0.1)
+    tainted_after = time.monotonic() - started
+    assert f"tainted {DRIVER}/unhealthy=Unhealthy:NoSchedule" in gpus["reason"], gpus
+    assert fake_gpus.command("fault", "--node", fake_gpus.node, "--clear").returncode == 0
+    wait_until(lambda: gpus_component(release)[0] == 200, 10, "Ready again once the taint goes", interval=0.1)
+
+    r = fake_gpus.command("set", "--node", fake_gpus.node, "--count", "0")
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: device_count(resource, fake_gpus.node) == 0, 5, "the slice empty", interval=0.05)
+    emptied = time.monotonic()
+    wait_until(lambda: gpus_component(release)[0] == 503, 15, "NotReady once the last device left", interval=0.1)
+    not_ready_after = time.monotonic() - emptied
+    print(f"\nslice gained its first device -> cluster agent Ready: {ready_after:.2f}s; Xid 48 -> NotReady (the device "
+          f"tainted, loss debounce 5 s): {tainted_after:.1f}s; slice emptied -> NotReady: {not_ready_after:.1f}s")
+    assert ready_after <= 2.0
+    fake_gpus.set(2)
+
+
+def test_a_work_item_gets_its_gpu_through_a_claim_of_the_charts_device_class(dra, core, fake_gpus):
+    """The cluster agent's work Pods on a DRA cluster: the Pod claims its GPU from the template the agent made, the
+    scheduler allocates one of our driver's devices to the claim, and the item ends done."""
+    from e2e.release import enqueue, items
+
+    release, resource = dra
+    fake_gpus.set(2)
+    wait_until(lambda: gpus_component(release)[0] == 200, 20, "the cluster agent Ready")
+    enqueue(release, ["dra-item"], seconds=20)
+
+    def running_work_pod():
+        pods = [p for p in release.pods("gpu-agent.io/work-item=true") if p.status.phase == "Running"]
+        return pods[0] if pods else None
+
+    work = wait_until(running_work_pod, 60, "the work Pod Running", interval=0.2)
+    assert [c.resource_claim_template_name for c in work.spec.resource_claims] == ["dra-work-gpus-1"]
+    assert not (work.spec.containers[0].resources.limits or {}).get("nvidia.com/gpu")
+    (status,) = work.status.resource_claim_statuses
+    results = claim_of(resource, release.namespace, status.resource_claim_name)["status"]["allocation"]["devices"]["results"]
+    assert [(r["driver"], r["request"]) for r in results] == [(DRIVER, "gpus")]
+    print(f"\nwork Pod {work.metadata.name} on {work.spec.node_name}: claim {status.resource_claim_name} -> "
+          f"{results[0]['pool']}/{results[0]['device']}")
+    wait_until(lambda: items(release).get("dra-item") == "done", 90, "the item done")
+    template = resource.read_namespaced_resource_claim_template("dra-work-gpus-1", release.namespace)
+    assert template.spec.spec.devices.requests[0].exactly.device_class_name == CLASS
+
+
+# -- the DRA bats rows and the upstream DRA suite's rows that need no CDI ---------------------------------------------
+
+def template(resource, ns, name, count=1):
+    spec = claim_spec()
+    if count != 1:
+        spec["devices"]["requests"][0]["exactly"].update(allocationMode="ExactCount", count=count)
+    resource.create_namespaced_resource_claim_template(ns, body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+        "spec": {"spec": spec}})
+
+
+def devices_of_pod(core, resource, ns, name):
+    """The devices allocated to each of a Pod's claims, by the Pod's claim name: {claim: [(pool, device), ...]}."""
+    statuses = core.read_namespaced_pod(name, ns).status.resource_claim_statuses or []
+    out = {}
+    for s in statuses:
+        results = claim_of(resource, ns, s.resource_claim_name)["status"]["allocation"]["devices"]["results"]
+        assert all(r["driver"] == DRIVER for r in results), results
+        out[s.name] = [(r["pool"], r["device"]) for r in results]
+    return out
+
+
+def running(core, ns, names, timeout=60):
+    wait_until(lambda: all(phase(core, ns, n) == "Running" for n in names), timeout, f"{len(names)} pod(s) Running",
+               interval=0.2)
+
+
+def delete_pods(core, ns, names, timeout=60):
+    """Delete the pods and wait until they are gone: their claims unprepared by the plugin (a pod whose unprepare
+    fails stays Terminating), before anything else may take the devices or the release goes."""
+    for name in names:
+        core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+    wait_until(lambda: not [p for p in core.list_namespaced_pod(ns).items if p.metadata.name in names], timeout,
+               f"{len(names)} pod(s) gone (their claims unprepared)", interval=0.2)
+
+
+def ready_with(resource, fake_gpus, count):
+    fake_gpus.set(count)
+    wait_until(lambda: device_count(resource, fake_gpus.node) == count, 10, f"{count} devices in the slice")
+
+
+def test_two_pods_each_with_a_claim_from_one_template_get_two_different_gpus(dra, core, namespace, fake_gpus):
+    """bats: 2 pod(s), 1 full GPU each (RCT)."""
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    for name in ("p1", "p2"):
+        core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, ["p1", "p2"])
+    (first,), (second,) = (devices_of_pod(core, resource, namespace, n)["gpu"] for n in ("p1", "p2"))
+    print(f"\np1 -> {first}, p2 -> {second}")
+    assert first != second
+    delete_pods(core, namespace, ["p1", "p2"])
+
+
+def test_one_pod_two_containers_one_claim_from_a_template_share_its_one_gpu(dra, core, namespace, fake_gpus):
+    """bats: 1 pod(s), 2 cntrs, 1 full GPU (shared, 1 RCT): both containers use the pod's one claim."""
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    body = pod("two", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})])
+    second = dict(body["spec"]["containers"][0], name="cuda2")
+    body["spec"]["containers"].append(second)
+    core.create_namespaced_pod(namespace, body)
+    running(core, namespace, ["two"])
+    containers = core.read_namespaced_pod("two", namespace).spec.containers
+    assert [[c.name for c in k.resources.claims] for k in containers] == [["gpu"], ["gpu"]]
+    assert {k.name: k.ready for k in core.read_namespaced_pod("two", namespace).status.container_statuses} == \
+        {"cuda": True, "cuda2": True}
+    (devices,) = devices_of_pod(core, resource, namespace, "two").values()
+    assert len(devices) == 1, devices
+    print(f"\nboth containers of one pod: {devices[0]}")
+    delete_pods(core, namespace, ["two"])
+
+
+def test_a_pod_with_two_claim_templates_gets_two_distinct_gpus(dra, core, namespace, fake_gpus):
+    """The upstream DRA suite: a pod with two templates gets two distinct GPUs."""
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    core.create_namespaced_pod(namespace, pod("twice", fake_gpus.node, [("a", {"resourceClaimTemplateName": "one-gpu"}),
+                                                                        ("b", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, ["twice"])
+    devices = devices_of_pod(core, resource, namespace, "twice")
+    print(f"\ntwo templates: {devices}")
+    assert sorted(devices) == ["a", "b"] and len({d for ds in devices.values() for d in ds}) == 2
+    delete_pods(core, namespace, ["twice"])
+
+
+def test_a_job_with_a_claim_template_gets_a_gpu_for_each_of_its_2_completions(dra, api, core, namespace, fake_gpus):
+    """The upstream DRA suite: a Job with a ResourceClaimTemplate and 2 completions; every completion's pod ran
+    with a claim of our driver, and no claim is left once the pods are gone."""
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    spec = pod("unused", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})], sleep=1)["spec"]
+    spec["restartPolicy"] = "Never"
+    batch = client.BatchV1Api(api)
+    batch.create_namespaced_job(namespace, {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "job"},
+                                            "spec": {"completions": 2, "parallelism": 1, "backoffLimit": 0,
+                                                     "template": {"spec": spec}}})
+    seen: dict[str, list] = {}
+
+    def done():
+        for p in core.list_namespaced_pod(namespace, label_selector="job-name=job").items:
+            if p.metadata.name not in seen and p.status.resource_claim_statuses:
+                try:
+                    seen[p.metadata.name] = devices_of_pod(core, resource, namespace, p.metadata.name)["gpu"]
+                except (client.ApiException, KeyError, TypeError):
+                    pass  # the claim not allocated yet, or already gone with a finished pod: read again
+        return (batch.read_namespaced_job_status("job", namespace).status.succeeded or 0) == 2
+
+    started = time.monotonic()
+    wait_until(done, 120, "the Job's 2 completions", interval=0.2)
+    print(f"\nJob of 2 completions through a claim template: {time.monotonic() - started:.1f}s; pods -> devices {seen}")
+    assert len(seen) >= 1 and all(len(d) == 1 for d in seen.values())
+    batch.delete_namespaced_job("job", namespace, propagation_policy="Foreground")
+    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "no claim left")
+
+
+def test_stress_one_shared_resource_claim_across_15_pods_x_5_loops_leaves_nothing_allocated(dra, core, namespace, fake_gpus):
+    """bats: Stress: shared ResourceClaim across 15 pods x 5 loops. Each loop starts 15 pods on one claim, waits
+    until all run on its one device, deletes them; at the end the claim is reserved for nobody and every pod is gone."""
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    resource.create_namespaced_resource_claim(namespace, body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "shared"}, "spec": claim_spec()})
+    took, devices = [], set()
+    for loop in range(5):
+        started = time.monotonic()
+        names = [f"s{loop}-{i}" for i in range(15)]
+        for name in names:
+            core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimName": "shared"})]))
+        running(core, namespace, names, timeout=120)
+        claim = claim_of(resource, namespace, "shared")
+        assert len(claim["status"]["reservedFor"]) == 15
+        devices |= {(r["pool"], r["device"]) for r in claim["status"]["allocation"]["devices"]["results"]}
+        delete_pods(core, namespace, names, timeout=120)
+        took.append(round(time.monotonic() - started, 1))
+    print(f"\n15 pods on one claim, 5 loops: {took} s per loop; devices used: {sorted(devices)}")
+    assert len(devices) == 1
+    claim = claim_of(resource, namespace, "shared")
+    assert not claim["status"].get("reservedFor"), claim["status"]
+    assert not core.list_namespaced_pod(namespace).items
+
+
+def node_agent_on(release, node):
+    pods = [p for p in release.pods("app.kubernetes.io/component=node-agent")
+            if p.spec.node_name == node and p.metadata.deletion_timestamp is None]
+    return pods[0] if len(pods) == 1 and all(c.ready for c in pods[0].status.container_statuses or []) else None
+
+
+def test_the_plugin_killed_with_a_prepared_claim_keeps_its_pod_running_and_unprepares_it_once_back(dra, core, namespace,
+                                                                                                   fake_gpus):
+    release, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    core.create_namespaced_pod(namespace, pod("kept", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, ["kept"])
+    before = node_agent_on(release, fake_gpus.node)
+    core.delete_namespaced_pod(before.metadata.name, release.namespace, grace_period_seconds=0)  # killed, no goodbye
+    after = wait_until(lambda: (lambda p: p if p is not None and p.metadata.uid != before.metadata.uid else None)(
+        node_agent_on(release, fake_gpus.node)), 90, "a new node agent Ready on the node", interval=0.5)
+    kept = core.read_namespaced_pod("kept", namespace)
+    assert kept.status.phase == "Running" and kept.status.container_statuses[0].restart_count == 0
+    (generated,) = [s.resource_claim_name for s in kept.status.resource_claim_statuses]
+    started = time.monotonic()
+    delete_pods(core, namespace, ["kept"])  # the kubelet unprepares through the new plugin, from its checkpoint
+    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the claim gone with its pod")
+    print(f"\nnode agent {before.metadata.name} -> {after.metadata.name}; pod kept running; claim {generated} "
+          f"unprepared and gone {time.monotonic() - started:.1f}s after the pod's delete")
+    # the pod is gone only once the kubelet's unprepare succeeded; the new plugin says it undid the claim it never saw
+    log = pod_log(core, release.namespace, after.metadata.name)
+    assert f"unprepared claim {namespace}/{generated}:" in log, log[-2000:]
+
+
+@pytest.mark.disruptive
+@pytest.mark.ci_host
+def test_a_kubelet_restart_wipes_and_republishes_the_slice_and_a_running_pods_claim_stays_prepared(dra, core, namespace,
+                                                                                                     fake_gpus):
+    _, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    core.create_namespaced_pod(namespace, pod("through", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, ["through"])
+    (old,) = [s["metadata"]["uid"] for s in slices(resource, fake_gpus.node)]
+    restarted = time.monotonic()
+    restart_kubelet()
+    # the kubelet deletes the node's slices at its start; the plugin makes the pool again
+    wait_until(lambda: [s["metadata"]["uid"] for s in slices(resource, fake_gpus.node)] not in ([], [old]), 60,
+               "a new slice for the node after the kubelet's restart", interval=0.2)
+    republished = time.monotonic() - restarted
+    wait_until(lambda: device_count(resource, fake_gpus.node) == 2, 10, "2 devices in the new slice")
+    through = core.read_namespaced_pod("through", namespace)
+    assert through.status.phase == "Running" and through.status.container_statuses[0].restart_count == 0
+    # a new claim prepares through the restarted kubelet, and the old one unprepares
+    core.create_namespaced_pod(namespace, pod("after", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, ["after"], timeout=90)
+    print(f"\nkubelet restarted -> slice republished {republished:.1f}s later; the running pod untouched")
+    delete_pods(core, namespace, ["through", "after"])
