@@ -487,3 +487,31 @@ def test_a_kubelet_restart_wipes_and_republishes_the_slice_and_a_running_pods_cl
     running(core, namespace, ["after"], timeout=90)
     print(f"\nkubelet restarted -> slice republished {republished:.1f}s later; the running pod untouched")
     delete_pods(core, namespace, ["through", "after"])
+
+
+def test_a_claim_left_in_prepare_started_whose_object_is_gone_is_unprepared_by_the_plugin_itself(dra, core, namespace,
+                                                                                                  fake_gpus):
+    """bats: self-initiated unprepare of stale RCs in PrepareStarted. A claim that cannot prepare (its opaque config
+    has an unknown field: the plugin checkpointed PrepareStarted before decoding it), then its pod and claim
+    force-deleted (the kubelet never prepared it, so it never unprepares it), then the plugin restarted: at its start
+    it finds the claim gone and unprepares it, saying so."""
+    release, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    resource.create_namespaced_resource_claim(namespace, body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "stale"},
+        "spec": claim_spec({"apiVersion": "gpu.gpu-agent.io/v1alpha1", "kind": "GpuConfig", "unexpectedField": "x"})})
+    core.create_namespaced_pod(namespace, pod("stale", fake_gpus.node, [("gpu", {"resourceClaimName": "stale"})]))
+    wait_until(lambda: [e for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=stale").items
+                        if e.reason == "FailedPrepareDynamicResources"], 15, "the prepare failed", interval=0.2)
+    before = node_agent_on(release, fake_gpus.node)
+    core.delete_namespaced_pod("stale", namespace, grace_period_seconds=0)
+    resource.delete_namespaced_resource_claim("stale", namespace, grace_period_seconds=0)
+    wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the claim gone")
+    core.delete_namespaced_pod(before.metadata.name, release.namespace, grace_period_seconds=0)
+    after = wait_until(lambda: (lambda p: p if p is not None and p.metadata.uid != before.metadata.uid else None)(
+        node_agent_on(release, fake_gpus.node)), 90, "a new node agent Ready on the node", interval=0.5)
+    line = f"Checkpointed RC cleanup: unprepared stale claim: {namespace}/stale"
+    wait_until(lambda: line in pod_log(core, release.namespace, after.metadata.name), 30, "the plugin's own cleanup")
+    lines = [ln for ln in pod_log(core, release.namespace, after.metadata.name).splitlines() if f"{namespace}/stale" in ln]
+    print("\n" + "\n".join(lines))
+    assert any("Marked claim PrepareAborted in checkpoint" in ln for ln in lines), lines
