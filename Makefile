@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -122,6 +122,13 @@ bench-domain: setup
 bench-queue: setup
 	$(if $(BENCH_CP_ONLY),,$(MAKE) -C ci cluster-up images)
 	PYTHONPATH=agent:. $(BIN)/python agent/bench/bench_queue.py
+
+## bench-dra: on the CI cluster (brought up, images built), one-GPU pods create -> Running through DRA and through the
+## device plugin in the same run (median and p99 of BENCH_PODS=20 each), and fake GPUs 0 -> 2 -> the devices in the
+## node's ResourceSlice (BENCH_ARRIVALS=10); printed, not asserted
+bench-dra: setup
+	$(MAKE) -C ci cluster-up images
+	PYTHONPATH=agent/bench $(BIN)/python agent/bench/bench_dra.py
 
 ## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, health and events (3 s wait), then /healthz
 gpu-check:
