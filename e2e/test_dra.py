@@ -315,10 +315,11 @@ def running(core, ns, names, timeout=60):
 
 
 def delete_pods(core, ns, names, timeout=60):
-    """Delete the pods and wait until they are gone: their claims unprepared by the plugin (a pod whose unprepare
-    fails stays Terminating), before anything else may take the devices or the release goes."""
+    """Delete the pods gracefully and wait until they are gone: a pod with prepared claims finishes terminating only
+    once the kubelet's unprepare succeeded (a 0 s grace period would remove the object at once, before it), so
+    gone means unprepared, before anything else may take the devices or the release goes."""
     for name in names:
-        core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+        core.delete_namespaced_pod(name, ns, grace_period_seconds=1)
     wait_until(lambda: not [p for p in core.list_namespaced_pod(ns).items if p.metadata.name in names], timeout,
                f"{len(names)} pod(s) gone (their claims unprepared)", interval=0.2)
 
