@@ -128,7 +128,7 @@ bench-queue: setup
 ## node's ResourceSlice (BENCH_ARRIVALS=10); printed, not asserted
 bench-dra: setup
 	$(MAKE) -C ci cluster-up images
-	PYTHONPATH=agent/bench $(BIN)/python agent/bench/bench_dra.py
+	PYTHONPATH=agent:agent/bench $(BIN)/python agent/bench/bench_dra.py
 
 ## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, health and events (3 s wait), then /healthz
 gpu-check:

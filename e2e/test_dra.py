@@ -434,6 +434,23 @@ def test_stress_one_shared_resource_claim_across_15_pods_x_5_loops_leaves_nothin
     assert not core.list_namespaced_pod(namespace).items
 
 
+def running_with_one_gpu(core, resource, namespace, fake_gpus, name):
+    """A pod `name` Running on the node with one GPU claimed from a template of the chart's class."""
+    ready_with(resource, fake_gpus, 2)
+    template(resource, namespace, "one-gpu")
+    core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+    running(core, namespace, [name])
+
+
+def kill_node_agent(release, node):
+    """The node's agent deleted at once (no goodbye), and its successor once Ready: (before, after)."""
+    before = node_agent_on(release, node)
+    release.core.delete_namespaced_pod(before.metadata.name, release.namespace, grace_period_seconds=0)
+    after = wait_until(lambda: (lambda p: p if p is not None and p.metadata.uid != before.metadata.uid else None)(
+        node_agent_on(release, node)), 90, "a new node agent Ready on the node", interval=0.5)
+    return before, after
+
+
 def node_agent_on(release, node):
     pods = [p for p in release.pods("app.kubernetes.io/component=node-agent")
             if p.spec.node_name == node and p.metadata.deletion_timestamp is None]
@@ -443,14 +460,8 @@ def node_agent_on(release, node):
 def test_the_plugin_killed_with_a_prepared_claim_keeps_its_pod_running_and_unprepares_it_once_back(dra, core, namespace,
                                                                                                    fake_gpus):
     release, resource = dra
-    ready_with(resource, fake_gpus, 2)
-    template(resource, namespace, "one-gpu")
-    core.create_namespaced_pod(namespace, pod("kept", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
-    running(core, namespace, ["kept"])
-    before = node_agent_on(release, fake_gpus.node)
-    core.delete_namespaced_pod(before.metadata.name, release.namespace, grace_period_seconds=0)  # killed, no goodbye
-    after = wait_until(lambda: (lambda p: p if p is not None and p.metadata.uid != before.metadata.uid else None)(
-        node_agent_on(release, fake_gpus.node)), 90, "a new node agent Ready on the node", interval=0.5)
+    running_with_one_gpu(core, resource, namespace, fake_gpus, "kept")
+    before, after = kill_node_agent(release, fake_gpus.node)
     kept = core.read_namespaced_pod("kept", namespace)
     assert kept.status.phase == "Running" and kept.status.container_statuses[0].restart_count == 0
     (generated,) = [s.resource_claim_name for s in kept.status.resource_claim_statuses]
@@ -469,10 +480,7 @@ def test_the_plugin_killed_with_a_prepared_claim_keeps_its_pod_running_and_unpre
 def test_a_kubelet_restart_wipes_and_republishes_the_slice_and_a_running_pods_claim_stays_prepared(dra, core, namespace,
                                                                                                      fake_gpus):
     _, resource = dra
-    ready_with(resource, fake_gpus, 2)
-    template(resource, namespace, "one-gpu")
-    core.create_namespaced_pod(namespace, pod("through", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
-    running(core, namespace, ["through"])
+    running_with_one_gpu(core, resource, namespace, fake_gpus, "through")
     (old,) = [s["metadata"]["uid"] for s in slices(resource, fake_gpus.node)]
     restarted = time.monotonic()
     restart_kubelet()
@@ -504,13 +512,10 @@ def test_a_claim_left_in_prepare_started_whose_object_is_gone_is_unprepared_by_t
     core.create_namespaced_pod(namespace, pod("stale", fake_gpus.node, [("gpu", {"resourceClaimName": "stale"})]))
     wait_until(lambda: [e for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=stale").items
                         if e.reason == "FailedPrepareDynamicResources"], 15, "the prepare failed", interval=0.2)
-    before = node_agent_on(release, fake_gpus.node)
     core.delete_namespaced_pod("stale", namespace, grace_period_seconds=0)
     resource.delete_namespaced_resource_claim("stale", namespace, grace_period_seconds=0)
     wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the claim gone")
-    core.delete_namespaced_pod(before.metadata.name, release.namespace, grace_period_seconds=0)
-    after = wait_until(lambda: (lambda p: p if p is not None and p.metadata.uid != before.metadata.uid else None)(
-        node_agent_on(release, fake_gpus.node)), 90, "a new node agent Ready on the node", interval=0.5)
+    _, after = kill_node_agent(release, fake_gpus.node)
     line = f"Checkpointed RC cleanup: unprepared stale claim: {namespace}/stale"
     wait_until(lambda: line in pod_log(core, release.namespace, after.metadata.name), 30, "the plugin's own cleanup")
     lines = [ln for ln in pod_log(core, release.namespace, after.metadata.name).splitlines() if f"{namespace}/stale" in ln]

@@ -20,27 +20,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from bench_footprint import KUBECONFIG, REPO, STATE_DIR, run, tool
 from kubernetes import client, config
+from tests.integration.harness import wait_until
 
 PODS = int(os.environ.get("BENCH_PODS", "20"))
 ARRIVALS = int(os.environ.get("BENCH_ARRIVALS", "10"))
 DRIVER = CLASS = "gpu.gpu-agent.io"
 IMAGE = "localhost/gpu-agent:dev"
-
-
-def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def pod_body(name: str, node: str, dra: bool) -> dict[str, Any]:
@@ -61,11 +50,11 @@ def create_to_running(core: client.CoreV1Api, ns: str, node: str, dra: bool, cou
         name = f"{'dra' if dra else 'dp'}-{i}"
         started = time.monotonic()
         core.create_namespaced_pod(ns, pod_body(name, node, dra), _request_timeout=10)
-        poll(lambda name=name: core.read_namespaced_pod(name, ns, _request_timeout=10).status.phase == "Running", 120,
+        wait_until(lambda name=name: core.read_namespaced_pod(name, ns, _request_timeout=10).status.phase == "Running", 120,
              f"pod {name} Running")
         took.append(time.monotonic() - started)
         core.delete_namespaced_pod(name, ns, grace_period_seconds=0, _request_timeout=10)
-        poll(lambda name=name: not core.list_namespaced_pod(ns, field_selector=f"metadata.name={name}",
+        wait_until(lambda name=name: not core.list_namespaced_pod(ns, field_selector=f"metadata.name={name}",
                                                             _request_timeout=10).items,
              120, f"pod {name} gone")
     return took
@@ -84,10 +73,10 @@ def arrivals(resource: client.ResourceV1Api, ns: str, node: str, count: int) -> 
     took = []
     for _ in range(count):
         layout.set(node, 0, DEFAULT_PRODUCT, DEFAULT_MEMORY_MIB)
-        poll(lambda: devices_in_slice(resource, node) == 0, 30, "an empty slice")
+        wait_until(lambda: devices_in_slice(resource, node) == 0, 30, "an empty slice")
         started = time.monotonic()  # just before the layout write: the figure is an upper bound
         layout.set(node, 2, DEFAULT_PRODUCT, DEFAULT_MEMORY_MIB)
-        poll(lambda: devices_in_slice(resource, node) == 2, 30, "2 devices in the slice", interval=0.01)
+        wait_until(lambda: devices_in_slice(resource, node) == 2, 30, "2 devices in the slice", interval=0.01)
         took.append(time.monotonic() - started)
     return took
 
@@ -116,7 +105,7 @@ def main() -> int:
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS}}]}}}},
             _request_timeout=10)
-        poll(lambda: devices_in_slice(resource, node) == 2, 60, "2 devices in the slice")
+        wait_until(lambda: devices_in_slice(resource, node) == 2, 60, "2 devices in the slice")
         dra = create_to_running(core, ns, node, True, PODS)
         plugin = create_to_running(core, ns, node, False, PODS)
         arrived = arrivals(resource, ns, node, ARRIVALS)
