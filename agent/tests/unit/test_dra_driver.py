@@ -387,6 +387,18 @@ def test_a_wiped_slice_is_published_again_with_a_higher_generation_and_extras_go
     assert ("delete", "twin") in store.writes and len(store.slices) == 1
 
 
+def test_a_restarted_plugin_that_finds_its_predecessors_slice_current_is_published_without_a_write():
+    store = SliceStore()
+    first = publisher(store)
+    first.set_devices(NodeDevices.of(gpus(2), DRIVER).devices)
+    first._reconcile_once()
+    published = []
+    second = publisher(store, on_published=lambda generation, count: published.append((generation, count)))
+    second.set_devices(NodeDevices.of(gpus(2), DRIVER).devices)
+    assert second._reconcile_once()
+    assert store.writes == [("create", 1, 2)] and published == [(1, 2)]  # nothing written, and yet published
+
+
 def test_an_unhealthy_gpu_stays_listed_with_a_noschedule_taint_and_loses_it_on_recovery():
     sick = NodeDevices.of(gpus(2, unhealthy={1}), DRIVER)
     assert "taints" not in sick.devices[0]

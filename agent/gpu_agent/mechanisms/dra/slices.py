@@ -16,6 +16,8 @@ Timing rules:
   rewrites quantities into their canonical form).
 - A node with no GPU publishes one empty slice: an empty pool is not a missing pool.
 - A failed call is reported (`on_error`) and retried after `retry_seconds`; the loop never dies of it.
+- `on_published` is told after every reconcile that finds the pool current, written or not: a restarted plugin
+  whose predecessor's slice is still right is published without a write.
 """
 
 from __future__ import annotations
@@ -147,7 +149,10 @@ class SlicePublisher:
         for extra in extras:
             self._delete(extra["metadata"]["name"])
         if keep is not None and (keep["metadata"].get("annotations") or {}).get(CONTENT_ANNOTATION) == want and not extras:
-            return  # what we published is there
+            # What we want is there: published by this process, or by the one before it (a restarted plugin finds
+            # its predecessor's slice current and writes nothing, but is published all the same).
+            self.on_published(int(keep["spec"]["pool"].get("generation", 0)), len(devices))
+            return
         self._generation += 1
         body = slice_body(name=keep["metadata"]["name"] if keep else None, node=self.node, driver=self.driver,
                           generation=self._generation, devices=devices, owner=self._owner_ref(),
