@@ -186,14 +186,15 @@ def test_an_unknown_field_in_the_opaque_config_fails_prepare_at_once_naming_the_
         "spec": claim_spec({"apiVersion": "gpu.gpu-agent.io/v1alpha1", "kind": "GpuConfig", "unexpectedField": "foo"})})
     core.create_namespaced_pod(namespace, pod("bad", fake_gpus.node, [("gpu", {"resourceClaimName": "bad"})]))
 
-    def failed_prepare():
+    def failed_prepare():  # the plugin's refusal (the kubelet's own, "driver not registered", would not name the field)
         events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=bad").items
-        return [e.message for e in events if e.reason == "FailedPrepareDynamicResources"]
+        return [e.message for e in events if e.reason == "FailedPrepareDynamicResources"
+                and "error preparing devices" in e.message
+                and 'strict decoding error: unknown field "unexpectedField"' in e.message]
 
-    messages = wait_until(failed_prepare, 15, "a FailedPrepareDynamicResources event", interval=0.2)
-    print(f"\nevent: {messages[0]}")
-    assert any("error preparing devices" in m and 'strict decoding error: unknown field "unexpectedField"' in m
-               for m in messages), messages
+    started = time.monotonic()
+    messages = wait_until(failed_prepare, 15, "a FailedPrepareDynamicResources event naming the field", interval=0.2)
+    print(f"\nevent ({time.monotonic() - started:.1f}s after the pod's create): {messages[0]}")
     waiting = core.read_namespaced_pod("bad", namespace).status.container_statuses
     assert not waiting or waiting[0].state.waiting is not None  # never started
     agent = [p.metadata.name for p in release.pods("app.kubernetes.io/component=node-agent") if p.spec.node_name == fake_gpus.node]
@@ -510,14 +511,20 @@ def test_a_claim_left_in_prepare_started_whose_object_is_gone_is_unprepared_by_t
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "stale"},
         "spec": claim_spec({"apiVersion": "gpu.gpu-agent.io/v1alpha1", "kind": "GpuConfig", "unexpectedField": "x"})})
     core.create_namespaced_pod(namespace, pod("stale", fake_gpus.node, [("gpu", {"resourceClaimName": "stale"})]))
+    # the plugin's own refusal, not the kubelet's (right after a kubelet restart it may refuse first, "driver not
+    # registered", before the plugin ever saw the claim)
     wait_until(lambda: [e for e in core.list_namespaced_event(namespace, field_selector="involvedObject.name=stale").items
-                        if e.reason == "FailedPrepareDynamicResources"], 15, "the prepare failed", interval=0.2)
+                        if e.reason == "FailedPrepareDynamicResources" and 'unknown field "unexpectedField"' in e.message],
+               30, "the plugin's prepare failed on the unknown field", interval=0.2)
     core.delete_namespaced_pod("stale", namespace, grace_period_seconds=0)
     resource.delete_namespaced_resource_claim("stale", namespace, grace_period_seconds=0)
     wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the claim gone")
     _, after = kill_node_agent(release, fake_gpus.node)
     line = f"Checkpointed RC cleanup: unprepared stale claim: {namespace}/stale"
-    wait_until(lambda: line in pod_log(core, release.namespace, after.metadata.name), 30, "the plugin's own cleanup")
+    try:
+        wait_until(lambda: line in pod_log(core, release.namespace, after.metadata.name), 30, "the plugin's own cleanup")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the new plugin's log ends:\n{pod_log(core, release.namespace, after.metadata.name)[-3000:]}") from None
     lines = [ln for ln in pod_log(core, release.namespace, after.metadata.name).splitlines() if f"{namespace}/stale" in ln]
     print("\n" + "\n".join(lines))
     assert any("Marked claim PrepareAborted in checkpoint" in ln for ln in lines), lines
