@@ -528,3 +528,51 @@ def test_a_claim_left_in_prepare_started_whose_object_is_gone_is_unprepared_by_t
     lines = [ln for ln in pod_log(core, release.namespace, after.metadata.name).splitlines() if f"{namespace}/stale" in ln]
     print("\n" + "\n".join(lines))
     assert any("Marked claim PrepareAborted in checkpoint" in ln for ln in lines), lines
+
+
+def taints(resource, node, device):
+    for s in slices(resource, node):
+        for d in s["spec"].get("devices") or []:
+            if d["name"] == device:
+                return d.get("taints") or []
+    return None
+
+
+def test_an_xid_79_taints_its_device_within_2s_a_new_claim_never_gets_it_and_a_clear_brings_it_back(dra, core, namespace,
+                                                                                                   fake_gpus):
+    _, resource = dra
+    try:
+        ready_with(resource, fake_gpus, 2)
+        template(resource, namespace, "one-gpu")
+        r = fake_gpus.command("fault", "--node", fake_gpus.node, "--gpu", "0", "--xid", "79")
+        assert r.returncode == 0, r.stderr
+        started = time.monotonic()
+        (taint,) = wait_until(lambda: taints(resource, fake_gpus.node, "gpu-0"), 2, "gpu-0 tainted within 2 s", interval=0.05)
+        tainted_after = time.monotonic() - started
+        assert {k: taint[k] for k in ("key", "value", "effect")} == {"key": f"{DRIVER}/unhealthy", "value": "Lost",
+                                                                   "effect": "NoSchedule"}  # timeAdded: the API server's
+        assert taints(resource, fake_gpus.node, "gpu-1") == []
+        for name in ("first", "second"):
+            core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+        running(core, namespace, ["first"])
+        assert devices_of_pod(core, resource, namespace, "first") == {"gpu": [(fake_gpus.node, "gpu-1")]}
+
+        def refused():  # the scheduler looked at "second" and found no untainted device for its claim
+            conditions = core.read_namespaced_pod("second", namespace).status.conditions or []
+            return [c for c in conditions if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"]
+
+        (verdict,) = wait_until(refused, 30, "the scheduler's Unschedulable verdict on the second pod", interval=0.2)
+        print(f"\nsecond pod while gpu-0 is tainted: {verdict.message}")
+        assert phase(core, namespace, "second") == "Pending"
+        r = fake_gpus.command("fault", "--node", fake_gpus.node, "--clear")
+        assert r.returncode == 0, r.stderr
+        started = time.monotonic()
+        wait_until(lambda: taints(resource, fake_gpus.node, "gpu-0") == [], 2, "the taint gone within 2 s", interval=0.05)
+        cleared_after = time.monotonic() - started
+        running(core, namespace, ["second"])
+        assert devices_of_pod(core, resource, namespace, "second") == {"gpu": [(fake_gpus.node, "gpu-0")]}
+        print(f"\nXid 79 -> gpu-0 tainted Lost in the slice: {tainted_after:.2f}s; clear -> taint gone: {cleared_after:.2f}s; "
+              "the pod asking meanwhile waited for it and got gpu-0")
+        delete_pods(core, namespace, ["first", "second"])
+    finally:  # a failure halfway must not leave the next test a faulted GPU
+        fake_gpus.command("fault", "--node", fake_gpus.node, "--clear")
