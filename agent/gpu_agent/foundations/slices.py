@@ -15,7 +15,9 @@ from typing import Any
 
 from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 
-_NS = uuid.UUID("6f1c8c1e-6a53-4a8e-9d55-0f5b1d8b9a10")
+# The namespace of the UUIDs made up for GPUs that carry none (a device plugin's count, a slice without `uuid`):
+# stable across reads, so that a fault is a health change and not a new GPU.
+MADE_UP_UUIDS = uuid.UUID("6f1c8c1e-6a53-4a8e-9d55-0f5b1d8b9a10")
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,8 @@ def pool_slice(obj: Any) -> PoolSlice | None:
     devices = []
     for d in field(obj, "spec", "devices") or []:
         taint = next((t for t in (field(d, "taints") or []) if field(t, "effect") in BLOCKING_EFFECTS), None)
-        uuid_attr = field(d, "attributes", "uuid")
-        uuid_value = (uuid_attr.get("string") if isinstance(uuid_attr, dict) else getattr(uuid_attr, "string", None)) or ""
         devices.append(SliceDevice(
-            name=str(field(d, "name") or ""), uuid=str(uuid_value),
+            name=str(field(d, "name") or ""), uuid=str(field(d, "attributes", "uuid", "string") or ""),
             taint="" if taint is None else f"{field(taint, 'key')}={field(taint, 'value') or ''}:{field(taint, 'effect')}"))
     try:
         generation = int(field(obj, "spec", "pool", "generation") or 0)
@@ -105,7 +105,7 @@ def inventory_of_slices(usable: set[str], slices: dict[str, PoolSlice], driver: 
     seen: set[str] = set()
     for node, devices in devices_per_node(usable, slices).items():
         for d in devices:
-            uuid_ = d.uuid if d.uuid and d.uuid not in seen else "GPU-" + str(uuid.uuid5(_NS, f"{driver}/{node}/{d.name}"))
+            uuid_ = d.uuid if d.uuid and d.uuid not in seen else "GPU-" + str(uuid.uuid5(MADE_UP_UUIDS, f"{driver}/{node}/{d.name}"))
             seen.add(uuid_)
             gpus.append(GPU(uuid=uuid_, name=f"{d.name} on {node}", memory_total_bytes=1, index=len(gpus),
                             health=UNHEALTHY if d.taint else HEALTHY,

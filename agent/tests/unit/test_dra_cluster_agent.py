@@ -308,3 +308,15 @@ def test_a_template_that_cannot_be_made_fails_the_attempt_naming_it():
     with pytest.raises(RuntimeError, match="making ResourceClaimTemplate work/rel-work-gpus-1 failed: 403 Forbidden"):
         run_item(api, WorkItem(1, "refused", {"gpus": 1}, "l", 1))
     assert api.body is None  # no Pod made without its template
+
+
+def test_a_slice_reads_the_same_as_the_clients_model_as_as_a_dict():
+    from kubernetes import client
+
+    model = client.V1ResourceSlice(
+        metadata=client.V1ObjectMeta(name="s1"),
+        spec=client.V1ResourceSliceSpec(driver=DRIVER, node_name="n1", pool=client.V1ResourcePool(
+            name="n1", generation=3, resource_slice_count=1), devices=[
+            client.V1Device(name="gpu-0", attributes={"uuid": client.V1DeviceAttribute(string="GPU-0000")},
+                            taints=[client.V1DeviceTaint(**TAINT)])]))
+    assert pool_slice(model) == pool_slice(slice_of("s1", "n1", [gpu_device(0, taint=TAINT)], generation=3))

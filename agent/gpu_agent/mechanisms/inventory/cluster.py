@@ -42,13 +42,19 @@ from kubernetes import client
 from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.foundations.slices import PoolSlice, field, inventory_of_slices, node_usable, pool_slice
+from gpu_agent.foundations.slices import (
+    MADE_UP_UUIDS,
+    PoolSlice,
+    field,
+    inventory_of_slices,
+    node_usable,
+    pool_slice,
+)
 from gpu_agent.foundations.threads import start_thread
 from gpu_agent.mechanisms.inventory.source import Reading
 
 log = get_logger(__name__)
 RESOURCE = "nvidia.com/gpu"
-_NS = uuid.UUID("6f1c8c1e-6a53-4a8e-9d55-0f5b1d8b9a10")
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def inventory_of(table: dict[str, NodeGPUs]) -> Inventory:
         reason = unallocatable_reason(node, counts) if counts.capacity > counts.allocatable else ""
         for i in range(counts.capacity):
             healthy = i < counts.allocatable
-            gpus.append(GPU(uuid="GPU-" + str(uuid.uuid5(_NS, f"{node}/{i}")), name=f"{RESOURCE} {i} on {node}",
+            gpus.append(GPU(uuid="GPU-" + str(uuid.uuid5(MADE_UP_UUIDS, f"{node}/{i}")), name=f"{RESOURCE} {i} on {node}",
                             memory_total_bytes=1, index=len(gpus), health=HEALTHY if healthy else UNHEALTHY,
                             health_reason="" if healthy else reason))
     return Inventory(tuple(gpus))
