@@ -310,7 +310,7 @@ def test_a_template_that_cannot_be_made_fails_the_attempt_naming_it():
     assert api.body is None  # no Pod made without its template
 
 
-def test_a_slice_reads_the_same_as_the_clients_model_as_as_a_dict():
+def test_a_slice_reads_the_same_from_the_clients_model_as_from_a_dict():
     from kubernetes import client
 
     model = client.V1ResourceSlice(
