@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from typing import Any
 
-from bench_footprint import KUBECONFIG, REPO, STATE_DIR, run, tool
+from bench_footprint import KUBECONFIG, REPO, STATE_DIR, run, tear_down, tool
 from kubernetes import client, config
 from tests.integration.harness import wait_until
 
@@ -110,10 +109,7 @@ def main() -> int:
         plugin = create_to_running(core, ns, node, False, PODS)
         arrived = arrivals(resource, ns, node, ARRIVALS)
     finally:
-        subprocess.run([*helm, "uninstall", "ga", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
-        subprocess.run([*helm, "uninstall", "fg", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
-        subprocess.run([tool("kubectl"), "--kubeconfig", KUBECONFIG, "delete", "namespace", ns, "--wait=false"],
-                       capture_output=True, timeout=60)
+        tear_down(helm, ns)
     print(f"one-GPU pod create -> Running on {node}, one at a time, the same cluster and run:")
     print(f"  through DRA (claim template)   {figures(dra)}")
     print(f"  through the device plugin      {figures(plugin)}")

@@ -71,6 +71,14 @@ def wait_for_roles(ns: str, timeout: float = 180) -> dict[str, str]:
         time.sleep(1)
 
 
+def tear_down(helm: list[str], ns: str) -> None:
+    """Uninstall the bench's two releases (ga, fg) and delete its namespace; what fails is left, not raised."""
+    subprocess.run([*helm, "uninstall", "ga", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
+    subprocess.run([*helm, "uninstall", "fg", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
+    subprocess.run([tool("kubectl"), "--kubeconfig", KUBECONFIG, "delete", "namespace", ns, "--wait=false"],
+                   capture_output=True, timeout=60)
+
+
 def main() -> int:
     ns = f"bench-footprint-{uuid.uuid4().hex[:5]}"
     helm = [tool("helm"), "--kubeconfig", KUBECONFIG, "-n", ns]
@@ -95,10 +103,7 @@ def main() -> int:
         end = {role: sample(ns, pod) for role, pod in pods.items()}
         window = time.monotonic() - t0
     finally:
-        subprocess.run([*helm, "uninstall", "ga", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
-        subprocess.run([*helm, "uninstall", "fg", "--wait", "--timeout", "120s"], capture_output=True, timeout=180)
-        subprocess.run([tool("kubectl"), "--kubeconfig", KUBECONFIG, "delete", "namespace", ns, "--wait=false"],
-                       capture_output=True, timeout=60)
+        tear_down(helm, ns)
     print(f"footprint per role in its chart configuration ({window:.0f} s idle window, {len(end)} roles sampled)")
     print(f"{'role':<16}{'RSS MiB':>10}{'goal':>8}{'idle CPU %':>12}{'goal':>8}")
     for role in ("cluster-agent", "node-agent", "control-plane", "fake-gpu"):

@@ -211,9 +211,8 @@ def delete_work_pods_of(core: client.CoreV1Api, namespace: str, release: str) ->
 def delete_work_claim_templates_of(resource: Any, namespace: str, release: str) -> int:
     """Delete the ResourceClaimTemplates the release's cluster agent made for its work Pods (a claim made from one
     belongs to its Pod and goes with it). One already gone is fine. Returns how many were listed."""
-    listed = resource.list_namespaced_resource_claim_template(
-        namespace, label_selector=f"{WORK_CLAIM_LABEL}=true,app.kubernetes.io/instance={release}",
-        _request_timeout=REQUEST_TIMEOUT).items
+    selector = f"{WORK_CLAIM_LABEL}=true,app.kubernetes.io/instance={release}"
+    listed = resource.list_namespaced_resource_claim_template(namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT).items
     for template in listed:
         _ignore_404(resource.delete_namespaced_resource_claim_template, template.metadata.name, namespace)
     return len(listed)
