@@ -108,7 +108,7 @@ def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_sele
     assert "affinity" not in node_agent("--set", "nodeAgent.gpuNodeSelectorTerms=null")  # every node
 
 
-def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_renders_only_with_leader_election():
+def test_the_work_pod_fencing_policy_takes_the_releases_workfence_as_its_param_and_renders_only_with_leader_election():
     def fencing(*sets):
         docs = render(*sets)
         return ([d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"].endswith("-work-pod-fence")],
@@ -116,22 +116,29 @@ def test_the_work_pod_fencing_policy_takes_the_agents_lease_as_its_param_and_ren
                  and d["metadata"]["name"].endswith("-work-pod-fence")], docs)
 
     [policy], [binding], docs = fencing()
-    assert policy["spec"]["paramKind"] == {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease"}
+    # A kind of our own, not the Lease: Kubernetes up to 1.36.2 stops watching a built-in param kind for good once no
+    # binding names it (kubernetes#130887), and a release installed after that had every work Pod refused.
+    assert policy["spec"]["paramKind"] == {"apiVersion": "gpu-agent.io/v1alpha1", "kind": "WorkFence"}
     assert policy["spec"]["failurePolicy"] == "Fail"
     assert policy["spec"]["matchConstraints"]["resourceRules"] == [
         {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]
     assert "'gpu-agent.io/leader' in object.metadata.annotations" in policy["spec"]["matchConditions"][0]["expression"]
     assert [v["reason"] for v in policy["spec"]["validations"]] == ["Forbidden"]
-    lease = agent_config(docs, "cluster-agent")["leaderElectionLeaseName"]
+    config = agent_config(docs, "cluster-agent")
+    fence = config["workPodFence"]  # the agent writes its token into the very object the binding names
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert binding["spec"]["paramRef"] == {"name": lease, "namespace": "ns", "parameterNotFoundAction": "Deny"}
+    assert binding["spec"]["paramRef"] == {"name": fence, "namespace": "ns", "parameterNotFoundAction": "Deny"}
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert binding["spec"]["matchResources"] == {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ns"}},
         "objectSelector": {"matchLabels": {"gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": "t"}}}
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-cluster-agent"))
     assert "patch" in next(r for r in role["rules"] if r["resources"] == ["pods"])["verbs"]  # the finalizer's release
-    assert fencing("--set", "clusterAgent.workPodFencing=false")[:2] == ([], [])
+    assert {"create"} <= {v for r in role["rules"] if r["resources"] == ["workfences"] for v in r["verbs"]}
+    assert any(r.get("resourceNames") == [fence] and set(r["verbs"]) == {"get", "update"} for r in role["rules"]
+               if r["resources"] == ["workfences"])
+    unfenced = fencing("--set", "clusterAgent.workPodFencing=false")
+    assert unfenced[:2] == ([], []) and "workPodFence" not in agent_config(unfenced[2], "cluster-agent")
     assert fencing("--set", "clusterAgent.leaderElection.enabled=false")[:2] == ([], [])
 
 
@@ -178,7 +185,7 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
     # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
     assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                               "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile",
-                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"}
+                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"}
     assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
     assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
 

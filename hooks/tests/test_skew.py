@@ -58,4 +58,4 @@ def test_this_checkouts_crds_keep_the_rule_against_the_last_release():
     repo = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, str(repo / "scripts" / "crd-storage-rule.py")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("crd-storage-rule:") == 2, r.stdout
+    assert r.stdout.count("crd-storage-rule:") == 3, r.stdout  # GPUDomain, GPUDomainMember, WorkFence

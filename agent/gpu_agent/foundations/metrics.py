@@ -85,6 +85,11 @@ class AgentMetrics(NodeMetrics):
         self.active = Gauge("gpu_agent_active", "1 while this agent leads and its queues are open (it leases work)",
                             registry=r)
         self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)
+        self.work_path_refusals = Counter(
+            "gpu_agent_work_path_refusals", "Work Pods, real or dry-run checks, the API server refused for a reason "
+            "that is not the item's (fencing policy, quota, ServiceAccount, webhook)", registry=r)
+        self.work_path_down = Gauge("gpu_agent_work_path_down", "1 while the leader's work Pods have been refused for "
+                                    "longer than the bound (its queues NotReady)", registry=r)
         self.gate_wait = Histogram("gpu_agent_gate_wait_seconds", "Time spent waiting for the registration gate", ["purpose"],
                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
         self.queue_paused.set(1)

@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
+from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.randomness import RandomSources
 from gpu_agent.foundations.secrets import Secret
-from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
+from gpu_agent.foundations.threads import CURRENT, Threads, in_daemon_thread, start_thread
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
@@ -51,6 +52,7 @@ from gpu_agent.roles.endpoints import EndpointServer
 if TYPE_CHECKING:  # loaded when folding starts: the Kubernetes client costs memory (see make_executor)
     from gpu_agent.foundations.events import EventRecorder
     from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
+    from gpu_agent.mechanisms.leadership.kube_fence import KubeWorkFence
 
 log = get_logger(__name__)
 
@@ -111,6 +113,9 @@ SETTINGS = [
     Setting("leaderElectionNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that Lease"),
     Setting("leaderElectionOwner", "str", "", "Deployment (in that namespace) that owns the Lease, so that it is deleted "
             "with it; empty: no owner", optional=True),
+    Setting("workPodFence", "str", "", "WorkFence (in that namespace) the leader writes its fencing token into before "
+            "its first item, for the admission policy that refuses a deposed leader's work Pods (the chart's "
+            "clusterAgent.workPodFencing); empty: no fencing policy", optional=True),
     Setting("leaderElectionLeaseDuration", "seconds", 15.0, "how long a standby waits after the leader's last "
             "renewal it saw before taking over", 1, 3600),
     Setting("leaderElectionRenewDeadline", "seconds", 10.0, "how long the leader may fail to renew before it stops "
@@ -157,6 +162,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaderElectionLeaseName: str
     leaderElectionNamespace: str
     leaderElectionOwner: str
+    workPodFence: str
     leaderElectionLeaseDuration: float
     leaderElectionRenewDeadline: float
     leaderElectionRetryPeriod: float
@@ -184,7 +190,8 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         claims = DraWorkClaims(client.ResourceV1Api(api), cfg.workNamespace, cfg.draDeviceClassName, release=cfg.releaseName,
                                driver=cfg.draDriverName) if cfg.draDeviceClassName else None
         return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
-                           pod_changes=changes, node_selector=cfg.gpuNodeSelector, claims=claims)
+                           pod_changes=changes, node_selector=cfg.gpuNodeSelector, claims=claims,
+                           fencing=bool(cfg.leaderElection and cfg.workPodFence))
 
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 
@@ -224,6 +231,8 @@ class ClusterAgent:
         self.executor = make_executor(cfg, self.clock)
         self.queue = self._queue()
         self.elector: LeaderElector | None = None
+        self.work_fence: KubeWorkFence | None = None  # made with the elector (it needs the Kubernetes API)
+        self.path_events: EventRecorder | None = None  # the Events of the work path's refusals
         self.aggregator: Aggregator | EveryDomainAggregator | None = None
         self.recorder: EventRecorder | None = None  # the Events of what the aggregator writes
         host, _, port = cfg.listenAddress.rpartition(":")
@@ -252,7 +261,32 @@ class ClusterAgent:
                              poll_interval=cfg.queuePollInterval, on_refused=self.registration.credential_refused,
                              long_poll=cfg.queueLongPoll if cfg.featureGates["LongPollLeases"] else 0.0,
                              identity=cfg.identity, still_leading=self._holds_lease if cfg.leaderElection else None,
-                             max_in_flight=cfg.queueMaxInFlight)
+                             max_in_flight=cfg.queueMaxInFlight,
+                             check_path=self._check_work_path if hasattr(self.executor, "probe") else None,
+                             on_path=self._work_path_changed)
+
+    async def _check_work_path(self, leader: LeaderToken | None) -> str:
+        """The consumer's proof of the work path: this leadership's token written into the WorkFence (with
+        fencing), then the executor's dry runs. "" when work can run; else why not."""
+        if self.work_fence is not None and leader is not None:
+            try:
+                await in_daemon_thread(self.work_fence.publish, leader, self._holds_lease)
+            except Exception as e:  # noqa: BLE001 - told in /healthz as the reason no work runs
+                return f"the fencing token could not be written: {e}"
+        probe = getattr(self.executor, "probe", None)
+        return str(await probe(leader)) if probe is not None else ""
+
+    def _work_path_changed(self, ok: bool, why: str) -> None:
+        """The queues turned NotReady because work Pods are refused (or back): an Event on the Deployment."""
+        if ok:
+            log.info("work pods are admitted again; the queues are Ready")
+        else:
+            log.error("work pods refused for %.0fs: %s; the queues are NotReady", QueueConsumer.PATH_BOUND, why)
+        if self.path_events is not None and self.cfg.leaderElectionOwner:
+            regarding = {"apiVersion": "apps/v1", "kind": "Deployment", "name": self.cfg.leaderElectionOwner,
+                         "namespace": self.cfg.leaderElectionNamespace}
+            self.path_events.record(regarding, "Normal" if ok else "Warning",
+                                    "WorkPodsAdmitted" if ok else "WorkPodsRefused", "ProveWorkPath", why[:1000])
 
     def _holds_lease(self) -> bool:
         # No elector yet (it is made when the agent runs): nothing has led, so the queues are closed anyway.
@@ -351,12 +385,22 @@ class ClusterAgent:
             log.info("stopped folding GPUDomains of %s (not leading)", self.cfg.domainNamespace)
 
     def _elector(self) -> LeaderElector:
+        from gpu_agent.foundations.events import EventRecorder
         from gpu_agent.foundations.kube import api_client
+        from gpu_agent.mechanisms.leadership.kube_fence import KubeWorkFence
         from gpu_agent.mechanisms.leadership.kube_lease import KubeLease
 
-        lease = KubeLease(api_client(self.cfg.kubeconfig), namespace=self.cfg.leaderElectionNamespace,
-                          name=self.cfg.leaderElectionLeaseName,
-                          request_timeout=min(self.cfg.requestTimeout, self.election.retry_period * 2),
+        api = api_client(self.cfg.kubeconfig)
+        timeout = min(self.cfg.requestTimeout, self.election.retry_period * 2)
+        if self.cfg.workPodFence:
+            self.work_fence = KubeWorkFence(api, namespace=self.cfg.leaderElectionNamespace, name=self.cfg.workPodFence,
+                                            request_timeout=timeout, owner_deployment=self.cfg.leaderElectionOwner)
+        if self.cfg.executor == "pod":
+            self.path_events = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
+                                             clock=self.clock)
+            start_thread("work-path-events", self.path_events.run)
+        lease = KubeLease(api, namespace=self.cfg.leaderElectionNamespace,
+                          name=self.cfg.leaderElectionLeaseName, request_timeout=timeout,
                           owner_deployment=self.cfg.leaderElectionOwner)
         log.info("electing a leader through Lease %s/%s as %s", self.cfg.leaderElectionNamespace,
                  self.cfg.leaderElectionLeaseName, self.cfg.identity)
@@ -393,6 +437,8 @@ class ClusterAgent:
                     t.cancel()
         finally:
             self._stop_folding()
+            if self.path_events is not None:
+                self.path_events.stop()
             self.endpoints.stop()
             self.monitor.source.close()
             self.client.close()

@@ -21,7 +21,7 @@ WIRED = {
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "domainName", "gpuNodeSelector",
                       "draDriverName", "draDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
-                      "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner"},
+                      "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},
     "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",
                    "domainNamespace", "domainWriteStrategy", "peersFile", "kubeconfig", "nodeName", "nodeIp",
                    "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir"},

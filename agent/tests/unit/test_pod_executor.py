@@ -8,7 +8,7 @@ import pytest
 
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.control_plane_client import WorkItem
-from gpu_agent.mechanisms.queues.executor import AttemptNotMade
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, WorkPathRefused
 from gpu_agent.mechanisms.queues.pod_executor import PodExecutor, pod_name
 
 
@@ -198,9 +198,9 @@ def test_a_create_the_admission_policy_refuses_fails_the_attempt_naming_the_fenc
     fenced = client.ApiException(status=403, reason="Forbidden")
     fenced.body = '{"message": "admission webhook denied: work pod fenced: created under leadership agent-a"}'
     core.create_faults = [fenced] * 4  # refused, and after 3 waits
-    with pytest.raises(AttemptNotMade) as e:  # not the item's fault: no attempt counted
+    with pytest.raises(WorkPathRefused) as e:  # not the item's fault: no attempt counted, the path proven again
         executor(core).execute(WorkItem(1, "stale", {"gpus": 1}, "l", 1), LeaderToken("agent-a", "uid", 3))
-    assert "no longer the Lease's (fenced by the admission policy)" in str(e.value) and len(core.created) == 4
+    assert "is not the WorkFence's (fenced by the admission policy)" in str(e.value) and len(core.created) == 4
 
 
 def test_a_create_refused_while_the_policy_has_not_yet_seen_the_new_lease_is_tried_again():
@@ -254,3 +254,67 @@ def test_the_sweep_deletes_the_pods_of_finished_items_and_leaves_the_others():
     assert asyncio.run(run.ex.sweep(item_state)) == 2
     assert listed == ["gpu-agent.io/work-item=true,app.kubernetes.io/instance=r1"]
     assert core.deleted == ["done", "failed"] and [p[0] for p in core.patched] == ["done", "failed"]
+
+
+def refusal(status, message):
+    from kubernetes import client
+
+    e = client.ApiException(status=status, reason="Refused")
+    e.body = '{"message": "%s"}' % message
+    return e
+
+
+@pytest.mark.parametrize("status,message", [
+    (403, 'pods \\"x\\" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'),
+    (403, 'pods \\"x\\" is forbidden: error looking up service account work/default: serviceaccount \\"default\\" not found'),
+    (400, 'admission webhook \\"deny.example.com\\" denied the request: no pods today'),
+    (500, 'Internal error occurred: failed calling webhook \\"w.example.com\\": connection refused'),
+    (404, 'namespaces \\"work\\" not found'),
+])
+def test_a_create_refused_for_a_reason_not_the_items_is_a_refused_work_path_naming_the_api_servers_words(status, message):
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.create_faults = [refusal(status, message)]
+    with pytest.raises(WorkPathRefused) as e:  # no attempt counted, and the consumer proves the path before leasing
+        executor(core).execute(WorkItem(1, "any", {"gpus": 1}, "l", 1), LeaderToken("a", "uid", 0))
+    assert message.replace('\\"', '"')[:60] in str(e.value) and str(status) in str(e.value) and len(core.created) == 1
+
+
+class DryRunCore(ScriptedCore):
+    """Answers dry-run creates by the token on the Pod: `admit(annotations)` says whether the API server would."""
+
+    def __init__(self, admit):
+        super().__init__(["Succeeded"], node_gpus=[8])
+        self.admit, self.dry_runs = admit, []
+
+    def create_namespaced_pod(self, namespace, body, _request_timeout, dry_run=None):
+        assert dry_run == "All" and "name" not in body["metadata"] and body["metadata"]["generateName"]
+        self.dry_runs.append(body["metadata"]["annotations"].get("gpu-agent.io/leader"))
+        verdict = self.admit(body["metadata"]["annotations"])
+        if verdict is not True:
+            raise verdict
+
+
+def probe(core, leader, fencing=True):
+    ex = PodExecutor(core, "work", "img", clock=ManualClock(), run_blocking=inline, fencing=fencing)
+    return asyncio.run(ex.probe(leader))
+
+
+def test_the_probe_proves_the_path_with_two_dry_runs_its_own_token_admitted_and_a_stale_one_fenced():
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    me = LeaderToken("agent-a", "uid", 3)
+    fenced = refusal(403, "ValidatingAdmissionPolicy denied request: work pod fenced: created under leadership x")
+    policy = DryRunCore(lambda marks: True if marks["gpu-agent.io/leader"] == "agent-a" else fenced)
+    assert probe(policy, me) == "" and policy.dry_runs == ["agent-a", "agent-a.work-path-check"]
+
+    no_policy = DryRunCore(lambda marks: True)  # the policy missing: a stale token is admitted
+    assert probe(no_policy, me).startswith("fencing is not enforced: a dry-run work pod under a token that is not")
+    assert probe(DryRunCore(lambda marks: True), me, fencing=False) == ""  # no policy expected: one dry run
+
+    quota = refusal(403, "pods is forbidden: exceeded quota: gpus")
+    assert "under this agent's own token was refused: 403 Refused: pods is forbidden: exceeded quota: gpus" in \
+        probe(DryRunCore(lambda marks: quota), me)
+    other = DryRunCore(lambda marks: True if marks["gpu-agent.io/leader"] == "agent-a" else quota)
+    assert "refused, but not by the fencing policy: 403" in probe(other, me)

@@ -276,3 +276,69 @@ async def test_healthz_active_is_decided_when_asked_so_a_resumed_process_never_s
     lease_held[0] = False  # the renew deadline passed while the process was stopped
     assert health.snapshot()["active"] is False and gauge() == 0
     assert not await consumer.step() and control_plane.items  # nothing leased on a stale belief
+
+
+async def test_a_refused_work_path_leases_nothing_until_a_dry_run_proves_it_and_after_the_bound_is_not_ready():
+    """An item's Pod refused for a reason not the item's (here the fencing policy finding no fence): the item
+    goes back uncounted, nothing is leased while the probe says no, the queues turn NotReady with the probe's
+    reason once PATH_BOUND has passed (an Event through on_path, the metric set), and the first proof turns
+    them back and the waiting item runs."""
+    from gpu_agent.foundations.fencing import LeaderToken
+    from gpu_agent.mechanisms.queues.executor import WorkPathRefused
+
+    control_plane = ScriptedControlPlane([item(1, "refused"), item(2, "after")])
+    problems = ["", "no fence yet", "no fence yet", "no fence yet", ""]  # the probe's answers, in order
+    probes, told = [], []
+
+    class Refusing(Executor):
+        async def execute(self, item, leader=None):
+            self.ran.append(item.idempotency_key)
+            if item.idempotency_key == "refused" and len(self.ran) == 1:
+                raise WorkPathRefused("creating pod ns/x was refused: 422: no params found")
+            return "executed"
+
+    async def check_path(leader):
+        probes.append(leader)
+        return problems.pop(0)
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock, metrics = ManualClock(), AgentMetrics()
+    health = HealthRegistry(clock, ["queues"])
+    executor = Refusing()
+    consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), executor, clock=clock,
+                             health=health, metrics=metrics, lease_seconds=30.0, poll_interval=1.0, on_refused=refused,
+                             check_path=check_path, on_path=lambda ok, why: told.append((ok, why)))
+    me = LeaderToken("a", "uid", 1)
+    consumer.new_term(me)
+    await consumer.set_open(True, "")
+
+    def queues():
+        return health.snapshot()["components"]["queues"]
+
+    async def stepped():  # a refused item waits a poll interval on the clock before its place is free
+        import asyncio
+        task = asyncio.ensure_future(consumer.step())
+        for _ in range(10):
+            await asyncio.sleep(0)
+        if not task.done():
+            await clock.advance(1.0)
+        return await task
+
+    assert await stepped()  # proven (the first ""), leased, its Pod refused: released uncounted
+    assert control_plane.released == [("refused", None)] and probes == [me]
+    assert queues()["ready"] and "proving the work path" in queues()["reason"]
+    assert not await consumer.step() and len(probes) == 2  # "no fence yet": nothing leased
+    assert control_plane.items == [item(2, "after")] and queues()["ready"]
+    await clock.advance(consumer.PATH_BOUND)
+    assert not await consumer.step()
+    assert not queues()["ready"] and queues()["reason"] == "work pods refused: no fence yet", queues()
+    assert told == [(False, "no fence yet")] and metrics.work_path_down._value.get() == 1
+    assert metrics.work_path_refusals._value.get() == 3  # the real refusal and two dry runs
+    assert not await consumer.step()  # still refused: still NotReady, told once
+    assert told == [(False, "no fence yet")] and control_plane.items == [item(2, "after")]
+    assert metrics.work_path_refusals._value.get() == 4
+    assert await consumer.step()  # proven: leasing again, Ready, told
+    assert control_plane.acked == ["after"] and queues()["ready"] and queues()["reason"] == "leasing work"
+    assert told[-1] == (True, "work pods admitted again") and metrics.work_path_down._value.get() == 0

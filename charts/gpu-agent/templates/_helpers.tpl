@@ -194,7 +194,8 @@ as well, within 63 characters. */}}
 {{- printf "%s-%s-work-pod-fence" (include "gpu-agent.fullname" . | trunc 40 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
 
-{{/* The leader-election Lease: the cluster agents' (--leader-election-lease-name), and the fencing policy's param. */}}
+{{/* The leader-election Lease: the cluster agents' (--leader-election-lease-name); the WorkFence the leader writes,
+the fencing policy's param, has the same name. */}}
 {{- define "gpu-agent.leaseName" -}}
 {{- include "gpu-agent.fullname" . }}-cluster-agent
 {{- end -}}
@@ -339,6 +340,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- $_ := set $wiring "leaderElectionLeaseName" (include "gpu-agent.leaseName" .) -}}
 {{- $_ := set $wiring "leaderElectionNamespace" .Release.Namespace -}}
 {{- $_ := set $wiring "leaderElectionOwner" (printf "%s-cluster-agent" (include "gpu-agent.fullname" .)) -}}
+{{- if $v.clusterAgent.workPodFencing }}{{ $_ := set $wiring "workPodFence" (include "gpu-agent.leaseName" .) }}{{ end -}}
 {{- end -}}
 {{- $le := $v.clusterAgent.leaderElection -}}
 {{- $named := list

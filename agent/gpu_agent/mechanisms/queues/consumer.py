@@ -39,6 +39,14 @@ are paused only because this agent is a hot standby (it does its job: waiting to
 this agent leases work is the separate fact `active` (top level of /healthz, the metric
 `gpu_agent_active`).
 
+The work path: Ready must never hide a path on which no work can run (a fencing policy that refuses
+every Pod, a quota, a missing ServiceAccount, an admission webhook). Before the first lease of each
+term, and after the executor said an item's Pod was refused for a reason that is not the item's
+(WorkPathRefused: the item went back uncounted), the consumer leases nothing until the executor's
+`probe` proves the path (dry runs; `check_path`), trying again every poll interval. A path refused
+for PATH_BOUND seconds turns the `queues` entry NotReady with the reason (`on_path(False, why)`: the
+agent's Event; the metric gpu_agent_work_path_down), and the first proof turns it back.
+
 Pausing stops new leases; an item already running runs to its end and is acked. An item
 leased in the instant the queue was paused (a long-polled lease call can be waiting at the
 server when it happens), or still waiting for its GPUs when it pauses, is released back at once
@@ -70,7 +78,7 @@ from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.slots import Slots
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.foundations.toggles import Toggle
-from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor, Outcome
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Executor, Outcome, WorkPathRefused
 
 log = get_logger(__name__)
 MAX_LEASE_BATCH = 64  # the control plane's most items per lease call (api.MAX_LEASE_ITEMS)
@@ -89,8 +97,17 @@ class QueueConsumer:
                  *, clock: Clock, health: HealthRegistry, metrics: AgentMetrics, lease_seconds: float,
                  poll_interval: float, on_refused: Callable[[], Awaitable[None]], long_poll: float = 0.0,
                  identity: str = "gpu-agent", run_blocking: RunBlocking = in_daemon_thread,
-                 still_leading: Callable[[], bool] | None = None, max_in_flight: int = 1) -> None:
+                 still_leading: Callable[[], bool] | None = None, max_in_flight: int = 1,
+                 check_path: Callable[[LeaderToken | None], Awaitable[str]] | None = None,
+                 on_path: Callable[[bool, str], None] | None = None) -> None:
         self.client = client
+        # The work path (see the module docstring): proven before leasing; None: nothing to prove (a journal).
+        self.check_path = check_path
+        self.on_path = on_path
+        self.path_proven = check_path is None
+        self.path_refused_since: float | None = None  # monotonic, since the path was first refused (None: it is not)
+        self.path_problem = ""
+        self.path_down_told = False
         # Places for items in flight and the GPUs they use: one condition, so the leasing loop waits for
         # "a place and a GPU" in one wait. The GPUs are counted once `set_gpus` told how many there are.
         self.max_in_flight = max_in_flight  # 0: as many as the GPUs registered
@@ -137,11 +154,24 @@ class QueueConsumer:
     def _within_lease(self) -> bool:
         return self.still_leading is None or self.still_leading()
 
+    PATH_BOUND = 10.0  # seconds a refused work path may last before the queues say NotReady
+
+    def _path_down(self) -> bool:
+        since = self.path_refused_since
+        return since is not None and self.clock.monotonic() - since >= self.PATH_BOUND
+
     def _report(self) -> None:
         on = self.active
         standby = self.standby and not on
         reason = "leasing work" if on else f"paused: {self.pause_reason if standby else self.fenced_by or self.pause_reason}"
-        self.health.set("queues", on or standby, reason, processed=self.processed, inFlight=self.in_flight.held,
+        down = on and self._path_down()
+        if on and self.path_problem:
+            reason = f"work pods refused: {self.path_problem}" if down else f"proving the work path: {self.path_problem}"
+        self.metrics.work_path_down.set(1 if down else 0)
+        if down != self.path_down_told and self.on_path is not None:
+            self.on_path(not down, self.path_problem if down else "work pods admitted again")
+        self.path_down_told = down
+        self.health.set("queues", (on and not down) or standby, reason, processed=self.processed, inFlight=self.in_flight.held,
                         maxInFlight=self.in_flight.total, failedAttempts=self.failed_attempts,
                         failedItems=self.failed_items, term=self.fence.term if self.fence else 0,
                         **({"notTried": self.not_tried} if self.not_tried else {}))
@@ -153,6 +183,30 @@ class QueueConsumer:
         self.leader = leader
         self.fenced_by = ""
         self._next_sweep = float("-inf")  # a new leader cleans up after its predecessors first
+        self.path_proven = self.check_path is None  # each leadership proves its own token's path
+        self._report()
+
+    async def _prove_path(self) -> bool:
+        """True once the executor's dry runs admit this term's work Pods; else the problem is recorded."""
+        assert self.check_path is not None
+        problem = await self.check_path(self.leader)
+        if problem:
+            self._path_refused(problem)
+            return False
+        if self.path_problem:
+            log.info("the work path is proven again (%s before); leasing work", self.path_problem)
+        self.path_proven, self.path_refused_since, self.path_problem = True, None, ""
+        self._report()
+        return True
+
+    def _path_refused(self, problem: str) -> None:
+        """An item's Pod or a dry run was refused for a reason not the item's: no lease until a probe proves it."""
+        if self.path_refused_since is None:
+            self.path_refused_since = self.clock.monotonic()
+            log.warning("the work path is refused (%s); leasing nothing until a dry run proves it", problem)
+        self.path_problem = problem[:400]
+        self.path_proven = False
+        self.metrics.work_path_refusals.inc()
         self._report()
 
     def _fenced(self, e: Fenced, under: Fence | None) -> None:
@@ -246,6 +300,8 @@ class QueueConsumer:
         Items leased in the instant the queue was paused are released back (an empty list)."""
         credential = self.credential()
         if credential is None or self.fenced_by or not self._within_lease():
+            return None
+        if not self.path_proven and not await self._prove_path():
             return None
         fence = await self._term(credential)
         if fence is None:
@@ -374,6 +430,8 @@ class QueueConsumer:
             log.warning("item %d (key %s) could not be tried: %s; releasing it (no attempt counted)",
                         item.item_id, item.idempotency_key, e)
             self.not_tried = str(e)[:300]  # in /healthz until an item runs again
+            if isinstance(e, WorkPathRefused) and self.check_path is not None:
+                self._path_refused(str(e))
             self._report()
             await self._quietly(self.client.release, credential, item)
             await self.clock.sleep(self.poll_interval)

@@ -29,6 +29,13 @@ class AttemptNotMade(Exception):
     an attempt, so that an outage never turns runnable items into failed ones."""
 
 
+class WorkPathRefused(AttemptNotMade):
+    """The API server refused the item's Pod for a reason that is not the item's: the fencing policy, a quota,
+    a missing ServiceAccount, an admission webhook that refuses every Pod. Every other item would be refused
+    the same way, so the consumer stops leasing, proves the path again (`Executor.probe`) before it leases
+    more, and says so in /healthz once it has lasted (queues NotReady with this reason)."""
+
+
 class Outcome(StrEnum):
     """What running an item did; the value is the metrics' label."""
     EXECUTED = "executed"
@@ -47,6 +54,9 @@ class Executor(Protocol):
     async def after_ack(self, item: WorkItem) -> None:
         """Clean up once the control plane has the ack (e.g. delete the item's Pod)."""
         ...
+
+    # Optional: `async probe(leader: LeaderToken | None) -> str` proves the work path without running anything
+    # (a dry run): "" when an item's Pod would be admitted now (and, fenced, a stale token's refused), else why not.
 
 
 class RecordingExecutor:

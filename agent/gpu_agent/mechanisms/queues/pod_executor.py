@@ -8,9 +8,10 @@ the redelivery.
 Three rules keep "one Pod per item" true under schedules nobody plans for:
 - Fencing: every Pod carries the fencing token of the leadership that created it
   (foundations/fencing.py) and the chart's admission policy refuses one whose token is not the
-  Lease's now, so a create a deposed leader sent late (stalled in a partition, its process
-  paused) never lands after its successor ran the item. A refused create is tried again after
-  FENCED_RETRIES, then the item goes back without counting an attempt (AttemptNotMade).
+  one the leader wrote into the release's WorkFence, so a create a deposed leader sent late
+  (stalled in a partition, its process paused) never lands after its successor ran the item. A
+  refused create is tried again after FENCED_RETRIES, then the item goes back without counting an
+  attempt (WorkPathRefused).
 - A finalizer (`gpu-agent.io/work-item`) keeps the Pod, and so the record that the item ran,
   until the item is acknowledged: a Pod deleted by someone else (a user, PodGC, a hook) after it
   Succeeded is still found by the redelivery, which acknowledges it instead of running it again.
@@ -18,6 +19,11 @@ Three rules keep "one Pod per item" true under schedules nobody plans for:
   the retry makes a new one; one deleted while it ran is a run (at most once), as a Failed Pod is.
 - Every call has a request timeout; a create without an answer is sent again (if the first
   landed, the second's conflict is our own Pod); a read without one is read again at the next poll.
+
+A create the API server refuses for a reason that is not the item's (the fencing policy, a quota, a
+missing ServiceAccount, an admission webhook: anything answered but a conflict or an invalid Pod) is
+WorkPathRefused: the item goes back uncounted and the consumer proves the path with `probe` (dry-run
+creates: the leader's own token admitted, and with fencing a stale one refused) before it leases more.
 
 A Pod that can never be scheduled (it asks for more GPUs than any node has) fails the attempt at
 once instead of holding the queue for the whole timeout: the scheduler's Unschedulable condition
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,7 +56,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.slices import node_usable
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
-from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome
+from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome, WorkPathRefused
 from gpu_agent.mechanisms.queues.pod_changes import PodChanges, Polling
 from gpu_agent.mechanisms.queues.work_claims import GPU_COUNT_ANNOTATION, DraWorkClaims
 
@@ -65,7 +72,7 @@ GPU = "nvidia.com/gpu"
 NODE_CHECK_SECONDS = 15.0
 CREATE_ATTEMPTS = 3
 # A fenced create is tried again after each of these (seconds): the admission policy's copy of the
-# Lease can lag the leadership this agent has just begun; a real fencing stays refused.
+# WorkFence can lag the token this agent has just written; a real fencing stays refused.
 FENCED_RETRIES = (0.5, 1.0, 2.0)
 
 
@@ -84,8 +91,10 @@ class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
                  pod_changes: PodChanges | Polling | None = None, node_selector: str = "",
-                 claims: DraWorkClaims | None = None) -> None:
-        self.core = core  # kubernetes.client.CoreV1Api, or the simulation's API server
+                 claims: DraWorkClaims | None = None, fencing: bool = False) -> None:
+        self.core = core
+        # the chart's fencing policy guards the work Pods (workPodFence set): `probe` checks it refuses a stale token
+        self.fencing = fencing  # kubernetes.client.CoreV1Api, or the simulation's API server
         # GPUs through DRA (a ResourceClaimTemplate per count: work_claims.py); None: nvidia.com/gpu limits
         self.claims = claims
         # the nodes whose GPUs the agent counts (gpuNodeSelector): work Pods go there and nowhere else
@@ -152,21 +161,15 @@ class PodExecutor:
                 if status == 409:
                     # a redelivery: the pod from the first delivery is the execution (or our own unanswered create)
                     return Outcome.EXECUTED if unanswered else Outcome.DUPLICATE
-                if refusal and fenced_waits:  # the policy reads the Lease from a cache, which can lag a leadership just begun
+                if refusal and fenced_waits:  # the policy reads the fence from a cache, which can lag a token just written
                     await self.clock.sleep(fenced_waits.pop(0))
                     continue
-                if refusal == "no lease":
-                    raise AttemptNotMade(
-                        f"creating pod {self.namespace}/{name} was refused: the admission policy fencing work Pods "
-                        f"found no Lease, though this agent leads under {leader}; if that lasts, the API server's "
-                        "policy informer has stopped watching Leases (kubernetes#130887, Kubernetes up to 1.36.2): "
-                        "restart the API server, or set clusterAgent.workPodFencing=false") from None
-                if refusal:
-                    raise AttemptNotMade(f"creating pod {self.namespace}/{name} was refused: this agent's leadership "
-                                         f"({leader}) is no longer the Lease's (fenced by the admission policy)") from None
+                if status is not None and (refusal or path_refusal(e)):
+                    raise WorkPathRefused(f"creating pod {self.namespace}/{name} was refused: "
+                                          f"{refusal_text(e, leader, refusal)}") from None
                 if status is not None:
                     raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {status} "
-                                       f"{getattr(e, 'reason', '')}") from None
+                                       f"{getattr(e, 'reason', '')}: {api_message(e)}") from None
                 unanswered += 1
                 log.warning("creating pod %s/%s got no answer (%s); attempt %d of %d", self.namespace, name,
                             type(e).__name__, unanswered, CREATE_ATTEMPTS)
@@ -187,6 +190,52 @@ class PodExecutor:
             else:
                 log.warning("reading pod %s/%s got no answer (%s); reading again", self.namespace, name, type(e).__name__)
         return None
+
+    async def probe(self, leader: LeaderToken | None) -> str:
+        """Prove the work path without running anything: "" when a dry-run create of an item's Pod under
+        `leader` is admitted and, with fencing, one under a token that was never the fence's is refused by the
+        policy; else what is wrong. Each dry run passes every admission step a real create does (the policy,
+        quota, Pod Security, webhooks) and makes nothing."""
+        check = WorkItem(item_id=0, idempotency_key="work-path-check", payload={"gpus": 1}, lease_id="", deliveries=0)
+        if self.claims is not None:
+            await self.claims.ensure(1, self._api)
+        refused = await self._dry_run(self._probe_pod(check, leader))
+        if refused is not None:
+            status, text = refused
+            if status is None:
+                return f"a dry-run create of a work pod got no answer ({text})"
+            return f"a dry-run create of a work pod under this agent's own token was refused: {text}"
+        if not (self.fencing and leader is not None):
+            return ""
+        never = LeaderToken(f"{leader.holder}.work-path-check", leader.lease_uid, leader.transitions)
+        refused = await self._dry_run(self._probe_pod(check, never))
+        if refused is None:
+            return ("fencing is not enforced: a dry-run work pod under a token that is not the WorkFence's was admitted "
+                    "(the ValidatingAdmissionPolicy or its binding missing, or not active yet); a deposed leader's late "
+                    "create could run an item twice. Reinstall the chart's policy, or set clusterAgent.workPodFencing=false")
+        status, text = refused
+        if status is None:
+            return f"a dry-run create of a work pod got no answer ({text})"
+        if "work pod fenced" not in text:
+            return f"a dry-run work pod under a stale token was refused, but not by the fencing policy: {text}"
+        return ""
+
+    def _probe_pod(self, item: WorkItem, leader: LeaderToken | None) -> dict[str, Any]:
+        pod = self._pod(item, leader)
+        del pod["metadata"]["name"]
+        pod["metadata"]["generateName"] = "gpu-work-path-check-"  # a dry run persists nothing, and never conflicts
+        return pod
+
+    async def _dry_run(self, pod: dict[str, Any]) -> tuple[int | None, str] | None:
+        """None when admitted; else (status or None for no answer, what was said)."""
+        try:
+            await self._api(self.core.create_namespaced_pod, self.namespace, pod, dry_run="All")
+            return None
+        except Exception as e:  # noqa: BLE001 - every answer is told back
+            status = _status(e)
+            if status is None:
+                return None, type(e).__name__
+            return status, f"{status} {getattr(e, 'reason', '')}: {api_message(e)}"
 
     def close(self) -> None:
         """Stop watching the work Pods (this agent stopped leading, or shuts down); an item still running then
@@ -296,13 +345,43 @@ def work_pod_selector(release: str) -> str:
 
 def fencing_refusal(e: BaseException) -> str:
     """How the chart's admission policy refused a work Pod: "fenced" (403 "work pod fenced": its token is not
-    the Lease's), "no lease" (422 "no params found": nobody leads, or the policy has not seen the new Lease
-    yet), or "" (not the policy). Told by the message, so that a Pod refused for what it asks (422 for a bad
-    limit) still counts an attempt."""
+    the WorkFence's), "no fence" (422 "no params found": no leader has written it yet, or the policy has not
+    seen it yet), or "" (not the policy). Told by the message, so that a Pod refused for what it asks (422 for
+    a bad limit) still counts an attempt."""
     if _status(e) not in (403, 422):
         return ""
     text = f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}"
-    return "fenced" if "work pod fenced" in text else "no lease" if "no params found" in text else ""
+    return "fenced" if "work pod fenced" in text else "no fence" if "no params found" in text else ""
+
+
+def path_refusal(e: BaseException) -> bool:
+    """An answered refusal that is not about the item: every status but a conflict (our own Pod) and a plain
+    422 Invalid (the Pod the item asks for). A 403 is a quota, RBAC, Pod Security or a policy; a 404 the
+    namespace gone; a 5xx a webhook that cannot be reached; a webhook's denial says so in any status."""
+    status = _status(e)
+    if status is None or status == 409:
+        return False
+    return status != 422 or "admission webhook" in str(getattr(e, "body", ""))
+
+
+def api_message(e: BaseException) -> str:
+    """The API server's own message (its Status body's), at most 300 characters; names no secret."""
+    body = getattr(e, "body", None)
+    try:
+        message = str(json.loads(body)["message"]) if body else ""
+    except (TypeError, ValueError, KeyError):
+        message = str(body or "")
+    return message[:300]
+
+
+def refusal_text(e: BaseException, leader: LeaderToken | None, refusal: str) -> str:
+    message = api_message(e)
+    if refusal == "no fence":
+        return (f"the admission policy fencing work Pods found no WorkFence, though this agent leads under {leader} "
+                f"(it writes its token there before its first item): {message}")
+    if refusal == "fenced":
+        return f"this agent's leadership ({leader}) is not the WorkFence's (fenced by the admission policy): {message}"
+    return f"{_status(e)} {getattr(e, 'reason', '')}: {message}"
 
 
 def never_started(pod: Any) -> bool:
