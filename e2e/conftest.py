@@ -37,21 +37,18 @@ def kubeconfig(request) -> Path:
 
 @pytest.fixture(scope="session")
 def api(kubeconfig) -> client.ApiClient:
-    api = config.new_client_from_config(str(kubeconfig))
-    anchored = lease_param_anchor(api)
-    yield api
-    if anchored and cluster.provider() == "existing":
-        remove_lease_param_anchor(api)
+    return config.new_client_from_config(str(kubeconfig))
 
 
-# The chart's work-Pod fencing policy takes the release's Lease as its param. Kubernetes up to 1.36.x (the CI cluster
-# runs 1.36.2) watches a built-in param kind with an informer that it stops for good, in that API server process, as
-# soon as no binding names the kind for one policy refresh (about 1 s): from then on every binding with a Lease param
-# finds none ("no params found") or a frozen copy, until the API server restarts (kubernetes/kubernetes#130887,
-# #133827; fixed by a direct GET on a cache miss, #134423, 1.36 backport #142150). Every test's uninstall removes its
-# release's binding, so the suite keeps one binding naming Lease params for the cluster's life: it matches nothing
-# (a namespace label no namespace has). Left in place on the clusters the suite creates; removed at the end of a
-# session on an existing cluster, where it was added (then the next uninstall there can stop the informer again).
+# The last stable chart's work-Pod fencing policy takes the release's Lease as its param. Kubernetes up to 1.36.x (the
+# CI cluster runs 1.36.2) watches a built-in param kind with an informer that it stops for good, in that API server
+# process, as soon as no binding names the kind for one policy refresh (about 1 s): from then on every binding with a
+# Lease param finds none ("no params found") or a frozen copy, until the API server restarts
+# (kubernetes/kubernetes#130887). The current chart's param is a WorkFence of its own and needs nothing of the kind;
+# the tests of the last stable release (upgrades from it, downgrades to it) keep one binding naming Lease params while
+# they run, as that release's values tell its users to: it matches nothing (a namespace label no namespace has). Made
+# by the `last_stable` fixture at first use and removed at the end of that session (the serial phase), so that every
+# later test, the whole parallel phase, takes the user's path: no binding with a Lease param anywhere.
 ANCHOR = "gpu-agent-e2e-lease-param-anchor"
 
 
@@ -336,10 +333,18 @@ class FakeGPUs:
 
 
 @pytest.fixture(scope="session")
-def last_stable():
-    """(version, chart folder) of the last stable release, its image imported into the cluster."""
+def last_stable(api):
+    """(version, chart folder) of the last stable release, its image imported into the cluster; the Lease-param
+    anchor that release needs kept while the session runs (see ANCHOR)."""
     if cluster.provider() != "ci":
         pytest.skip("the last-stable image is built and imported into the CI cluster's containerd only")
+    anchored = lease_param_anchor(api)
+    yield _last_stable_chart()
+    if anchored:
+        remove_lease_param_anchor(api)
+
+
+def _last_stable_chart() -> tuple[str, Path]:
     from e2e.release import APP_VERSION
 
     repo = Path(__file__).resolve().parent.parent

@@ -1,10 +1,11 @@
-"""Work Pods fenced by the leader-election Lease, on a real cluster with the chart's defaults.
+"""Work Pods fenced by the leadership, on a real cluster with the chart's defaults.
 
-The chart's ValidatingAdmissionPolicy (clusterAgent.workPodFencing; its param the Lease) admits a
-work Pod only when its token (annotations gpu-agent.io/leader, lease-uid, lease-transitions) is the
-Lease's now: a Pod made with a stale token (an earlier transition, another holder, another Lease's
-uid) is refused with 403 and a message naming both leaderships; one with the current token, and a
-work-labelled Pod with no token (a person's), are admitted. A real item's Pod carries the Lease's
+The chart's ValidatingAdmissionPolicy (clusterAgent.workPodFencing; its param the release's
+WorkFence, which the leader writes before its first item) admits a work Pod only when its token
+(annotations gpu-agent.io/leader, lease-uid, lease-transitions) is the Lease's leadership now: a Pod
+made with a stale token (an earlier transition, another holder, another Lease's uid) is refused with
+403 and a message naming both leaderships; one with the current token, and a work-labelled Pod with
+no token (a person's), are admitted. A real item's Pod carries the Lease's
 token and the finalizer the agent keeps until the ack. A work Pod deleted by hand while it runs is
 a run: its item is acknowledged once, its Pod released and gone, and no second Pod made (UIDs from
 the API server's watch, started before the enqueue)."""
@@ -97,7 +98,7 @@ def test_work_pods_are_admitted_only_under_the_leases_current_token_and_a_pod_de
             figures.append(f"{what}: {status} {message}")
             assert status == 403, figures[-1]
             assert "work pod fenced: created under leadership " + marks[LEADER] in message, figures[-1]
-            assert f"the Lease is now held by {current[LEADER]} (lease uid {current[LEASE_UID]}, transition " \
+            assert f"the fence now names {current[LEADER]} (lease uid {current[LEASE_UID]}, transition " \
                    f"{current[TRANSITIONS]})" in message, figures[-1]
             assert gone(core, namespace, f"fence-stale-{i}")
         status, message = create(core, release, "fence-current", current)
@@ -157,13 +158,21 @@ def test_work_pods_are_admitted_only_under_the_leases_current_token_and_a_pod_de
         figures.append(f"{victim} deleted while running: item done {acked:.1f} s later, deliveries "
                        f"{item['deliveries']}, failed attempts {item.get('failedAttempts', 0)}, UIDs seen {len(pods.uids[victim])}")
 
-        # 4. No Lease, nobody leads: with the agent scaled to 0 (the leader deletes the Lease as it stops), the last
-        # leader's token is refused, and so is a work Pod without one (the binding's parameterNotFoundAction: Deny).
+        # 4. No fence, nobody has led since: with the agent scaled to 0 (the leader deletes the Lease as it stops) and
+        # the WorkFence deleted, the last leader's token is refused, and so is a work Pod without one (the binding's
+        # parameterNotFoundAction: Deny). The fence outlives a leader that stops (its successor overwrites it before
+        # its first item): the Deployment owns it.
+        fences = client.CustomObjectsApi(api)
+        fence = fences.get_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "workfences", lease_name)
+        assert fence["spec"] == {"holder": current[LEADER], "leaseUid": current[LEASE_UID],
+                                 "leaseTransitions": int(current[TRANSITIONS])}, fence
+        assert [o["kind"] for o in fence["metadata"]["ownerReferences"]] == ["Deployment"], fence["metadata"]
         apps.patch_namespaced_deployment_scale(lease_name, namespace, {"spec": {"replicas": 0}})
         wait_until(lambda: not [x for x in leases.list_namespaced_lease(namespace).items if x.metadata.name == lease_name],
                    60, "the Lease deleted by the stopping leader")
+        fences.delete_namespaced_custom_object("gpu-agent.io", "v1alpha1", namespace, "workfences", lease_name)
         wait_until(lambda: create(core, release, "fence-probe", None, dry_run=True)[0] != 201, 10,
-                   "the policy's copy of the Lease gone (a dry run refused)")
+                   "the policy's copy of the fence gone (a dry run refused)")
         for name, marks in (("fence-leaderless", token(lease)), ("fence-leaderless-no-token", None)):
             status, message = create(core, release, name, marks)
             figures.append(f"no Lease, {name}: {status} {message}")
