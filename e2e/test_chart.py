@@ -286,3 +286,94 @@ def test_cluster_agent_and_control_plane_run_in_a_namespace_that_enforces_restri
     assert not refused, refused
     r.uninstall()
     fake_gpus.set(0)
+
+
+def runtime_class(api, name: str = "nvidia"):
+    """The cluster's RuntimeClass of that name, or None."""
+    try:
+        return client.NodeV1Api(api).read_runtime_class(name)
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def node_agents(core, namespace: str, release: str):
+    return core.list_namespaced_pod(namespace, label_selector=f"app.kubernetes.io/instance={release},"
+                                                              f"app.kubernetes.io/component=node-agent").items
+
+
+@pytest.mark.serial(reason="installs with the chart's pure defaults: its node agents run on every GPU node and its "
+                           "cluster agent counts every node's GPUs")
+def test_install_wait_with_the_charts_pure_defaults_succeeds_without_a_nvidia_runtime_class(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    """Issue 45: the README's first install, `helm install --wait` with only controlPlane.enabled=true (gpuSource nvml),
+    on a cluster whose driver the GPU operator does not manage. `nodeAgent.runtimeClassName: nvidia` made every node
+    agent pod "RuntimeClass not found" and --wait fail; now the chart takes nvidia only where the cluster has it, the
+    node agents run under the default runtime, Ready with 0 GPUs (no NVML library: fake GPUs), and NOTES say what to
+    set. On a cluster with a RuntimeClass nvidia of its own, the node agents run under it."""
+    existing = runtime_class(api)
+    fake_gpus.set(1)  # the cluster agent is Ready only with GPUs (and --wait waits for it)
+    name = f"pd{uuid.uuid4().hex[:5]}"
+    try:
+        r = helm("install", name, str(CHART), "--kubeconfig", str(kubeconfig), "-n", namespace,
+                 "--set", "controlPlane.enabled=true", "--wait", "--timeout", "3m", check=False)
+        assert r.returncode == 0, f"helm install --wait with the chart's defaults failed: {r.stderr}"
+        ds = apps.read_namespaced_daemon_set(f"{name}-gpu-agent-node-agent", namespace)
+        assert ds.status.desired_number_scheduled >= 1, "no GPU node: the node agent's placement matched none"
+        assert ds.status.number_ready == ds.status.desired_number_scheduled
+        pods = node_agents(core, namespace, name)
+        assert {p.spec.runtime_class_name for p in pods} == {"nvidia" if existing else None}
+        if existing is None:
+            assert 'have no RuntimeClass: the cluster has none named "nvidia"' in r.stdout, r.stdout
+            assert "--set nodeAgent.runtimeClassName=nvidia" in r.stdout
+            code, health = pod_http_get(core, namespace, pods[0].metadata.name, 8081, "healthz")
+            assert code == 200 and "NVML library not found" in health["components"]["gpus"]["reason"], health
+        else:
+            assert "NVML through RuntimeClass nvidia (found in the cluster" in r.stdout, r.stdout
+    finally:
+        helm("uninstall", "--kubeconfig", str(kubeconfig), "-n", namespace, name, "--wait", "--timeout", "120s",
+             check=False)
+        fake_gpus.set(0)
+
+
+@pytest.mark.serial(reason="creates the cluster-scoped RuntimeClass nvidia, which every release installed meanwhile "
+                           "would look up and take")
+def test_a_nvidia_runtime_class_in_the_cluster_is_found_at_install_and_an_explicit_value_still_wins(
+        api, core, apps, kubeconfig, namespace, fake_gpus):
+    """The `lookup` branch, which `helm template` cannot reach: with a RuntimeClass nvidia in the cluster (handler runc
+    here, so the pods still run), the default node agent (gpuSource nvml) gets runtimeClassName nvidia; an explicit
+    "" renders none and an explicit name renders that name (`helm install --dry-run=server`, which looks up too)."""
+    if runtime_class(api) is not None:
+        pytest.skip("the cluster has a RuntimeClass nvidia of its own (the GPU operator's?): not this test's to replace")
+    node_api = client.NodeV1Api(api)
+    node_api.create_runtime_class(client.V1RuntimeClass(
+        metadata=client.V1ObjectMeta(name="nvidia", labels={"e2e": "true"}), handler="runc"))
+    fake_gpus.set(1)
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"rc{uuid.uuid4().hex[:5]}")
+    try:
+        out = release.install("--set", "nodeAgent.gpuSource=nvml", "--wait").stdout
+        pods = node_agents(core, namespace, release.name)
+        assert pods and {p.spec.runtime_class_name for p in pods} == {"nvidia"}
+        assert all(c.ready for p in pods for c in p.status.container_statuses or []), "node agents Ready under runc"
+        assert "NVML through RuntimeClass nvidia (found in the cluster; nodeAgent.runtimeClassName is null)" in out, out
+
+        def dry_run(*extra):
+            other = Release(api, core, apps, kubeconfig, namespace, name=f"dr{uuid.uuid4().hex[:5]}")
+            out = helm("install", *other.args("--set", "nodeAgent.gpuSource=nvml", *extra), "--dry-run=server").stdout
+            manifest, notes = out.split("\nNOTES:\n", 1)
+            (ds,) = [d for d in yaml.safe_load_all(manifest.split("\nMANIFEST:\n", 1)[1]) if d and d["kind"] == "DaemonSet"]
+            return ds["spec"]["template"]["spec"].get("runtimeClassName"), notes
+
+        assert dry_run()[0] == "nvidia"
+        none, notes = dry_run("--set", "nodeAgent.runtimeClassName=")
+        assert none is None and 'have no RuntimeClass: nodeAgent.runtimeClassName is "".' in notes, notes
+        named, notes = dry_run("--set", "nodeAgent.runtimeClassName=gpu-agent-e2e-missing")
+        assert named == "gpu-agent-e2e-missing"
+        assert 'WARNING: the cluster has no RuntimeClass "gpu-agent-e2e-missing"' in notes, notes
+    finally:
+        try:
+            release.uninstall_if_installed()
+        finally:
+            node_api.delete_runtime_class("nvidia")  # cluster-scoped: the namespace's deletion does not take it
+            fake_gpus.set(0)

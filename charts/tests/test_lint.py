@@ -41,6 +41,8 @@ MATRIX = {
         "--set", "clusterAgent.extraVolumeMounts[0].name=ca", "--set", "clusterAgent.extraVolumeMounts[0].mountPath=/etc/ssl/custom",
         "--set", "fullnameOverride=gpu-agent"]),
     "gpu-agent high availability (disruption budget, critical-priority quota)": (CHART, [*EXTERNAL_CP, "--set", "clusterAgent.replicas=2", "--set", "nodeAgent.priorityQuota.enabled=true"]),
+    "gpu-agent NVML through the nvidia RuntimeClass": (CHART, [*EXTERNAL_CP, "--set", "nodeAgent.runtimeClassName=nvidia"]),
+    "gpu-agent NVML from the host's driver (privileged)": (CHART, [*EXTERNAL_CP, "--set", "nodeAgent.nvml.driverRoot=/run/nvidia/driver"]),
     "gpu-agent without node agents or skew check": (CHART, [*EXTERNAL_CP, "--set", "nodeAgent.enabled=false", "--set", "hooks.skewCheck=false"]),
     "gpu-agent as the DRA driver (fake GPUs, an extended resource, a domain)": (CHART, [
         *EXTERNAL_CP, "--set", "dra.enabled=true", "--set", "nodeAgent.gpuSource=fake",

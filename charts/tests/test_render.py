@@ -61,6 +61,13 @@ BAD_VALUES = [
     (["--set", "dra.cdiDir=cdi"], "/dra/cdiDir"),
     (["--set", "dra.socketDir=/x"], "socketDir"),
     (["--set", "nodeAgent.config.draDriverName=x"], "draDriverName"),  # the chart wires it: set dra.driverName
+    (["--set", "nodeAgent.runtimeClassName=Nvidia_CDI"], "/nodeAgent/runtimeClassName"),  # not a DNS subdomain
+    (["--set", "nodeAgent.runtimeClassName=true"], "/nodeAgent/runtimeClassName': got boolean, want null or string"),
+    (["--set", "nodeAgent.runtimeClassName=" + "r" * 254], "/nodeAgent/runtimeClassName"),
+    (["--set", "nodeAgent.nvml.driverRoot=run/nvidia/driver"], "/nodeAgent/nvml/driverRoot"),  # a host path is absolute
+    (["--set", "nodeAgent.nvml.libraryPath=/usr/lib64/libnvidia-ml.so.1"], "/nodeAgent/nvml/libraryPath"),  # relative
+    (["--set", "nodeAgent.nvml.libraryPath=usr/lib64"], "/nodeAgent/nvml/libraryPath"),  # the file, not its folder
+    (["--set", "nodeAgent.nvml.driverDir=/"], "additional properties 'driverDir' not allowed"),
 ]
 
 
@@ -266,17 +273,91 @@ def test_pull_secrets_pod_metadata_and_extra_env_reach_every_workload():
     assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in by_suffix["control-plane"]["spec"]["containers"][0]["env"]
 
 
-def test_the_nvml_node_agent_runs_unprivileged_under_the_nvidia_runtime_class():
-    (ds,) = [d for d in render() if d["kind"] == "DaemonSet"]
-    spec = ds["spec"]["template"]["spec"]
+def test_the_nvml_node_agent_runs_unprivileged_and_a_runtime_class_it_is_given_wins():
+    spec = node_agent_pod(render("--set", "nodeAgent.runtimeClassName=nvidia"))
     assert spec["runtimeClassName"] == "nvidia"
     ctx = spec["containers"][0]["securityContext"]
     assert ctx["privileged"] is False and ctx["allowPrivilegeEscalation"] is False
     assert ctx["capabilities"] == {"drop": ["ALL"]} and ctx["readOnlyRootFilesystem"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    (fake,) = [d for d in render("--set", "nodeAgent.gpuSource=fake") if d["kind"] == "DaemonSet"]
-    assert "runtimeClassName" not in fake["spec"]["template"]["spec"]
-    assert fake["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in spec["containers"][0]["env"]
+    assert node_agent_pod(render("--set", "nodeAgent.runtimeClassName=nvidia-cdi"))["runtimeClassName"] == "nvidia-cdi"
+    fake = node_agent_pod(render("--set", "nodeAgent.gpuSource=fake", "--set", "nodeAgent.runtimeClassName=nvidia"))
+    assert "runtimeClassName" not in fake  # NVML's alone
+    assert fake["securityContext"]["runAsNonRoot"] is True
+
+
+def test_by_default_the_node_agent_needs_no_runtime_class_that_may_not_exist():
+    """Issue 45: `nvidia` outright made every node agent pod "RuntimeClass not found" on a cluster without the GPU
+    operator, and `helm install --wait` fail. The default (null) takes `nvidia` only where `lookup` finds it, and
+    `helm template` has no cluster to ask: no runtimeClassName, with the toolkit's environment still set."""
+    for sets in ([], ["--set", "nodeAgent.runtimeClassName=null"], ["--set", "nodeAgent.runtimeClassName="],
+                 ["--set", "dra.enabled=true"]):
+        spec = node_agent_pod(render(*sets))
+        assert "runtimeClassName" not in spec, sets
+        env = spec["containers"][0]["env"]
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in env, sets
+        assert {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"} in env, sets
+        assert spec["containers"][0]["securityContext"]["privileged"] is False, sets
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["nodeAgent"]["runtimeClassName"] is None
+
+
+def test_the_host_driver_mounts_the_nvml_library_alone_and_runs_privileged_only_when_asked():
+    default = node_agent_pod(render())
+    assert not [v for v in default["volumes"] if v["name"] == "nvml-library"]
+    assert not [e for e in default["containers"][0]["env"] if e["name"] == "LD_LIBRARY_PATH"]
+    for root, library, host_path in (
+            ("/", None, "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
+            ("/run/nvidia/driver/", None, "/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
+            ("/home/kubernetes/bin/nvidia", "lib64/libnvidia-ml.so.1", "/home/kubernetes/bin/nvidia/lib64/libnvidia-ml.so.1")):
+        sets = ["--set", f"nodeAgent.nvml.driverRoot={root}"] + (["--set", f"nodeAgent.nvml.libraryPath={library}"] if library else [])
+        docs = render(*sets)
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        spec = ds["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        assert {"name": "nvml-library", "hostPath": {"path": host_path, "type": "File"}} in spec["volumes"], root
+        assert {"name": "nvml-library", "mountPath": "/opt/nvml/libnvidia-ml.so.1", "readOnly": True} in container["volumeMounts"]
+        assert {"name": "LD_LIBRARY_PATH", "value": "/opt/nvml"} in container["env"]
+        ctx = container["securityContext"]
+        assert ctx["privileged"] is True and ctx["allowPrivilegeEscalation"] is True  # the API server wants both
+        assert ctx["readOnlyRootFilesystem"] is True
+        assert "runtimeClassName" not in spec
+        skipped = [v.split("=", 1)[0] for k, v in ds["metadata"]["annotations"].items() if k.startswith("checkov.io/skip")]
+        assert {"CKV_K8S_16", "CKV_K8S_20"} <= set(skipped)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["nodeAgent"]
+    assert values["nvml"]["driverRoot"] == "" and values["securityContext"]["privileged"] is False
+    fake = node_agent_pod(render("--set", "nodeAgent.gpuSource=fake", "--set", "nodeAgent.nvml.driverRoot=/"))
+    assert fake["containers"][0]["securityContext"]["privileged"] is False  # NVML's alone
+    assert not [v for v in fake["volumes"] if v["name"] == "nvml-library"]
+
+
+def notes(*sets: str) -> str:
+    """NOTES as `helm install --dry-run=client` prints them: no cluster to ask (the kubeconfig names none), so every
+    `lookup` finds nothing, as under `helm template` and GitOps renderers."""
+    out = helm("install", "t", str(CHART), "--namespace", "ns", "--dry-run=client", "--kubeconfig", "/nonexistent/kubeconfig",
+               *BASE, *sets).stdout
+    return out.split("\nNOTES:\n", 1)[1]
+
+
+def test_notes_say_how_the_node_agent_reaches_nvml_and_what_to_set_when_nothing_brings_it():
+    default = notes()
+    assert "NVML without a RuntimeClass: see the warning below" in default
+    assert "WARNING: the node agents (gpuSource nvml) have no RuntimeClass: rendered without a cluster" in default
+    assert "the GPU operator is installed" in default and "--set nodeAgent.runtimeClassName=nvidia" in default
+    assert "--set nodeAgent.nvml.driverRoot=/" in default and "--set nodeAgent.gpuSource=fake" in default
+    assert 'the cluster has none named "nvidia"' not in default  # nothing was asked
+    empty = notes("--set", "nodeAgent.runtimeClassName=")
+    assert 'have no RuntimeClass: nodeAgent.runtimeClassName is "".' in empty
+    assert "--set nodeAgent.runtimeClassName=nvidia" in empty
+    given = notes("--set", "nodeAgent.runtimeClassName=nvidia")
+    assert "NVML through RuntimeClass nvidia\n" in given and "no RuntimeClass" not in given
+    assert 'the cluster has no RuntimeClass "nvidia"' not in given  # nothing was asked: no claim it is missing
+    host = notes("--set", "nodeAgent.nvml.driverRoot=/run/nvidia/driver")
+    assert ("NVML from the host's driver: /run/nvidia/driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 "
+            "(nodeAgent.nvml.driverRoot), privileged") in host
+    assert "no RuntimeClass" not in host
+    for sets in (["--set", "nodeAgent.gpuSource=fake"], ["--set", "nodeAgent.enabled=false"]):
+        assert "NVML" not in notes(*sets) and "RuntimeClass" not in notes(*sets), sets
 
 
 def test_each_component_takes_its_own_image_service_account_and_extra_volumes():

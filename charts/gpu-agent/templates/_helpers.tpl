@@ -152,6 +152,8 @@ its reason (the test command runs checkov and allows no other finding); call wit
 {{- $reasons := dict
   "CKV_K8S_11" "no CPU limit: a limit throttles the agent under load; its request reserves what it needs"
   "CKV_K8S_15" "the pull policy is a value (image.pullPolicy); IfNotPresent suits pinned and locally imported images"
+  "CKV_K8S_16" "nodeAgent.nvml.driverRoot: without the NVIDIA container runtime only a privileged container may open the host's GPU device nodes (the device cgroup)"
+  "CKV_K8S_20" "privileged (nodeAgent.nvml.driverRoot) escalates anyway: the API server refuses privileged with allowPrivilegeEscalation false"
   "CKV_K8S_23" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
   "CKV_K8S_38" "this component talks to the API server"
   "CKV_K8S_40" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
@@ -227,6 +229,30 @@ RollingUpdate
 {{- $_ := set $affinity "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" .Values.nodeAgent.gpuNodeSelectorTerms)) -}}
 {{- end -}}
 {{- if $affinity }}{{ toYaml $affinity }}{{ end -}}
+{{- end -}}
+
+{{/* gpu-agent.nodeAgentRuntimeClass: the node agent's runtimeClassName, "" for none; only with gpuSource=nvml.
+     nodeAgent.runtimeClassName as a string wins ("" is none); null: "nvidia" when the cluster has a
+     RuntimeClass of that name. `lookup` answers only where Helm talks to the cluster (install, upgrade,
+     --dry-run=server); under `helm template` and a client-side dry run it finds nothing, so null is none there. */}}
+{{- define "gpu-agent.nodeAgentRuntimeClass" -}}
+{{- if eq .Values.nodeAgent.gpuSource "nvml" -}}
+{{- $set := .Values.nodeAgent.runtimeClassName -}}
+{{- if kindIs "string" $set -}}{{ $set }}
+{{- else if lookup "node.k8s.io/v1" "RuntimeClass" "" "nvidia" -}}nvidia
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* gpu-agent.nodeAgentHostDriver: "true" when the node agent reads NVML from the host's driver
+     (gpuSource=nvml and nodeAgent.nvml.driverRoot set), else "". */}}
+{{- define "gpu-agent.nodeAgentHostDriver" -}}
+{{- if and (eq .Values.nodeAgent.gpuSource "nvml") .Values.nodeAgent.nvml.driverRoot }}true{{ end -}}
+{{- end -}}
+
+{{/* gpu-agent.nvmlLibraryHostPath: <driverRoot>/<libraryPath> on the host. */}}
+{{- define "gpu-agent.nvmlLibraryHostPath" -}}
+{{- clean (printf "%s/%s" .Values.nodeAgent.nvml.driverRoot .Values.nodeAgent.nvml.libraryPath) -}}
 {{- end -}}
 
 {{/* gpu-agent.clusterAgentAffinity: clusterAgent.affinity as given; empty with more than one replica, a soft
