@@ -22,8 +22,9 @@ import time
 
 from kubernetes import client
 
-from e2e.helpers import wait_until
-from e2e.release import WAIT, Release, enqueue, items
+from e2e.conftest import remove_lease_param_anchor
+from e2e.helpers import pod_http_get, wait_until
+from e2e.release import CA, WAIT, Release, enqueue, items
 
 REFUSAL = "e2e refuses every work pod of this release"
 
@@ -98,6 +99,18 @@ def probe_refusal(core: client.CoreV1Api, namespace: str, label: str) -> str:
         return json.loads(e.body).get("message", "") if e.body else str(e.status)
 
 
+def work_pod_refusal(core: client.CoreV1Api, release: Release) -> str:
+    """"" when a dry-run work Pod of the release (no token: the fencing policy lets it by) is admitted, else why not."""
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "probe-", "labels": {
+        "gpu-agent.io/work-item": "true", "app.kubernetes.io/instance": release.name}},
+        "spec": {"containers": [{"name": "c", "image": "localhost/gpu-agent:dev"}]}}
+    try:
+        core.create_namespaced_pod(release.namespace, body, dry_run="All")
+        return ""
+    except client.ApiException as e:
+        return json.loads(e.body).get("message", "") if e.body else str(e.status)
+
+
 def refused_for_want_of_the_lease(core: client.CoreV1Api, namespace: str, label: str, within: float) -> str:
     """The probe's refusal naming its missing param, if one comes within `within` seconds; "" when it is admitted
     all along (its Lease found: the watch alive, or the binding not in force yet)."""
@@ -111,20 +124,31 @@ def refused_for_want_of_the_lease(core: client.CoreV1Api, namespace: str, label:
 
 
 def run_twenty(release: Release, prefix: str) -> tuple[float, float]:
-    """Enqueue 20 short items; (seconds to the first done, seconds to all done), each within its bound."""
+    """Enqueue 20 short items; (seconds to the first work Pod made, seconds to all done), each within its bound."""
     keys = [f"{prefix}-{i}" for i in range(20)]
     started = time.monotonic()
     enqueue(release, keys, seconds=0)
-    wait_until(lambda: "done" in [items(release).get(k) for k in keys], 5, f"{release.name}: a first item done",
-               interval=0.2)
+    wait_until(lambda: release.pods("gpu-agent.io/work-item=true"), 5, f"{release.name}: a first work Pod made",
+               interval=0.1)
     first = time.monotonic() - started
     wait_until(lambda: all(items(release).get(k) == "done" for k in keys), 30, f"{release.name}: 20 items done")
     return first, time.monotonic() - started
 
 
+def leader(release: Release) -> tuple[str, int, dict]:
+    """(pod, /healthz status, body) of the release's active cluster agent, ("", 0, {}) while none says it is."""
+    for pod in release.pods(CA):
+        if pod.status.phase != "Running" or pod.metadata.deletion_timestamp is not None:
+            continue
+        code, body = pod_http_get(release.core, release.namespace, pod.metadata.name, 8080, "healthz")
+        if isinstance(body, dict) and body.get("active"):
+            return pod.metadata.name, code, body
+    return "", 0, {}
+
+
 def queues(release: Release) -> dict:
-    code, body = release.healthz()
-    return (body or {}).get("components", {}).get("queues", {}) if code else {}
+    """The leader's `queues` entry of /healthz ({} while no agent leads)."""
+    return leader(release)[2].get("components", {}).get("queues", {})
 
 
 def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead_and_a_refused_path_is_not_ready(
@@ -134,27 +158,31 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
     figures = []
     probe = f"e2e-lease-watch-probe-{namespace}"[:63]
     deny = f"e2e-deny-work-pods-{namespace}"[:63]
-    fake_gpus.set(2)
+    fake_gpus.set(8)
     first, second = Release(api, core, apps, kubeconfig, namespace, name="ga"), None
     try:
         # 1. The state that broke the old chart: nothing binds a Lease param, and the API server's Lease watch is dead.
+        # The suite's own anchor, kept while the last stable release's tests run (conftest.ANCHOR), goes first: in one
+        # session those sort before this file, and the parallel phase never has it.
+        remove_lease_param_anchor(api)
         others = lease_param_bindings(adm)
         assert not others, f"this test needs a cluster where no binding names a Lease param; found {others}"
-        leases.create_namespaced_lease(namespace, {"metadata": {"name": "probe"}, "spec": {"holderIdentity": "nobody"}})
-        policy, binding = lease_probe(probe, namespace, "probe")
-        adm.create_validating_admission_policy(policy)
-        adm.create_validating_admission_policy_binding(binding)
         # The trigger: the last binding naming a Lease param gone for one policy refresh (about 1 s, a tick of the API
-        # server's that nothing shows). Polled to a deadline: first as it is (the watch may have died already, at an
-        # earlier uninstall), then with the binding made again after a longer gap each time, until the probe is
-        # refused although its Lease exists (a watch stopped this way is never started again).
+        # server's that nothing shows). The dead watch keeps what it had (a Lease it knew is still found), so each try
+        # binds a Lease made after it: refused "no params found" although the Lease exists. Polled to a deadline:
+        # first as it is (the watch may have died already, at an earlier uninstall), then after a longer gap each time.
         dead = ""
-        for gap in (0.0, 1.5, 3.0, 6.0):
+        for attempt, gap in enumerate((0.0, 1.5, 3.0, 6.0)):
             if gap:
                 delete_policy_binding(adm, probe)
                 wait_until(lambda: not lease_param_bindings(adm), 10, "no binding names a Lease param")
                 time.sleep(gap)  # the refresh tick: no state to poll for
-                adm.create_validating_admission_policy_binding(binding)
+            lease = f"probe-{attempt}"
+            leases.create_namespaced_lease(namespace, {"metadata": {"name": lease}, "spec": {"holderIdentity": "nobody"}})
+            policy, binding = lease_probe(probe, namespace, lease)
+            if not attempt:
+                adm.create_validating_admission_policy(policy)
+            adm.create_validating_admission_policy_binding(binding)
             dead = refused_for_want_of_the_lease(core, namespace, probe, within=5.0)
             if dead:
                 break
@@ -166,7 +194,7 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
         first.install(*WAIT)
         wait_until(lambda: queues(first).get("reason") == "leasing work", 30, "ga leasing work")
         took = run_twenty(first, "ga")
-        figures.append(f"ga (defaults): first item done {took[0]:.1f} s after the enqueue, 20 done in {took[1]:.1f} s")
+        figures.append(f"ga (defaults): first work Pod {took[0]:.1f} s after the enqueue, 20 done in {took[1]:.1f} s")
         first.uninstall()
 
         # 3. Install again, another release, two agents: work runs within the same bounds.
@@ -174,12 +202,13 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
         second.install(*WAIT, "--set", "clusterAgent.replicas=2")
         wait_until(lambda: queues(second).get("reason") == "leasing work", 30, "ha leasing work")
         took = run_twenty(second, "ha")
-        figures.append(f"ha (replicas=2) after ga's uninstall: first item done {took[0]:.1f} s, 20 in {took[1]:.1f} s")
+        figures.append(f"ha (replicas=2) after ga's uninstall: first work Pod {took[0]:.1f} s, 20 done in {took[1]:.1f} s")
 
         # 4. A policy refusing every work Pod: the leader NotReady naming it within the bound, items back uncounted.
         policy, binding = deny_work_pods(deny, second)
         adm.create_validating_admission_policy(policy)
         adm.create_validating_admission_policy_binding(binding)
+        wait_until(lambda: REFUSAL in work_pod_refusal(core, second), 20, "the deny policy in force (a dry run refused)")
         keys = [f"refused-{i}" for i in range(3)]
         enqueued = time.monotonic()
         enqueue(second, keys, seconds=0)
@@ -187,7 +216,7 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
                           "ha's queues NotReady")
         took_down = time.monotonic() - enqueued
         assert REFUSAL in down["reason"] and down["reason"].startswith("work pods refused: "), down
-        code, body = second.healthz()
+        pod, code, body = leader(second)
         assert code == 503 and body["components"]["queues"]["ready"] is False, (code, body)
         wait_until(lambda: all(items(second).get(k) == "queued" for k in keys), 15, "the refused items back in the queue")
         listed = json.loads(second.control_plane("import json; print(json.dumps(c.list_items(t)))").strip().splitlines()[-1])
@@ -196,7 +225,7 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
                                      if e.reason == "WorkPodsRefused" and e.involved_object.kind == "Deployment"], 15,
                             "a WorkPodsRefused Event on the Deployment")
         assert REFUSAL in events[0].message, events[0].message
-        assert "gpu_agent_work_path_down 1.0" in second.metrics()
+        assert "gpu_agent_work_path_down 1.0" in pod_http_get(core, namespace, pod, 8080, "metrics")[1]
         figures.append(f"deny policy: queues NotReady {took_down:.1f} s after the enqueue: {down['reason'][:140]}")
 
         delete_policy(adm, deny)

@@ -285,11 +285,12 @@ class ApiServer:
         return seen
 
     # Pods --------------------------------------------------------------------
-    def create_pod(self, body: dict[str, Any]) -> NS:
+    def create_pod(self, body: dict[str, Any], dry_run: bool = False) -> NS | None:
+        """A dry run passes the same admission and stores nothing (its name may be a generateName)."""
         meta = body["metadata"]
-        name = meta["name"]
+        name = meta.get("name") or meta["generateName"] + "dry-run"
         annotations = dict(meta.get("annotations") or {})
-        if name in self.pods:
+        if name in self.pods and not dry_run:
             raise ApiError(409, "AlreadyExists")
         limits = body["spec"]["containers"][0].get("resources", {}).get("limits", {})
         gpus = int(limits.get("nvidia.com/gpu", "0"))
@@ -303,6 +304,8 @@ class ApiServer:
                 self.refused.append((self.now, name, self.world.caller, f"the Lease is held by {held}"))
                 raise ApiError(403, f"Forbidden: work pod fenced: created under leadership {annotations.get(LEADER)}; "
                                     f"the Lease is now held by {held}")
+        if dry_run:
+            return None
         pod = PodRecord(name, f"uid-{next(self.ids)}", annotations.get("gpu-agent.io/idempotency-key", ""), gpus,
                         annotations, list(meta.get("finalizers") or []), self.now, self.world.caller)
         self.pods[name] = pod
@@ -359,8 +362,9 @@ class FakeCore:
     def no_answer(what: str, timeout: float) -> Exception:
         return TimeoutError(f"{what}: read timed out ({timeout:g}s)")
 
-    def create_namespaced_pod(self, namespace: str, body: dict[str, Any], _request_timeout: float) -> NS:
-        return self.api.create_pod(body)
+    def create_namespaced_pod(self, namespace: str, body: dict[str, Any], _request_timeout: float,
+                              dry_run: str | None = None) -> NS | None:
+        return self.api.create_pod(body, dry_run=dry_run == "All")
 
     def read_namespaced_pod(self, name: str, namespace: str, _request_timeout: float) -> NS:
         return self.api.read_pod(name)

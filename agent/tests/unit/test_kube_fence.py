@@ -89,7 +89,7 @@ def test_a_missing_crd_or_role_names_what_to_do():
         def create_namespaced_custom_object(self, *args, **kwargs):
             raise client.ApiException(status=404, reason="Not Found")
 
-    with pytest.raises(FenceNotWritten, match="workfences.gpu-agent.io\\) is not installed.*workPodFencing=false"):
+    with pytest.raises(FenceNotWritten, match=r"workfences\.gpu-agent\.io\) is not installed.*workPodFencing=false"):
         fence(Missing()).publish(A1, lambda: True)
 
     class Forbidden(Store):

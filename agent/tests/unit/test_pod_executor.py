@@ -2,6 +2,7 @@
 fails the attempt at once and is deleted; one that merely waits for GPUs in use keeps waiting."""
 
 import asyncio
+import json
 from types import SimpleNamespace as NS  # noqa: N814 - short: it stands in for many API objects below
 
 import pytest
@@ -23,8 +24,14 @@ class ScriptedCore:
         self.deleting = None
         self.patched = []
         self.node_selectors = []
+        self.dry_runs, self.dry_run_faults = [], []
 
-    def create_namespaced_pod(self, namespace, body, _request_timeout):
+    def create_namespaced_pod(self, namespace, body, _request_timeout, dry_run=None):
+        if dry_run:  # the executor's check of a Pod any item would make: refused while `dry_run_faults` says so
+            self.dry_runs.append(body["metadata"]["annotations"].get("gpu-agent.io/leader"))
+            if self.dry_run_faults:
+                raise self.dry_run_faults.pop(0)
+            return
         self.created.append(body["metadata"]["name"])
         self.body = body
         if self.create_faults:
@@ -260,25 +267,41 @@ def refusal(status, message):
     from kubernetes import client
 
     e = client.ApiException(status=status, reason="Refused")
-    e.body = '{"message": "%s"}' % message
+    e.body = json.dumps({"message": message})
     return e
 
 
 @pytest.mark.parametrize("status,message", [
-    (403, 'pods \\"x\\" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'),
-    (403, 'pods \\"x\\" is forbidden: error looking up service account work/default: serviceaccount \\"default\\" not found'),
-    (400, 'admission webhook \\"deny.example.com\\" denied the request: no pods today'),
-    (500, 'Internal error occurred: failed calling webhook \\"w.example.com\\": connection refused'),
-    (404, 'namespaces \\"work\\" not found'),
+    (403, 'pods "x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'),
+    (403, 'pods "x" is forbidden: error looking up service account work/default: serviceaccount "default" not found'),
+    (400, 'admission webhook "deny.example.com" denied the request: no pods today'),
+    (422, "pods is forbidden: ValidatingAdmissionPolicy 'deny' with binding 'deny' denied request: no pods today"),
+    (500, 'Internal error occurred: failed calling webhook "w.example.com": connection refused'),
+    (404, 'namespaces "work" not found'),
 ])
-def test_a_create_refused_for_a_reason_not_the_items_is_a_refused_work_path_naming_the_api_servers_words(status, message):
+def test_a_create_refused_as_a_pod_any_item_would_make_is_a_refused_work_path_naming_the_api_servers_words(
+        status, message):
     from gpu_agent.foundations.fencing import LeaderToken
 
     core = ScriptedCore(["Succeeded"], node_gpus=[8])
-    core.create_faults = [refusal(status, message)]
+    core.create_faults, core.dry_run_faults = [refusal(status, message)], [refusal(status, message)]
     with pytest.raises(WorkPathRefused) as e:  # no attempt counted, and the consumer proves the path before leasing
         executor(core).execute(WorkItem(1, "any", {"gpus": 1}, "l", 1), LeaderToken("a", "uid", 0))
-    assert message.replace('\\"', '"')[:60] in str(e.value) and str(status) in str(e.value) and len(core.created) == 1
+    assert message[:60] in str(e.value) and str(status) in str(e.value) and len(core.created) == 1
+    assert core.dry_runs == ["a"]  # told apart by one dry run under the same token
+
+
+def test_a_create_refused_while_a_pod_any_item_would_make_is_admitted_is_the_items_doing_and_counts_an_attempt():
+    """A policy that refuses only what this item asks (its command, its GPU count): the dry run of the default Pod is
+    admitted, so the refusal is the item's: an attempt counted, and the item fails for good after its last one
+    instead of being leased and refused forever."""
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    core = ScriptedCore(["Succeeded"], node_gpus=[8])
+    core.create_faults = [refusal(422, "ValidatingAdmissionPolicy 'no-sh' denied request: sh is not allowed")]
+    with pytest.raises(RuntimeError) as e:
+        executor(core).execute(WorkItem(1, "sh", {"gpus": 1, "command": ["sh"]}, "l", 1), LeaderToken("a", "uid", 0))
+    assert not isinstance(e.value, AttemptNotMade) and "sh is not allowed" in str(e.value) and core.dry_runs == ["a"]
 
 
 class DryRunCore(ScriptedCore):

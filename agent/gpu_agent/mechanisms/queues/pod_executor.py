@@ -20,10 +20,12 @@ Three rules keep "one Pod per item" true under schedules nobody plans for:
 - Every call has a request timeout; a create without an answer is sent again (if the first
   landed, the second's conflict is our own Pod); a read without one is read again at the next poll.
 
-A create the API server refuses for a reason that is not the item's (the fencing policy, a quota, a
-missing ServiceAccount, an admission webhook: anything answered but a conflict or an invalid Pod) is
-WorkPathRefused: the item goes back uncounted and the consumer proves the path with `probe` (dry-run
-creates: the leader's own token admitted, and with fencing a stale one refused) before it leases more.
+A create the API server refuses (anything answered but a conflict) is told apart by a dry run of a Pod
+any item would make (one GPU, the default command) under the same token: refused too, it is not the
+item's doing (the fencing policy, a quota, a missing ServiceAccount, an admission webhook or policy
+refusing every Pod) but WorkPathRefused: the item goes back uncounted and the consumer proves the path
+with `probe` (dry-run creates: the leader's own token admitted, and with fencing a stale one refused)
+before it leases more. Admitted, the refusal was about what the item asks: an attempt counted.
 
 A Pod that can never be scheduled (it asks for more GPUs than any node has) fails the attempt at
 once instead of holding the queue for the whole timeout: the scheduler's Unschedulable condition
@@ -164,10 +166,10 @@ class PodExecutor:
                 if refusal and fenced_waits:  # the policy reads the fence from a cache, which can lag a token just written
                     await self.clock.sleep(fenced_waits.pop(0))
                     continue
-                if status is not None and (refusal or path_refusal(e)):
+                if status is not None and (refusal or await self._refused_for_any_item(leader)):
                     raise WorkPathRefused(f"creating pod {self.namespace}/{name} was refused: "
                                           f"{refusal_text(e, leader, refusal)}") from None
-                if status is not None:
+                if status is not None:  # a Pod like it, the item's own parts aside, is admitted: the item's doing
                     raise RuntimeError(f"creating pod {self.namespace}/{name} failed: {status} "
                                        f"{getattr(e, 'reason', '')}: {api_message(e)}") from None
                 unanswered += 1
@@ -196,17 +198,10 @@ class PodExecutor:
         `leader` is admitted and, with fencing, one under a token that was never the fence's is refused by the
         policy; else what is wrong. Each dry run passes every admission step a real create does (the policy,
         quota, Pod Security, webhooks) and makes nothing."""
+        problem = await self._refused_for_any_item(leader)
+        if problem or not (self.fencing and leader is not None):
+            return problem
         check = WorkItem(item_id=0, idempotency_key="work-path-check", payload={"gpus": 1}, lease_id="", deliveries=0)
-        if self.claims is not None:
-            await self.claims.ensure(1, self._api)
-        refused = await self._dry_run(self._probe_pod(check, leader))
-        if refused is not None:
-            status, text = refused
-            if status is None:
-                return f"a dry-run create of a work pod got no answer ({text})"
-            return f"a dry-run create of a work pod under this agent's own token was refused: {text}"
-        if not (self.fencing and leader is not None):
-            return ""
         never = LeaderToken(f"{leader.holder}.work-path-check", leader.lease_uid, leader.transitions)
         refused = await self._dry_run(self._probe_pod(check, never))
         if refused is None:
@@ -219,6 +214,21 @@ class PodExecutor:
         if "work pod fenced" not in text:
             return f"a dry-run work pod under a stale token was refused, but not by the fencing policy: {text}"
         return ""
+
+    async def _refused_for_any_item(self, leader: LeaderToken | None) -> str:
+        """Why a dry-run work Pod of one GPU and the default command, under `leader`, is refused ("" when admitted):
+        what any item's Pod would meet (the fencing policy, a quota, a ServiceAccount, a webhook). A real Pod refused
+        while this one is admitted was refused for what its item asks."""
+        check = WorkItem(item_id=0, idempotency_key="work-path-check", payload={"gpus": 1}, lease_id="", deliveries=0)
+        if self.claims is not None:
+            await self.claims.ensure(1, self._api)
+        refused = await self._dry_run(self._probe_pod(check, leader))
+        if refused is None:
+            return ""
+        status, text = refused
+        if status is None:
+            return f"a dry-run create of a work pod got no answer ({text})"
+        return f"a dry-run create of a work pod under this agent's own token was refused: {text}"
 
     def _probe_pod(self, item: WorkItem, leader: LeaderToken | None) -> dict[str, Any]:
         pod = self._pod(item, leader)
@@ -352,16 +362,6 @@ def fencing_refusal(e: BaseException) -> str:
         return ""
     text = f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}"
     return "fenced" if "work pod fenced" in text else "no fence" if "no params found" in text else ""
-
-
-def path_refusal(e: BaseException) -> bool:
-    """An answered refusal that is not about the item: every status but a conflict (our own Pod) and a plain
-    422 Invalid (the Pod the item asks for). A 403 is a quota, RBAC, Pod Security or a policy; a 404 the
-    namespace gone; a 5xx a webhook that cannot be reached; a webhook's denial says so in any status."""
-    status = _status(e)
-    if status is None or status == 409:
-        return False
-    return status != 422 or "admission webhook" in str(getattr(e, "body", ""))
 
 
 def api_message(e: BaseException) -> str:
