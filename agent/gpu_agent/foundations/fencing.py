@@ -4,9 +4,10 @@ A leader learns that it lost the Lease only when it next reads it; a Pod create 
 before (stalled in a partition, paused with its process) can land after its successor has run
 the same item, acked it and deleted its Pod, and so run the item a second time. The agent
 cannot close that window itself: the resource has to check the token (Kleppmann's fencing
-tokens). So every work Pod carries the token of the leadership it was created under, and an
-admission policy (the chart's ValidatingAdmissionPolicy, whose param is the Lease) refuses a
-work Pod whose token is not the Lease's now:
+tokens). So every work Pod carries the token of the leadership it was created under, the leader
+writes its token into the release's WorkFence before its first item, and an admission policy (the
+chart's ValidatingAdmissionPolicy, whose param is that WorkFence) refuses a work Pod whose token is
+not the fence's now:
 
     gpu-agent.io/leader             the Lease's holderIdentity when the agent began to lead
     gpu-agent.io/lease-uid          the Lease object's uid (a Lease deleted and recreated is new)

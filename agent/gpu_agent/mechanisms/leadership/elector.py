@@ -28,8 +28,8 @@ leader leading past it.
 
 Each change of holder increments the record's transitions (client-go's leaseTransitions). A
 leadership's fencing token (`token`) is (holder, the record's uid, transitions): the work Pods carry
-it and the API server refuses one whose token is not the Lease's now (foundations/fencing.py), so a
-create a deposed leader sent late never lands. Fencing at the control plane uses its own terms (a
+it and the API server refuses one whose token is not the one the leader wrote into the WorkFence
+(foundations/fencing.py, kube_fence.py), so a create a deposed leader sent late never lands. Fencing at the control plane uses its own terms (a
 term is started each time an agent begins to lead).
 """
 

@@ -32,7 +32,8 @@ a deposed leader's late `start_term`, so the consumer starts a term of its own a
 interval (and the deposed one, no longer leading, never answers back). Without leader election
 nothing says who should lead, so a fenced consumer stops leasing until `new_term()`. Only a
 refusal of the term held now counts: one answered late about an older term is ignored. The Pods
-themselves are fenced by the Lease (the executor gets the token; foundations/fencing.py).
+themselves are fenced by the leader's token in the WorkFence (the executor gets the token;
+foundations/fencing.py, mechanisms/leadership/kube_fence.py).
 
 Readiness: the `queues` entry of /healthz is ready while the queues are open, and also while they
 are paused only because this agent is a hot standby (it does its job: waiting to lead). Whether
