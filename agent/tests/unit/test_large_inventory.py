@@ -116,14 +116,14 @@ def status_of(client, cluster):
     return next(r for r in client.status(ADMIN)["registrations"] if r["clusterId"] == cluster)
 
 
-def test_the_agents_limit_is_the_apis_and_the_document_says_what_a_413_means():
+def test_the_agents_limit_is_the_apis_and_the_document_says_what_413_and_422_mean():
     assert api.MAX_GPUS == MAX_REGISTERED_GPUS == 16384
     doc = api.document()
     schema = doc["components"]["schemas"]["RegisterRequest"]["properties"]
     assert schema["gpus"]["maxItems"] == 16384
     assert schema["gpuCount"]["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": api.MAX_CLUSTER_GPUS}
-    described = doc["paths"]["/v1/register"]["post"]["responses"]["413"]["description"]
-    assert str(api.MAX_BODY) in described and "gpus: 16384" in described
+    responses = doc["paths"]["/v1/register"]["post"]["responses"]
+    assert str(api.MAX_BODY) in responses["413"]["description"] and "maxItems" in responses["422"]["description"]
 
 
 def test_a_truncated_registration_keeps_the_whole_count_and_a_small_one_reads_as_before(cp, no_temp_dir):

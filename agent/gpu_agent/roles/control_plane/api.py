@@ -423,10 +423,10 @@ def _errors(route: Route) -> dict[int, str]:
         out[403] = "a valid token of another kind"
     if route.request is not None:
         out.update({400: "the body is not JSON (or nested too deeply, or holds NaN)",
-                    413: f"the body is larger than {MAX_BODY} bytes, or a list longer than its maxItems "
-                         f"(gpus: {MAX_GPUS}); the error names the limit",
+                    413: f"the body is larger than {MAX_BODY} bytes; the error names its size and the limit",
                     415: "the body is not application/json",
-                    422: "a field is missing or out of range; the error names it"})
+                    422: "a field is missing or out of range (a list longer than its maxItems included); the error "
+                         "names it"})
     return out
 
 
