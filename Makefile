@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra bench-fake-gpu gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -129,6 +129,11 @@ bench-queue: setup
 bench-dra: setup
 	$(MAKE) -C ci cluster-up images
 	PYTHONPATH=agent:agent/bench $(BIN)/python agent/bench/bench_dra.py
+
+## bench-fake-gpu: one node's fake GPUs through layout, state file and device plugin (ListAndWatch, Allocate), 64 to
+## 81,920 GPUs a node, and what breaks first (printed, not asserted; no cluster needed; BENCH_COUNTS=1024,4096)
+bench-fake-gpu: setup
+	PYTHONPATH=agent:fake-gpu $(BIN)/python agent/bench/bench_fake_gpu_node.py
 
 ## gpu-check: on a machine with an NVIDIA GPU, NVML inventory vs nvidia-smi, health and events (3 s wait), then /healthz
 gpu-check:

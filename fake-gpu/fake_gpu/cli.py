@@ -215,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 return f"node {args.node}: {layout.count} fake GPUs" + (f", clique {layout.clique}" if layout.clique else "")
             return _set_local(path, count, args.product, args.memory_mib, args.max_gpus, args.clique)
 
-        if args.max_gpus < 1:
-            raise LayoutError(f"--max must be 1 or more, got {args.max_gpus}")
+        if not 1 <= args.max_gpus <= fake_state.MAX_GPUS:
+            raise LayoutError(f"--max must be between 1 and {fake_state.MAX_GPUS} (the most GPUs the agent reads from one "
+                              f"node's state file), got {args.max_gpus}")
         if args.command == "set":
             print(set_count(args.count))
         else:

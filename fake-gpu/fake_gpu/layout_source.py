@@ -5,7 +5,7 @@
                      "faults": {"2": {"health": "Lost", "healthReason": "Xid 79 (GPU has fallen off the bus)"}}}'
       maxCount: "64"
 
-`faults` (written by `fake-gpu fault --node`) names the GPUs, by index, that are not healthy; the
+`maxCount` is at most MAX_COUNT (8,192: measured below). `faults` (written by `fake-gpu fault --node`) names the GPUs, by index, that are not healthy; the
 DaemonSet writes them into the state file (the node agent's fake source reads them) and reports those
 GPUs Unhealthy to kubelet, so the node's allocatable drops. A node with no entry gets `defaultCount`
 GPUs. An entry that does not parse or breaks a limit is refused: the previous layout stays in force and the error is logged (and shown by
@@ -27,6 +27,7 @@ from fake_gpu.layout import (
     LayoutError,
     check_clique,
 )
+from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.fake_state import MAX_REASON
 
 # The layout ConfigMap is per release (<release>-fake-gpu-layout), labelled LAYOUT_SELECTOR so that
@@ -60,12 +61,43 @@ def with_faults(faults: dict[int, Fault]) -> tuple[tuple[int, Fault], ...]:
     return tuple(sorted(faults.items()))
 
 
+# The most fake GPUs one node may carry (the chart's maxCount and defaultCount allow no more), from
+# agent/bench/bench_fake_gpu_node.py (`make bench-fake-gpu`: every GPU faulted, the largest form of each document;
+# "short": a reason as `fake-gpu fault` writes it, "long": MAX_REASON characters), on a 2-core machine:
+#                         8,192 GPUs                             what breaks, and where
+#   layout entry          671 KB short, 2.5 MB long; parse 25-35 ms  the ConfigMap's 1 MiB: long reasons on every GPU
+#                                                                   past ~3,300 GPUs, short ones past ~12,800
+#   build (DaemonSet)     83-88 ms                                 linear: 16,384 take 180 ms
+#   state file            2.3-4.1 MB; render 205-370 ms,           fake_state.MAX_FILE_BYTES (8 MiB) past ~16,600
+#                         node agent parse 57-80 ms                 (16,384: render about 1 s a change)
+#   ListAndWatch (gRPC)   450 KB in 26 ms (55 bytes a device)       kubelet's 4 MiB receive: RESOURCE_EXHAUSTED
+#                                                                   between 73,728 and 81,920 devices
+#   Allocate              4 ms for 3,196 devices                    execve's 128 KiB per environment string: a
+#                                                                   container given more than 3,196 GPUs (plugin.py
+#                                                                   refuses it by name)
+# So 8,192: ListAndWatch at 11 % of its limit, every change of a node's layout applied in well under a second,
+# a fault on every GPU fitting the ConfigMap as `fake-gpu fault` writes it, and three nodes (the CI cluster's)
+# making a 20,000-GPU cluster. Past it the cost per change passes a second while nothing needs more. The node
+# agent reads as many (fake_state.MAX_GPUS is this number).
+MAX_COUNT = fake_state.MAX_GPUS
+# A node's layout entry: its count, product, memory and clique, then a fault on each of `limit` GPUs; a fault
+# `"1023": {"health": "Unhealthy", "healthReason": "..."}, ` is 56 characters and its reason (ASCII, as
+# `fake-gpu fault` writes it) at most fake_state.MAX_REASON.
+LAYOUT_BASE_CHARS = 1024
+FAULT_CHARS = 64 + MAX_REASON
+
+
+def max_layout_chars(limit: int) -> int:
+    """The longest layout entry a node with maxCount `limit` may have: room for a fault on every GPU."""
+    return LAYOUT_BASE_CHARS + limit * FAULT_CHARS
+
+
 def max_count(data: dict[str, str]) -> int:
     try:
         value = int(data.get("maxCount", MAX_GPUS))
     except (TypeError, ValueError):
         return MAX_GPUS
-    return value if 0 <= value <= 4096 else MAX_GPUS
+    return value if 0 <= value <= MAX_COUNT else MAX_GPUS
 
 
 def validate(layout: NodeLayout, limit: int) -> NodeLayout:
@@ -99,7 +131,7 @@ def parse_faults(doc: Any, node: str) -> tuple[tuple[int, Fault], ...]:
                           f'{{"2": {{"health": "Lost", "healthReason": "..."}}}}; {fix}')
     faults = {}
     for key, value in doc.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 4):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= len(str(MAX_COUNT))):
             raise LayoutError(f"layout of node {node}: faults key {str(key)[:20]!r} must be a GPU index like \"2\"; {fix}")
         if not isinstance(value, dict) or set(value) - {"health", "healthReason"}:
             raise LayoutError(f"layout of node {node}: faults.{key} must be an object with health and healthReason; {fix}")
@@ -108,8 +140,10 @@ def parse_faults(doc: Any, node: str) -> tuple[tuple[int, Fault], ...]:
 
 
 def parse_entry(text: str, node: str, limit: int) -> NodeLayout:
-    if len(text) > 16384:  # room for a fault on each of maxCount GPUs
-        raise LayoutError(f"layout of node {node} is {len(text)} characters; a layout is a small object like {{\"count\": 4}}")
+    if len(text) > max_layout_chars(limit):
+        raise LayoutError(f"layout of node {node} is {len(text)} characters, more than the {max_layout_chars(limit)} a node "
+                          f"of at most maxCount={limit} GPUs needs (a fault on each); rewrite it with "
+                          f"`fake-gpu set --node {node} --count N`")
     try:
         doc: Any = json.loads(text)
     except json.JSONDecodeError as e:

@@ -33,6 +33,16 @@ log = get_logger("fake_gpu.plugin")
 RESOURCE = "nvidia.com/gpu"
 SOCKET_NAME = "fake-gpu.sock"
 STATE_IN_CONTAINER = "/run/fake-gpu/state.json"
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+# Linux's MAX_ARG_STRLEN (32 pages): execve refuses a longer "NAME=value" string, so a container whose
+# NVIDIA_VISIBLE_DEVICES lists more than about 3,196 UUIDs (41 bytes each) would fail to start, after its pod
+# was admitted; Allocate refuses it instead, by name.
+MAX_ENV_STRING = 32 * 4096
+
+
+def max_visible_devices(uuid_chars: int = 40) -> int:
+    """How many GPU UUIDs of `uuid_chars` fit NVIDIA_VISIBLE_DEVICES (comma-separated) under MAX_ENV_STRING."""
+    return (MAX_ENV_STRING - len(VISIBLE_DEVICES) - 2 + 1) // (uuid_chars + 1)
 
 
 def _advertised(inventory: Inventory) -> tuple[tuple[str, bool], ...]:
@@ -100,9 +110,14 @@ class FakeGPUPlugin(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]  #
             if unknown:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fake GPU(s): {', '.join(unknown)}")
             ids = ",".join(sorted(req.devices_ids))
+            if len(VISIBLE_DEVICES) + 1 + len(ids) + 1 > MAX_ENV_STRING:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"a container given {len(req.devices_ids)} fake GPUs cannot start: their {VISIBLE_DEVICES} "
+                              f"would be {len(ids)} bytes, over Linux's {MAX_ENV_STRING}-byte limit on one environment "
+                              f"string (execve); ask for at most {max_visible_devices()} GPUs per container")
             log.info("allocating %s", ids)
             responses.append(api_pb2.ContainerAllocateResponse(
-                envs={"NVIDIA_VISIBLE_DEVICES": ids, "FAKE_GPU_STATE_FILE": STATE_IN_CONTAINER},
+                envs={VISIBLE_DEVICES: ids, "FAKE_GPU_STATE_FILE": STATE_IN_CONTAINER},
                 mounts=[api_pb2.Mount(container_path=STATE_IN_CONTAINER, host_path=self.host_state_file, read_only=True)]))
         return api_pb2.AllocateResponse(container_responses=responses)
 

@@ -13,6 +13,8 @@ is the reason label of the failure metrics):
   Fenced        409 naming a newer term                         -> this agent's term is over: stop, start a new one
                                                                    only when it leads again
   Rejected      any other 4xx                                   -> a bug or bad input: report, retry slowly
+    TooLarge    413, or a registration's GPU list refused       -> the request is over the control plane's size
+                for its length                                     limit, which its message names: report, retry slowly
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
 
 log = get_logger(__name__)
+
+# The most GPUs one registration lists (the reference control plane's api.MAX_GPUS is this constant); the
+# registration manager lists the first this many of a larger cluster and gives the whole count in gpuCount.
+MAX_REGISTERED_GPUS = 16384
 
 
 class ControlPlaneError(Exception):
@@ -63,6 +69,11 @@ class Fenced(ControlPlaneError):
 
 class Rejected(ControlPlaneError):
     kind = "rejected"
+
+
+class TooLarge(Rejected):
+    """Refused for its size: the message names the request's size and the control plane's limit."""
+    kind = "too-large"
 
 
 @dataclass(frozen=True)
@@ -148,10 +159,14 @@ class ControlPlaneClient:
         headers = {"Accept": "application/json"}
         if token is not None:
             headers["Authorization"] = "Bearer " + token.reveal()
+        # Encoded here, as requests' json= would, so that a refusal for size can name the size sent.
+        data = None if body is None else json.dumps(body, allow_nan=False).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
         where = f"{method} {path}"
         started = time.monotonic()
         try:
-            resp = self._session.request(method, self.base_url + path, json=body, headers=headers,
+            resp = self._session.request(method, self.base_url + path, data=data, headers=headers,
                                          timeout=self.timeout + extra_timeout)
         except requests.Timeout:
             log.v(6, "control plane: %s -> timed out (%.1f ms)", where, (time.monotonic() - started) * 1000)
@@ -170,6 +185,8 @@ class ControlPlaneClient:
             raise Unavailable(f"{where}: {status} {_reason(resp)}", status)
         if status == 409 and _reason(resp).startswith("fenced"):
             raise Fenced(f"{where}: {status} {_reason(resp)}", status)
+        if status == 413:
+            raise TooLarge(f"{where}: {status} {_reason(resp)} (this request: {len(data or b'')} bytes)", status)
         if status >= 400:
             raise Rejected(f"{where}: {status} {_reason(resp)}", status)
         if status == 204 or not resp.content:
@@ -188,12 +205,25 @@ class ControlPlaneClient:
             raise ProtocolError(f"{where}: credential token empty or expiresInSeconds <= 0")
         return Credential(Secret(token), float(expires_in))
 
-    def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory) -> Registration:
+    def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory,
+                 gpu_count: int | None = None) -> Registration:
         """Tell the control plane of the GPUs in `inventory`, all of them: the caller decides which count
-        (the registration manager passes the healthy ones; health is not part of the wire format)."""
+        (the registration manager passes the healthy ones; health is not part of the wire format).
+        `gpu_count`: the cluster's whole count, when `inventory` lists only the first of its GPUs (the
+        field is left out otherwise, so a small registration reads as it always did)."""
         where = "POST /v1/register"
-        _, doc = self._call("POST", "/v1/register", token,
-                            {"clusterId": cluster_id, "generation": generation, "gpus": inventory.to_json()})
+        body: dict[str, Any] = {"clusterId": cluster_id, "generation": generation, "gpus": inventory.to_json()}
+        if gpu_count is not None and gpu_count > inventory.count:
+            body["gpuCount"] = gpu_count
+        try:
+            _, doc = self._call("POST", "/v1/register", token, body)
+        except Rejected as e:
+            # The reference control plane answers a list over its length limit with 422 naming field 'gpus'
+            # (the list's only other rule is its type); any control plane answers a body over its limit with 413.
+            if isinstance(e, TooLarge) or (e.status == 422 and str(e).startswith(f"{where}: 422 field 'gpus':")):
+                raise TooLarge(f"{where}: refused for its size, {inventory.count} GPUs listed: "
+                               f"{str(e).removeprefix(where + ': ')}", e.status) from None
+            raise
         return Registration(
             registration_id=_field(doc, "registrationId", str, where),
             credential=self._credential(doc, where),

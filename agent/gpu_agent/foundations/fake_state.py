@@ -40,10 +40,12 @@ def default_path() -> Path:
     return Path(os.environ.get(DEFAULT_PATH_ENV) or DEFAULT_PATH)
 
 
-# A node has a handful of GPUs; a file far larger than any real layout is refused before it is
-# parsed, so a bad file can cost neither memory nor time (a 100,000-GPU file once kept 100 MiB).
-MAX_FILE_BYTES = 1 << 20
-MAX_GPUS = 1024
+# A real node has a handful of GPUs, a fake one at most MAX_GPUS (fake-gpu's maxCount; its figures are in
+# fake_gpu/layout_source.py). A file far larger than the largest layout is refused before it is parsed, so a bad
+# file can cost neither memory nor time (a 100,000-GPU file once kept 100 MiB): 8,192 GPUs each faulted with a
+# reason of MAX_REASON characters render to 4,127,767 bytes, so 8 MiB holds them twice over.
+MAX_FILE_BYTES = 8 << 20
+MAX_GPUS = 8192
 MAX_REASON = 256
 
 

@@ -36,6 +36,10 @@ REASONS = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 401
            500: "Internal Server Error", 503: "Service Unavailable"}
 
 
+# waitress's outbuf_overflow: a response buffer this large never turns into a temporary file (see Listener).
+NEVER_SPILL = 1 << 62
+
+
 class ListenError(Exception):
     """The listen address cannot be used; the message names the address and the reason."""
 
@@ -59,12 +63,23 @@ def error(start_response: StartResponse, code: int, message: str, headers: list[
 
 class _JSONErrorTask(ErrorTask):
     """waitress's own refusals (413 body too large, 400 bad framing, 431 headers too large) as
-    JSON like every other error of ours, instead of its text/plain page."""
+    JSON like every other error of ours, instead of its text/plain page. A 413 names the body's size,
+    the limit in bytes and, where the listener gives one, what to send instead (`hint`)."""
+
+    max_body = 0
+    hint = ""
 
     def execute(self) -> None:
         # types-waitress gives an ErrorTask's request the type of the error; it is the parser holding it.
-        e = self.request.error  # type: ignore[attr-defined]
-        body = json.dumps({"error": f"{e.reason}: {e.body}".strip().rstrip(":")}).encode()
+        parser: Any = self.request
+        e = parser.error
+        if e.code == 413:
+            size = (f"the request body of {parser.content_length} bytes" if parser.content_length
+                    else f"the request body (chunked, {parser.body_bytes_received} bytes so far)")
+            message = f"{size} is over this server's limit of {self.max_body} bytes" + (f"; {self.hint}" if self.hint else "")
+        else:
+            message = f"{e.reason}: {e.body}".strip().rstrip(":")
+        body = json.dumps({"error": message}).encode()
         self.status = f"{e.code} {e.reason}"
         self.response_headers = [*self.response_headers, ("Content-Type", "application/json")]
         self.set_close_on_finish()
@@ -72,32 +87,49 @@ class _JSONErrorTask(ErrorTask):
         self.write(body)
 
 
-class _Channel(HTTPChannel):
-    error_task_class = _JSONErrorTask
+def _channel_class(max_body: int, hint: str) -> type[HTTPChannel]:
+    """A channel whose error task knows this listener's body limit (waitress builds channels and
+    tasks itself, so the limit travels as class attributes)."""
+    task = type("_JSONErrorTask", (_JSONErrorTask,), {"max_body": max_body, "hint": hint})
+    return type("_Channel", (HTTPChannel,), {"error_task_class": task})
 
 
 class Listener:
     """One WSGI app served on HOST:PORT by waitress, on daemon threads; `start()` returns at once.
 
     `timeout` closes a connection that sends nothing for that long (a half-sent request
-    included); `max_body` is answered with 413; `threads` bounds concurrent requests (a
-    long-polled call holds one for its wait)."""
+    included); a body over `max_body` bytes is answered with 413 naming the limit and `body_hint`
+    (what to send instead); `threads` bounds concurrent requests (a long-polled call holds one for
+    its wait).
+
+    Bodies and responses stay in memory, never in a temporary file: waitress spills a request body
+    over its `inbuf_overflow` (512 KiB by default) and a response over `outbuf_overflow` (1 MiB) to
+    a tempfile, and the chart's pods have a read-only root filesystem and (the control plane) no
+    writable /tmp, so a spill failed and waitress reset the connection (registrations of 4,000 GPUs
+    and more, issue 45). Memory is bounded instead: at most `max_body` per connection whose body is
+    arriving (waitress reads a body whole before the app, and so the token, sees it: connection_limit
+    clients sending at once hold connection_limit x max_body). A response is built whole in memory
+    by our apps before waitress sees it, so buffering it in memory costs at most one more copy."""
 
     def __init__(self, app: WSGIApp, host: str, port: int, name: str, *, threads: int = 4, timeout: float = 10.0,
-                 max_body: int = 1 << 20, max_header: int = 64 << 10, connection_limit: int = 1000) -> None:
+                 max_body: int = 1 << 20, max_header: int = 64 << 10, connection_limit: int = 1000,
+                 body_hint: str = "") -> None:
         self.name = name
         try:
             # A TcpWSGIServer (one host and port); types-waitress lacks the effective_host/_map this reads.
+            # waitress refuses a body of max_request_body_size bytes or more and spills one of inbuf_overflow
+            # bytes or more: both one past max_body, so that max_body itself is accepted, in memory.
             self._server = cast(Any, create_server(
                 app, host=host, port=port, threads=threads, channel_timeout=int(max(1, timeout)),
-                cleanup_interval=max(1, int(timeout) // 2), max_request_body_size=max_body,
+                cleanup_interval=max(1, int(timeout) // 2), max_request_body_size=max_body + 1,
+                inbuf_overflow=max_body + 1, outbuf_overflow=NEVER_SPILL,
                 max_request_header_size=max_header, connection_limit=connection_limit, expose_tracebacks=False,
                 ident=name, asyncore_use_poll=True, clear_untrusted_proxy_headers=True))
         except OSError as e:
             raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         except ValueError as e:  # waitress refuses an address it cannot resolve
             raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
-        self._server.channel_class = _Channel
+        self._server.channel_class = _channel_class(max_body, body_hint)
         self._name = name
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()

@@ -24,6 +24,21 @@ import requests
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.secrets import Secret
 
+# `python -c` this, then gpu_agent's arguments: gpu_agent with Python's temporary folder gone. tempfile falls back
+# from $TMPDIR to /tmp, /var/tmp and the working folder, all writable here, so the folder is set past that search;
+# the process refuses to start if a temporary file can still be made.
+NO_TEMP_DIR = """
+import runpy, tempfile
+tempfile.tempdir = "/nonexistent/no-temp-dir"
+try:
+    tempfile.TemporaryFile().close()
+except OSError:
+    pass
+else:
+    raise SystemExit("a temporary file could still be made")
+runpy.run_module("gpu_agent", run_name="__main__", alter_sys=True)
+"""
+
 LOGS: list[Path] = []
 SECRETS: list[str] = []
 
@@ -111,12 +126,14 @@ class Rig:
         self._starts = 0
 
     # processes -------------------------------------------------------------------------------
-    def start_control_plane(self, *flags: str, faults: bool = False) -> ControlPlaneClient:
-        """`faults`: with fault injection on (a test that arms faults through /admin/faults)."""
+    def start_control_plane(self, *flags: str, faults: bool = False, no_temp_dir: bool = False) -> ControlPlaneClient:
+        """`faults`: with fault injection on (a test that arms faults through /admin/faults). `no_temp_dir`: the
+        process cannot make a temporary file, as in the chart's pod (read-only root filesystem, no /tmp volume)."""
         if faults:
             flags = ("--fault-injection=true", *flags)
         self.cp_url = f"http://127.0.0.1:{self._cp_port}"
-        self.cp = Process("control-plane", [sys.executable, "-m", "gpu_agent", "control-plane", "-v", "2",
+        start = [sys.executable, "-c", NO_TEMP_DIR] if no_temp_dir else [sys.executable, "-m", "gpu_agent"]
+        self.cp = Process("control-plane", [*start, "control-plane", "-v", "2",
                                             "--listen-address", f"127.0.0.1:{self._cp_port}",
                                             "--database", str(self.root / "cp.sqlite"),
                                             "--registration-token-file", str(self.root / "registration-token"),

@@ -121,3 +121,26 @@ def test_a_node_selector_counts_only_the_matching_nodes_and_says_so_when_none_ha
     assert read().inventory.count == 12 and selectors[-1] is None
     del nodes["a1"]
     assert read(node_selector="pool=a").note == "no Ready node among the nodes labelled pool=a has nvidia.com/gpu"
+
+
+def test_a_poll_of_unchanged_nodes_reuses_the_inventory_and_a_change_rebuilds_it(monkeypatch):
+    """20,000 GPUs took 0.27 s to build, on every poll (every 0.5 s) of the cluster agent (issue 45)."""
+    from gpu_agent.mechanisms.inventory import cluster
+
+    monkeypatch.setattr(cluster.client, "CoreV1Api", lambda api: None)
+    built = []
+    monkeypatch.setattr(cluster, "inventory_of", lambda table: built.append(dict(table)) or inventory_of(table))
+    source = cluster.ClusterSource(api=None, start=False)
+
+    def named(name, n):
+        out = node(str(n), str(n))
+        out.metadata = NS(name=name)
+        return out
+    source._listed_nodes(NS(items=[named(f"n{k}", 4096) for k in range(5)]))
+    first = source.read().inventory
+    assert first.count == 5 * 4096 and source.read().inventory is first and len(built) == 1
+    source._node_event("MODIFIED", named("n2", 4000))
+    assert source.read().inventory.count == 4 * 4096 + 4000 and len(built) == 2
+    source._node_event("MODIFIED", named("n2", 4000))  # a heartbeat: the same counts
+    source.read()
+    assert len(built) == 2

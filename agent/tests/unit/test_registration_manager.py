@@ -7,7 +7,14 @@ import logging
 import pytest
 
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.foundations.control_plane_client import Credential, Registration, Unauthorized, Unavailable
+from gpu_agent.foundations.control_plane_client import (
+    MAX_REGISTERED_GPUS,
+    Credential,
+    Registration,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+)
 from gpu_agent.foundations.gate import Gate
 from gpu_agent.foundations.gpus import GPU, LOST, UNHEALTHY, Inventory
 from gpu_agent.foundations.health import HealthRegistry
@@ -45,6 +52,7 @@ class ScriptedControlPlane:
         self.max_inside = 0
         self.issued = 0
         self.registered = []  # (generation, the UUIDs the agent told of) per register call
+        self.counts = []  # the whole count (gpuCount) each register call gave
 
     def _credential(self):
         self.issued += 1
@@ -60,8 +68,9 @@ class ScriptedControlPlane:
         finally:
             self.inside -= 1
 
-    async def register(self, token, cluster_id, generation, inv):
+    async def register(self, token, cluster_id, generation, inv, gpu_count=None):
         self.registered.append((generation, [g.uuid for g in inv.gpus]))
+        self.counts.append(gpu_count)
         await self._enter("register", self.hold_register)
         outcome = self.register_script.pop(0) if self.register_script else "ok"
         if isinstance(outcome, Exception):
@@ -361,3 +370,48 @@ async def test_a_failed_registration_attempt_is_a_warning_naming_the_attempt_and
     assert [(r.levelname, r.getMessage()) for r in retries] == [
         ("WARNING", "registration attempt 1 failed: POST /v1/registrations: connection failed; retrying in 1.00s")]
     assert h.ready
+
+
+# ---- large clusters (issue 45) -------------------------------------------------------------------
+
+async def test_a_cluster_over_the_limit_lists_the_first_gpus_gives_the_whole_count_and_says_so(harness):
+    async with harness() as h:
+        await h.manager.gpus_changed(1, inventory(20_000, broken={3: (LOST, XID79)}))
+        await h.clock.settle()
+        assert h.ready
+        listed = h.cp.registered[-1][1]
+        healthy = [g.uuid for g in h.manager.inventory.healthy]
+        assert len(listed) == MAX_REGISTERED_GPUS == 16384 and listed == healthy[:16384]
+        assert h.cp.counts[-1] == 19_999  # every healthy GPU counted, the lost one not
+        reason = h.health.get("registration").reason
+        assert "19999 GPUs, the first 16384 listed" in reason, reason
+
+
+async def test_a_cluster_within_the_limit_lists_every_gpu(harness):
+    async with harness() as h:
+        await h.manager.gpus_changed(1, inventory(MAX_REGISTERED_GPUS))
+        await h.clock.settle()
+        assert len(h.cp.registered[-1][1]) == 16384 and h.cp.counts[-1] == 16384
+        assert h.health.get("registration").reason == "registered (generation 1)"
+
+
+async def test_a_registration_refused_for_its_size_says_so_and_backs_off_to_the_cap(harness):
+    refused = TooLarge("POST /v1/register: refused for its size, 16384 GPUs listed: 413 the request body of 9000000 "
+                       "bytes is over this server's limit of 4194304 bytes (this request: 9000000 bytes)", 413)
+    async with harness(initial=1, cap=8, jitter=0) as h:
+        h.cp.register_script = [refused] * 6
+        await h.manager.gpus_changed(1, inventory(20_000))
+        await h.clock.advance(100)
+        assert h.cp.times("register") == [0, 1, 3, 7, 15, 23, 31]  # the capped backoff, never a hot loop
+        text = h.metrics.render().decode()
+        assert 'gpu_agent_registration_failures_total{kind="initial",reason="too-large"} 6.0' in text
+        assert h.ready
+    async with harness(initial=1, cap=8, jitter=0) as h:
+        h.cp.register_script = [refused] * 1000
+        await h.manager.gpus_changed(1, inventory(20_000))
+        await h.clock.advance(3600)
+        assert len(h.cp.times("register")) < 3600 / 8 + 5
+        reason = h.health.get("registration").reason
+        assert not h.health.get("registration").ready
+        assert "refused for its size, 16384 GPUs listed" in reason and "limit of 4194304 bytes" in reason, reason
+        assert "next attempt in 8.0s" in reason

@@ -114,6 +114,9 @@ class ClusterSource:
         self._errors: dict[str, str] = {}  # "nodes" / "slices" -> what failed, until the next list
         self._listed: set[str] = set()
         self._stop = threading.Event()
+        # The last device-plugin inventory and the table it was built from: a poll (every gpuPollInterval) of an
+        # unchanged table returns it instead of building one GPU per device again (20,000 of them took 0.27 s).
+        self._built: tuple[tuple[tuple[str, NodeGPUs], ...], Inventory] | None = None
         self.resource = (resource if resource is not None else client.ResourceV1Api(api)) if dra_driver else None
         self._thread = start_thread("node-watch", self._run_nodes, self._stop) if start else None
         self._slice_thread = start_thread("slice-watch", self._run_slices, self._stop) if start and dra_driver else None
@@ -192,7 +195,10 @@ class ClusterSource:
             inventory = inventory_of_slices(usable, slices, self.dra_driver)
             return Reading(inventory, note=None if inventory.count else
                            f"no Ready node{where} has a device of DRA driver {self.dra_driver} in its ResourceSlices")
-        inventory = inventory_of(table)
+        key = tuple(sorted(table.items()))
+        if self._built is None or self._built[0] != key:
+            self._built = (key, inventory_of(table))
+        inventory = self._built[1]
         return Reading(inventory, note=None if inventory.count else f"no Ready node{where} has {RESOURCE}")
 
 

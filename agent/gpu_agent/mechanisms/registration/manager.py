@@ -19,6 +19,22 @@ Only healthy GPUs count: the control plane is told of the healthy GPUs of the cu
 (a GPU's health changing is a new generation), and an inventory with none healthy is handled as
 no GPUs at all (nothing registered, NotReady, queues paused), with a reason that names each GPU
 that is not healthy and why.
+
+Large clusters: one registration lists at most MAX_REGISTERED_GPUS (16,384, the reference control
+plane's MAX_GPUS). A cluster with more healthy GPUs registers the first 16,384 of them in the
+inventory's order (by node name, then index) and its whole count in `gpuCount`, so the control
+plane's view stays true: /v1/status shows the cluster's gpuCount and how many of them it lists
+(gpusListed). Splitting the list over several calls would need the API to stitch parts into one
+registration (one generation, one credential), which it does not; a control plane of before
+gpuCount ignores the field and counts the list. /healthz says so once registered ("20000 GPUs,
+the first 16384 listed"), and the work queue is unaffected: the agent sizes its work by its own
+inventory, never by the control plane's list.
+
+A registration refused for its size (413 from a control plane whose body limit is smaller than
+this agent's payload, or its GPU list refused for its length: `TooLarge`) puts the control plane's
+words, the GPUs listed and the bytes sent in the `registration` reason, and is retried on the same
+capped backoff as any failure: a limit does not change between attempts, so a hot retry would only
+load the control plane.
 """
 
 from __future__ import annotations
@@ -32,7 +48,13 @@ from typing import Any
 
 from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, sleep_or
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, Credential, Unauthorized
+from gpu_agent.foundations.control_plane_client import (
+    MAX_REGISTERED_GPUS,
+    ControlPlaneClient,
+    ControlPlaneError,
+    Credential,
+    Unauthorized,
+)
 from gpu_agent.foundations.gate import Gate
 from gpu_agent.foundations.gpus import Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
@@ -84,6 +106,8 @@ class RegistrationManager:
         self.generation = 0
         self.inventory = Inventory()
         self.registered_generation: int | None = None
+        self.registered_listed = 0  # of the GPUs registered, how many the registration listed (the rest in gpuCount)
+        self.registered_count = 0
         self.registration_id: str | None = None
         self.credential: Secret | None = None
         self.credential_lifetime = 0.0
@@ -124,7 +148,9 @@ class RegistrationManager:
             reg = (False, f"no healthy GPU: {describe_unhealthy(self.inventory.unhealthy)}; "
                           "registration deferred until one is healthy")
         elif self.registered:
-            reg = (True, f"registered (generation {self.generation})")
+            listed = (f"; {self.registered_count} GPUs, the first {self.registered_listed} listed: the most one "
+                      "registration lists" if self.registered_listed < self.registered_count else "")
+            reg = (True, f"registered (generation {self.generation}{listed})")
         else:
             why = f"; last attempt failed: {self.last_error}" if self.last_error else ""
             retry = f"; next attempt in {self.next_retry_in:.1f}s" if self.next_retry_in is not None else ""
@@ -182,9 +208,14 @@ class RegistrationManager:
             if inventory.count == 0 or (kind in ("initial", "recovery") and self.registered):
                 return Outcome.SKIPPED
             self.metrics.registration_attempts.labels(kind).inc()
-            log.v(2, "registering %d GPUs (generation %d, %s)", inventory.count, generation, kind)
+            count = inventory.count
+            if count > MAX_REGISTERED_GPUS:
+                inventory = Inventory(inventory.gpus[:MAX_REGISTERED_GPUS], inventory.clique, inventory.fabric)
+            log.v(2, "registering %d GPUs (generation %d, %s)%s", count, generation, kind,
+                  f", listing the first {inventory.count}" if inventory.count < count else "")
             try:
-                reg = await self._offload(self.client.register, self.token, self.settings.cluster_id, generation, inventory)
+                reg = await self._offload(self.client.register, self.token, self.settings.cluster_id, generation, inventory,
+                                          count)
             except ControlPlaneError as e:
                 self.metrics.registration_failures.labels(kind, e.kind).inc()
                 self.last_error = str(e)
@@ -202,11 +233,13 @@ class RegistrationManager:
             self._install(reg.credential)
             self.registration_id = reg.registration_id
             self.registered_generation = generation
+            self.registered_count, self.registered_listed = count, inventory.count
             self.last_error = None
             self.next_retry_in = None
             unhealthy = len(self.inventory.unhealthy)
-            log.info("registered %d GPUs with the control plane (generation %d, %s)%s", inventory.count, generation, kind,
-                     f"; {unhealthy} not healthy left out" if unhealthy else "")
+            log.info("registered %d GPUs with the control plane (generation %d, %s)%s%s", count, generation, kind,
+                     f"; the first {inventory.count} listed, the most one registration lists" if inventory.count < count
+                     else "", f"; {unhealthy} not healthy left out" if unhealthy else "")
             await self._publish()
             return Outcome.OK
 

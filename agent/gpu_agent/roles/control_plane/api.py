@@ -15,13 +15,34 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from gpu_agent import __version__
+from gpu_agent.foundations.control_plane_client import MAX_REGISTERED_GPUS
 
 INT64_MAX = 2**63 - 1
-MAX_GPUS = 16384  # an inventory this large still fits the body limit (about 150 bytes a GPU)
-MAX_BODY = 4 << 20
+# The most GPUs one registration lists; an agent with more lists the first this many and gives the whole count
+# in gpuCount (the agents read the limit from the same constant).
+MAX_GPUS = MAX_REGISTERED_GPUS
+MAX_CLUSTER_GPUS = 1 << 24  # gpuCount's bound: far beyond any cluster, bounded as every number here is
+# The body limit, sized so that every registration of MAX_GPUS the models accept fits, not only realistic ones.
+# Measured (requests' JSON, ", " and ": " separators), bytes per GPU in a registration of 16,384:
+#   NVML, "GPU-<uuid4>" and "NVIDIA H100 80GB HBM3" ........................... 153
+#   NVML, "NVIDIA RTX 6000 Ada Generation" (the longest common name) ........... 162
+#   cluster source, "nvidia.com/gpu 1023 on gke-prod-...-pool-1a2b3c4d-xyz1" ... 197
+#   every field as long as GPUModel allows (128-char uuid, 256-char name) ..... 487
+# 16,384 x 487 = 7,979,008 bytes (+ about 100 for clusterId and generation) < 8 MiB = 8,388,608: a full
+# registration fits even at the models' limits, and a realistic one (16,384 x 197 = 3.2 MB) 2.6 times over.
+# Memory: waitress holds a body in memory while it arrives (foundations/http: never in a temporary file, the
+# chart's pod has none). The control plane's peak RSS, measured over 60 realistic 16,384-GPU registrations:
+# 89 MiB (47 idle); over 16 at the models' limits: 122 MiB; both inside the chart's 192 MiB (with one malloc
+# arena, foundations/malloc: with glibc's default, realistic ones climbed to 179-220 MiB).
+MAX_BODY = 8 << 20
+# What a 413 for the body's size tells the client to do instead.
+BODY_LIMIT_HINT = (f"a registration fits whole when it lists at most {MAX_GPUS} GPUs (a larger cluster lists the first "
+                   f"{MAX_GPUS} and gives its whole count in gpuCount); send a smaller body")
+# What a list over its maxItems is refused with (422, naming the field), by field.
+LIST_LIMIT_HINTS = {"gpus": f"list the first {MAX_GPUS} GPUs and give the cluster's whole count in gpuCount"}
 MAX_PAYLOAD_DEPTH = 32
 MAX_LEASE_ITEMS = 64  # items one lease call may take (maxItems)
 
@@ -56,10 +77,26 @@ class GPUModel(Model):
     index: Int = Field(default=0, ge=0, le=1 << 20)
 
 
+# Bounds on the integer itself, as with Term below.
+GPUCount = Annotated[int, annotated_types.Ge(0), annotated_types.Le(MAX_CLUSTER_GPUS), BeforeValidator(_whole_float_to_int)]
+
+
 class RegisterRequest(Model):
     clusterId: str = ClusterId
     generation: Int = Field(ge=0, le=INT64_MAX, description="the agent's GPU generation this inventory belongs to")
-    gpus: list[GPUModel] = Field(max_length=MAX_GPUS)
+    gpus: list[GPUModel] = Field(max_length=MAX_GPUS, description=f"the cluster's GPUs, at most {MAX_GPUS}; a cluster "
+                                 f"with more lists the first {MAX_GPUS} and gives the whole count in gpuCount")
+    # Not refused below the list's length (a rule JSON Schema cannot state, so the document would promise what
+    # the server refused): the registration then counts the GPUs listed.
+    gpuCount: GPUCount | None = Field(default=None, description="how many GPUs the cluster has, when more than `gpus` "
+                                      "lists (the list is then truncated); absent, or fewer than listed: as many as listed")
+
+    @property
+    def gpu_count(self) -> int:
+        return max(self.gpuCount or 0, len(self.gpus))
+
+
+GPU_LIST = TypeAdapter(list[GPUModel])  # a registration's list, dumped to JSON for the store in one step
 
 
 class DeregisterRequest(Model):
@@ -267,7 +304,9 @@ class RegistrationSummary(Model):
     clusterId: str
     registrationId: str
     generation: int
-    gpuCount: int
+    gpuCount: int = Field(description="the GPUs the cluster has (its gpuCount, or as many as it listed)")
+    gpusListed: int = Field(description="of those, the GPUs its registration lists one by one (fewer than gpuCount: the "
+                                        f"list was truncated at {MAX_GPUS})")
     registrations: int
 
 
@@ -384,9 +423,10 @@ def _errors(route: Route) -> dict[int, str]:
         out[403] = "a valid token of another kind"
     if route.request is not None:
         out.update({400: "the body is not JSON (or nested too deeply, or holds NaN)",
-                    413: f"the body is larger than {MAX_BODY} bytes",
+                    413: f"the body is larger than {MAX_BODY} bytes; the error names its size and the limit",
                     415: "the body is not application/json",
-                    422: "a field is missing or out of range; the error names it"})
+                    422: "a field is missing or out of range (a list longer than its maxItems included); the error "
+                         "names it"})
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any, cast
 
 from pydantic import ValidationError
 
-from gpu_agent.foundations import http
+from gpu_agent.foundations import http, malloc
 from gpu_agent.foundations.klog import get_logger, quote
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.roles.control_plane import api
@@ -155,6 +155,10 @@ def parse_body(environ: dict[str, Any], model: type[api.Model]) -> api.Model:
     except ValidationError as e:
         first = e.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "too_long" and "ctx" in first:  # a list over its limit: say by how much and what to send
+            limit, hint = first["ctx"]["max_length"], api.LIST_LIMIT_HINTS.get(where)
+            raise Refused(422, f"field {where!r}: {first['ctx'].get('actual_length', 'too many')} items, more than the "
+                               f"{limit} one request may hold" + (f"; {hint}" if hint else "")) from None
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise Refused(422, f"field {where!r}: {first['msg']}{more}") from None
 
@@ -202,10 +206,14 @@ class ControlPlane:
         return 200, api.document()
 
     def register(self, body: api.RegisterRequest, **_: Any) -> tuple[int, api.Model]:
-        gpus = [g.model_dump() for g in body.gpus]
-        registration_id = self.store.register(body.clusterId, body.generation, gpus)
+        listed = len(body.gpus)
+        # Straight to JSON, not through a dict per GPU: 16,384 of them would double the request's peak memory.
+        registration_id = self.store.register(body.clusterId, body.generation, api.GPU_LIST.dump_json(body.gpus).decode(),
+                                              body.gpu_count)
         token, expires_at = self.store.issue_credential(body.clusterId, self.settings.credential_ttl)
-        log.info("cluster %s registered %d GPUs (generation %d)", quote(body.clusterId), len(gpus), body.generation)
+        listed_note = f" ({listed} listed)" if body.gpu_count > listed else ""
+        log.info("cluster %s registered %d GPUs%s (generation %d)", quote(body.clusterId), body.gpu_count, listed_note,
+                 body.generation)
         return 200, api.RegisterResponse(registrationId=registration_id, reregisterAfterSeconds=self.settings.reregister_after,
                                          credential=api.Credential(token=token, expiresInSeconds=self.settings.credential_ttl,
                                                                    expiresAt=expires_at))
@@ -368,10 +376,13 @@ class ControlPlaneServer:
 
     def __init__(self, cp: ControlPlane, host: str, port: int, threads: int = 16, timeout: float = 10.0) -> None:
         self.cp = cp
+        # Before the workers start: a registration of up to MAX_BODY would otherwise leave its peak in each
+        # worker's own arena (foundations/malloc).
+        malloc.limit_arenas(1)
         # Each long-polled lease holds a thread for up to max_lease_wait: enough threads for
         # several agents plus everything else.
         self.listener = http.Listener(cp, host, port, "control-plane", threads=threads, timeout=timeout,
-                                      max_body=api.MAX_BODY)
+                                      max_body=api.MAX_BODY, body_hint=api.BODY_LIMIT_HINT)
 
     @property
     def url(self) -> str:

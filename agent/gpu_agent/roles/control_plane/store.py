@@ -56,7 +56,9 @@ CREATE INDEX IF NOT EXISTS items_open ON items(id) WHERE state IN ('queued', 'le
 """
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
 ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
-                           ("not_before", "REAL"), ("last_error", "TEXT")]}
+                           ("not_before", "REAL"), ("last_error", "TEXT")],
+                 # the cluster's whole GPU count, which its registration may list only the first MAX_GPUS of
+                 "registrations": [("gpu_count", "INTEGER")]}
 # The due items in queue order. `state IN (...)` lets the partial index items_open serve it: the done and
 # failed items, which pile up, are never scanned.
 LEASE_QUERY = """SELECT id, idempotency_key, payload, deliveries FROM items
@@ -88,6 +90,9 @@ class Store:
         self.retry_base_seconds = retry_base_seconds
         self.retry_max_seconds = retry_max_seconds
         self._db = open_database(path, "control-plane database", "--database", SCHEMA)
+        # SQLite's own temporary files (statement journals, sorts) in memory: the chart's control plane pod has a
+        # read-only root filesystem and no writable temp folder, only the database's volume.
+        self._db.execute("PRAGMA temp_store=MEMORY")
         for table, columns in ADDED_COLUMNS.items():
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for name, kind in columns:
@@ -135,14 +140,17 @@ class Store:
 
 
     # registrations -------------------------------------------------------------------------
-    def register(self, cluster_id: str, generation: int, gpus: list[dict[str, Any]]) -> str:
+    def register(self, cluster_id: str, generation: int, gpus: list[dict[str, Any]] | str, gpu_count: int | None = None) -> str:
+        """`gpus`: the GPU list, or its JSON. `gpu_count`: the cluster's whole count (None: as many as listed)."""
         registration_id = "reg-" + secrets.token_hex(8)
+        text = gpus if isinstance(gpus, str) else json.dumps(gpus)
         with self._lock:
-            self._db.execute("""INSERT INTO registrations VALUES (?, ?, ?, ?, ?, 1)
+            self._db.execute("""INSERT INTO registrations
+                (cluster_id, registration_id, generation, gpus, registered_at, count, gpu_count) VALUES (?, ?, ?, ?, ?, 1, ?)
                 ON CONFLICT(cluster_id) DO UPDATE SET registration_id=excluded.registration_id,
                 generation=excluded.generation, gpus=excluded.gpus, registered_at=excluded.registered_at,
-                count=registrations.count + 1""",
-                             (cluster_id, registration_id, generation, json.dumps(gpus), self._now()))
+                count=registrations.count + 1, gpu_count=excluded.gpu_count""",
+                             (cluster_id, registration_id, generation, text, self._now(), gpu_count))
         return registration_id
 
     def deregister(self, cluster_id: str) -> bool:
@@ -334,9 +342,11 @@ class Store:
         with self._lock:
             counts = dict(self._db.execute("SELECT state, COUNT(*) FROM items GROUP BY state").fetchall())
             deliveries = self._db.execute("SELECT COALESCE(SUM(deliveries), 0) FROM items").fetchone()[0]
-            regs = [{"clusterId": r[0], "registrationId": r[1], "generation": r[2], "gpuCount": len(json.loads(r[3])),
-                     "registrations": r[4]}
-                    for r in self._db.execute("SELECT cluster_id, registration_id, generation, gpus, count FROM registrations")]
+            # json_array_length: a 16,384-GPU list is counted by SQLite, not decoded on every status call.
+            regs = [{"clusterId": r[0], "registrationId": r[1], "generation": r[2], "gpuCount": max(r[5] or 0, r[3]),
+                     "gpusListed": r[3], "registrations": r[4]}
+                    for r in self._db.execute("SELECT cluster_id, registration_id, generation, json_array_length(gpus), "
+                                              "count, gpu_count FROM registrations")]
             term = self._current_term()
         return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0),
                           "failed": counts.get("failed", 0)},
