@@ -34,11 +34,11 @@ run: setup
 test: setup
 	BIN=$(abspath $(BIN)) TEST_JOBS=$(TEST_JOBS) bash scripts/test.sh
 
-## e2e-split: the e2e part of `make test`: every e2e test once. The CI cluster runs all but the `fast` ones
-## (`make e2e` alone runs them all); the kind stage (e2e-kind-podman) runs the `fast` ones, so that `make e2e
-## CLUSTER=kind` is proven on every run without running a test twice.
+## e2e-split: the e2e part of `make test`: every e2e test once, but those marked `every_cluster` (a user's first
+## install) on both. The CI cluster runs all but the `fast` ones (`make e2e` alone runs them all); the kind stage
+## (e2e-kind-podman) runs the `fast` ones, so that `make e2e CLUSTER=kind` is proven on every run.
 e2e-split: setup
-	$(MAKE) -C ci e2e CLUSTER=ci PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m 'not fast'"
+	$(MAKE) -C ci e2e CLUSTER=ci PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m 'not fast or every_cluster'"
 	$(MAKE) -C ci kind-stage PYTEST=$(abspath $(BIN)/pytest)
 
 ## lint: the layers (import-linter), ruff over every Python file and mypy --strict over the three packages (both

@@ -305,6 +305,7 @@ def node_agents(core, namespace: str, release: str):
 
 @pytest.mark.serial(reason="installs with the chart's pure defaults: its node agents run on every GPU node and its "
                            "cluster agent counts every node's GPUs")
+@pytest.mark.every_cluster
 def test_install_wait_with_the_charts_pure_defaults_succeeds_without_a_nvidia_runtime_class(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     """Issue 45: the README's first install, `helm install --wait` with only controlPlane.enabled=true (gpuSource nvml),
