@@ -186,8 +186,9 @@ def test_install_uninstall_install_again_runs_work_where_the_lease_watch_is_dead
             dead = refused_for_want_of_the_lease(core, namespace, probe, within=5.0)
             if dead:
                 break
-        assert dead, "the API server's Lease watch stayed alive after its last binding was gone (kubernetes#130887 fixed?)"
-        figures.append(f"Lease watch dead: the probe, its Lease present, refused: {dead[:160]}")
+        # An API server with the fix (kubernetes#134423) keeps the watch: the rest still runs, and says so.
+        figures.append(f"Lease watch dead: the probe, its Lease present, refused: {dead[:160]}" if dead else
+                       "Lease watch alive after its last binding went (this API server has kubernetes#130887 fixed)")
         delete_policy(adm, probe)
 
         # 2. Install with the defaults, work runs; uninstall.

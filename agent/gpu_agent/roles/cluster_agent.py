@@ -269,12 +269,18 @@ class ClusterAgent:
         """The consumer's proof of the work path: this leadership's token written into the WorkFence (with
         fencing), then the executor's dry runs. "" when work can run; else why not."""
         if self.work_fence is not None and leader is not None:
+            def still_this_leadership() -> bool:  # not a later one of this agent's: its own check writes its token
+                return self._holds_lease() and self.elector is not None and self.elector.token == leader
+
             try:
-                await in_daemon_thread(self.work_fence.publish, leader, self._holds_lease)
+                await in_daemon_thread(self.work_fence.publish, leader, still_this_leadership)
             except Exception as e:  # noqa: BLE001 - told in /healthz as the reason no work runs
                 return f"the fencing token could not be written: {e}"
         probe = getattr(self.executor, "probe", None)
-        return str(await probe(leader)) if probe is not None else ""
+        try:
+            return str(await probe(leader)) if probe is not None else ""
+        except Exception as e:  # noqa: BLE001 - as above
+            return f"the dry runs of a work pod failed: {e}"
 
     def _work_path_changed(self, ok: bool, why: str) -> None:
         """The queues turned NotReady because work Pods are refused (or back): an Event on the Deployment."""

@@ -98,3 +98,23 @@ def test_a_missing_crd_or_role_names_what_to_do():
 
     with pytest.raises(FenceNotWritten, match="Role must allow workfences create, get and update"):
         fence(Forbidden()).publish(A1, lambda: True)
+
+
+def test_the_crds_own_refusal_of_a_lower_transition_is_told_in_the_api_servers_words():
+    """What the CRD's transition rule answers a write that goes back on the same Lease (422, its message)."""
+    import json
+
+    class Ruled(Store):
+        def _write(self, body, create):
+            old = (self.obj or {}).get("spec")
+            new = body["spec"]
+            if old and old["leaseUid"] == new["leaseUid"] and new["leaseTransitions"] < old["leaseTransitions"]:
+                e = client.ApiException(status=422, reason="Unprocessable Entity")
+                e.body = json.dumps({"message": "spec: Forbidden: spec.leaseTransitions may not go back"})
+                raise e
+            super()._write(body, create)
+
+    store = Ruled()
+    fence(store).publish(B2, lambda: True)
+    with pytest.raises(FenceNotWritten, match=r"422 Unprocessable Entity: spec: Forbidden: spec\.leaseTransitions may not go back"):
+        fence(store).publish(A1, lambda: True)

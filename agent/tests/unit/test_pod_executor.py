@@ -341,3 +341,37 @@ def test_the_probe_proves_the_path_with_two_dry_runs_its_own_token_admitted_and_
         probe(DryRunCore(lambda marks: quota), me)
     other = DryRunCore(lambda marks: True if marks["gpu-agent.io/leader"] == "agent-a" else quota)
     assert "refused, but not by the fencing policy: 403" in probe(other, me)
+
+
+def test_the_probe_waits_out_the_policys_copy_of_a_fence_just_written_and_a_claim_template_error_is_a_problem():
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    me = LeaderToken("agent-a", "uid", 3)
+    lag = [refusal(403, "work pod fenced: created under leadership agent-a; the fence now names agent-b")]
+    fenced = refusal(403, "work pod fenced: created under leadership x")
+
+    def admit(marks):
+        if marks["gpu-agent.io/leader"] != "agent-a":
+            return fenced
+        return lag.pop(0) if lag else True
+
+    core = DryRunCore(admit)
+    ex = PodExecutor(core, "work", "img", clock=ManualClock(), run_blocking=inline, fencing=True)
+
+    async def drive():
+        task = asyncio.ensure_future(ex.probe(me))
+        for _ in range(20):
+            if task.done():
+                break
+            await ex.clock.advance(0.5)
+        return await task
+
+    assert asyncio.run(drive()) == "" and core.dry_runs == ["agent-a", "agent-a", "agent-a.work-path-check"]
+
+    class Claims:
+        async def ensure(self, gpus, api):
+            raise RuntimeError("creating ResourceClaimTemplate work/x: 503 Service Unavailable")
+
+    ex = PodExecutor(DryRunCore(lambda marks: True), "work", "img", clock=ManualClock(), run_blocking=inline,
+                     claims=Claims())
+    assert "could not be made: creating ResourceClaimTemplate work/x: 503" in asyncio.run(ex.probe(me))

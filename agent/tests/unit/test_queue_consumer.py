@@ -342,3 +342,57 @@ async def test_a_refused_work_path_leases_nothing_until_a_dry_run_proves_it_and_
     assert await consumer.step()  # proven: leasing again, Ready, told
     assert control_plane.acked == ["after"] and queues()["ready"] and queues()["reason"] == "leasing work"
     assert told[-1] == (True, "work pods admitted again") and metrics.work_path_down._value.get() == 0
+
+
+async def test_a_new_term_proves_its_own_path_afresh_and_a_check_that_raises_or_outlives_its_term_proves_nothing():
+    """A leadership that was NotReady for a refused path, then a new term: Ready while it proves its own (no Event of
+    the old one's); a check that raises is a problem, not the agent's end; an answer that comes after the term
+    changed is dropped (it was about the old token)."""
+    import asyncio
+
+    from gpu_agent.foundations.fencing import LeaderToken
+
+    answers: list = []
+    told = []
+    gate = asyncio.Event()
+
+    async def check_path(leader):
+        answer = answers.pop(0)
+        if answer == "slow":
+            await gate.wait()
+            return ""
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    clock, health = ManualClock(), HealthRegistry(ManualClock(), ["queues"])
+    consumer = QueueConsumer(ScriptedControlPlane([item(1, "one")]), lambda: Secret("credential-0123456789"),
+                             Executor(), clock=clock, health=health, metrics=AgentMetrics(), lease_seconds=30.0,
+                             poll_interval=1.0, on_refused=refused, check_path=check_path,
+                             on_path=lambda ok, why: told.append((ok, why)))
+
+    def queues():
+        return health.snapshot()["components"]["queues"]
+
+    consumer.new_term(LeaderToken("a", "uid", 1))
+    await consumer.set_open(True, "")
+    answers[:] = ["refused", "refused"]
+    assert not await consumer.step()
+    await clock.advance(consumer.PATH_BOUND)
+    assert not await consumer.step() and not queues()["ready"] and told == [(False, "refused")]
+
+    consumer.new_term(LeaderToken("a", "uid", 2))  # led again: its own path, proven afresh
+    assert queues()["ready"] and told == [(False, "refused")], queues()
+    answers[:] = [RuntimeError("API server gone")]
+    assert not await consumer.step() and "checking the work path failed: API server gone" in queues()["reason"]
+
+    answers[:] = ["slow"]
+    stepping = asyncio.ensure_future(consumer.step())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    consumer.new_term(LeaderToken("a", "uid", 3))  # the term changes while its check is out
+    gate.set()
+    assert not await stepping and not consumer.path_proven  # the answer about term 2 proves nothing for term 3

@@ -18,6 +18,7 @@ hook that applies the new CRDs runs, so an upgrade from a chart without the kind
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -98,7 +99,11 @@ class KubeWorkFence:
                     "it (helm upgrade), or set clusterAgent.workPodFencing=false")
         elif e.status == 403:
             hint = "; the cluster agent's Role must allow workfences create, get and update (the chart's does)"
-        return f"{what} WorkFence {self.namespace}/{self.name}: {e.status} {e.reason}{hint}"
+        try:  # the API server's own words (a CRD rule's message names the field); never a secret
+            said = str(json.loads(e.body)["message"])[:300] if e.body else ""
+        except (TypeError, ValueError, KeyError):
+            said = ""
+        return f"{what} WorkFence {self.namespace}/{self.name}: {e.status} {e.reason}{': ' + said if said else ''}{hint}"
 
     def publish(self, token: LeaderToken, still_leading: Callable[[], bool]) -> bool:
         """Write `token` unless the fence holds it already; True when it wrote. Blocking: run it in a thread.

@@ -169,7 +169,7 @@ class QueueConsumer:
         if on and self.path_problem:
             reason = f"work pods refused: {self.path_problem}" if down else f"proving the work path: {self.path_problem}"
         self.metrics.work_path_down.set(1 if down else 0)
-        if down != self.path_down_told and self.on_path is not None:
+        if down != self.path_down_told and self.on_path is not None and on:  # a standby tells nothing
             self.on_path(not down, self.path_problem if down else "work pods admitted again")
         self.path_down_told = down
         self.health.set("queues", (on and not down) or standby, reason, processed=self.processed, inFlight=self.in_flight.held,
@@ -184,13 +184,21 @@ class QueueConsumer:
         self.leader = leader
         self.fenced_by = ""
         self._next_sweep = float("-inf")  # a new leader cleans up after its predecessors first
-        self.path_proven = self.check_path is None  # each leadership proves its own token's path
+        # Each leadership proves its own token's path, afresh: what an earlier one was refused is not this one's.
+        self.path_proven = self.check_path is None
+        self.path_refused_since, self.path_problem, self.path_down_told = None, "", False
         self._report()
 
     async def _prove_path(self) -> bool:
         """True once the executor's dry runs admit this term's work Pods; else the problem is recorded."""
         assert self.check_path is not None
-        problem = await self.check_path(self.leader)
+        leader = self.leader
+        try:
+            problem = await self.check_path(leader)
+        except Exception as e:  # noqa: BLE001 - a check that fails is a path not proven, never the agent's end
+            problem = f"checking the work path failed: {e}"
+        if self.leader is not leader:  # the term changed meanwhile: this answer is about the old one
+            return False
         if problem:
             self._path_refused(problem)
             return False

@@ -218,17 +218,25 @@ class PodExecutor:
     async def _refused_for_any_item(self, leader: LeaderToken | None) -> str:
         """Why a dry-run work Pod of one GPU and the default command, under `leader`, is refused ("" when admitted):
         what any item's Pod would meet (the fencing policy, a quota, a ServiceAccount, a webhook). A real Pod refused
-        while this one is admitted was refused for what its item asks."""
+        while this one is admitted was refused for what its item asks. A refusal by the fencing policy is tried again
+        after each of FENCED_RETRIES: its copy of the WorkFence can lag the token the leader has just written."""
         check = WorkItem(item_id=0, idempotency_key="work-path-check", payload={"gpus": 1}, lease_id="", deliveries=0)
         if self.claims is not None:
-            await self.claims.ensure(1, self._api)
-        refused = await self._dry_run(self._probe_pod(check, leader))
-        if refused is None:
-            return ""
-        status, text = refused
-        if status is None:
-            return f"a dry-run create of a work pod got no answer ({text})"
-        return f"a dry-run create of a work pod under this agent's own token was refused: {text}"
+            try:
+                await self.claims.ensure(1, self._api)
+            except Exception as e:  # noqa: BLE001 - the path's problem, told in /healthz; never the agent's end
+                return f"the ResourceClaimTemplate of work Pods could not be made: {e}"
+        for wait in (*FENCED_RETRIES, None):
+            refused = await self._dry_run(self._probe_pod(check, leader))
+            if refused is None:
+                return ""
+            status, text = refused
+            if status is None:
+                return f"a dry-run create of a work pod got no answer ({text})"
+            if wait is None or not ("work pod fenced" in text or "no params found" in text):
+                return f"a dry-run create of a work pod under this agent's own token was refused: {text}"
+            await self.clock.sleep(wait)
+        return ""  # not reached: the last try returns
 
     def _probe_pod(self, item: WorkItem, leader: LeaderToken | None) -> dict[str, Any]:
         pod = self._pod(item, leader)
