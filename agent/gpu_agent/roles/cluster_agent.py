@@ -40,7 +40,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.randomness import RandomSources
 from gpu_agent.foundations.secrets import Secret
-from gpu_agent.foundations.threads import CURRENT, Threads, in_daemon_thread, start_thread
+from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
@@ -273,7 +273,7 @@ class ClusterAgent:
                 return self._holds_lease() and self.elector is not None and self.elector.token == leader
 
             try:
-                await in_daemon_thread(self.work_fence.publish, leader, still_this_leadership)
+                await self.work_fence.publish(leader, still_this_leadership)
             except Exception as e:  # noqa: BLE001 - told in /healthz as the reason no work runs
                 return f"the fencing token could not be written: {e}"
         probe = getattr(self.executor, "probe", None)

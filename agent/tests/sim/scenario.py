@@ -19,13 +19,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
 from gpu_agent.mechanisms.queues.consumer import QueueConsumer
 from gpu_agent.mechanisms.queues.pod_executor import PodExecutor
-from tests.sim.world import FakeCore, FakeLease, Proc, SimulationStuck, VirtualTimeLoop, World
+from tests.sim.world import FakeCore, FakeLease, Proc, SimulationStuck, SimWorkFence, VirtualTimeLoop, World
 
 FAULT_SECONDS = 150.0
 # After the heal every item is done or failed within SETTLE_BASE + SETTLE_PER_ITEM per item not yet
@@ -41,9 +42,10 @@ MAX_NODE_GPUS = 4
 
 
 class SimAgent:
-    """A cluster agent's work path: the real elector, consumer and Pod executor, wired as
+    """A cluster agent's work path: the real elector, consumer, Pod executor and WorkFence writer, wired as
     roles/cluster_agent.py wires them (leading opens the queues under a new term with the Lease's
-    token; a refused credential closes them until it is registered again)."""
+    token, which the consumer writes into the WorkFence and proves with dry runs before its first
+    lease; a refused credential closes them until it is registered again)."""
 
     def __init__(self, world: World, name: str, metrics: AgentMetrics, max_in_flight: int = 1) -> None:
         self.world, self.name, self.metrics = world, name, metrics
@@ -66,17 +68,31 @@ class SimAgent:
         async def run_blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
             return await w.net.call(proc, fn, *args, **kwargs)
 
-        executor = PodExecutor(FakeCore(w.api), "work", "img", release="sim", clock=clock, run_blocking=run_blocking)
+        # The chart's policy expected (w.api.fencing): the probe checks that it refuses a token never the fence's.
+        executor = PodExecutor(FakeCore(w.api), "work", "img", release="sim", clock=clock, run_blocking=run_blocking,
+                               fencing=w.api.fencing)
+        fence = SimWorkFence(w.api)
         self.registered, self.leading = True, False
         elector = self.elector = LeaderElector(
             FakeLease(w.api), identity=self.name, settings=SETTINGS, clock=clock, rng=random.Random(w.rng.random()),
             on_started_leading=self._started_leading, on_stopped_leading=self._stopped_leading,
             on_new_leader=self._new_leader, run_blocking=run_blocking)
+
+        async def check_path(leader: LeaderToken | None) -> str:
+            """roles/cluster_agent.py's _check_work_path: the token written into the WorkFence, then the dry runs."""
+            if leader is not None:
+                try:
+                    await fence.publish(leader, lambda: elector.holds_lease() and elector.token == leader, run_blocking)
+                except Exception as e:  # noqa: BLE001 - as the agent does: the path's problem
+                    return f"the fencing token could not be written: {e}"
+            return await executor.probe(leader)
+
         consumer = self.consumer = QueueConsumer(
             w.control_plane, lambda: Secret("sim-credential-0123456789"), executor, clock=clock,
             health=HealthRegistry(clock, ["queues"]), metrics=self.metrics, lease_seconds=LEASE_SECONDS,
             poll_interval=POLL, on_refused=self._refused, long_poll=0.0, identity=self.name, run_blocking=run_blocking,
-            still_leading=elector.holds_lease, max_in_flight=self.max_in_flight)  # as roles/cluster_agent.py wires it
+            still_leading=elector.holds_lease, max_in_flight=self.max_in_flight,  # as roles/cluster_agent.py wires it
+            check_path=check_path)
 
         async def consume() -> None:
             await consumer.set_gpus(sum(w.api.node_gpus))  # the inventory's first event, in the agent

@@ -45,6 +45,7 @@ from typing import Any
 from gpu_agent.foundations.control_plane_client import Fence, Fenced, Rejected, Unauthorized, Unavailable, WorkItem
 from gpu_agent.foundations.fencing import LEADER, LEASE_TRANSITIONS, LEASE_UID
 from gpu_agent.mechanisms.leadership.elector import LeaseConflict, LeaseRecord
+from gpu_agent.mechanisms.leadership.kube_fence import KubeWorkFence
 from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
 from gpu_agent.roles.control_plane.store import Fenced as StoreFenced
 from gpu_agent.roles.control_plane.store import Store
@@ -264,6 +265,10 @@ class ApiServer:
         self.lease_history: list[tuple[float, LeaseRecord | None, str]] = [(0.0, None, "")]
         self.last_write_by: dict[str, float] = {}  # holder -> when it last wrote the Lease as its holder
         self.ids = itertools.count(1)
+        # The release's WorkFence, the fencing policy's param (mechanisms/leadership/kube_fence.py): its spec and
+        # resourceVersion as stored, and every version with when it was written (the policy reads it with a lag).
+        self.fence: dict[str, Any] | None = None
+        self.fence_history: list[tuple[float, dict[str, Any] | None]] = [(0.0, None)]
 
     @property
     def now(self) -> float:
@@ -275,6 +280,31 @@ class ApiServer:
         self.lease_history.append((self.now, record, self.world.caller))
         if record is not None and record.holder == self.world.caller:
             self.last_write_by[record.holder] = self.now
+
+    def fence_as_of(self, at: float) -> dict[str, Any] | None:
+        seen = None
+        for t, spec in self.fence_history:
+            if t > at:
+                break
+            seen = spec
+        return seen
+
+    def write_fence(self, body: dict[str, Any], create: bool) -> dict[str, Any]:
+        """The WorkFence's create or conditional replace, with the CRD's rule on leaseTransitions."""
+        if create and self.fence is not None:
+            raise ApiError(409, "AlreadyExists")
+        if not create:
+            if self.fence is None:
+                raise ApiError(404, "NotFound")
+            if body["metadata"].get("resourceVersion") != self.fence["metadata"]["resourceVersion"]:
+                raise ApiError(409, "Conflict")
+            old, new = self.fence["spec"], body["spec"]
+            if old["leaseUid"] == new["leaseUid"] and new["leaseTransitions"] < old["leaseTransitions"]:
+                raise ApiError(422, "Invalid: spec.leaseTransitions may not go back")
+        self.fence = {"metadata": {"name": body["metadata"]["name"], "resourceVersion": str(next(self.ids))},
+                      "spec": dict(body["spec"])}
+        self.fence_history.append((self.now, dict(body["spec"])))
+        return dict(self.fence)
 
     def lease_as_of(self, at: float) -> LeaseRecord | None:
         seen = None
@@ -297,13 +327,18 @@ class ApiServer:
         if gpus < 0:
             raise ApiError(422, "Invalid: spec.containers[0].resources.limits[nvidia.com/gpu]: must be >= 0")
         if self.fencing and meta.get("labels", {}).get(LABEL) == "true" and LEADER in annotations:
-            lease = self.lease_as_of(self.now - self.world.rng.uniform(0, self.POLICY_LAG))
-            if lease is None or not (annotations.get(LEADER) == lease.holder and annotations.get(LEASE_UID) == lease.uid
-                                     and annotations.get(LEASE_TRANSITIONS) == str(lease.transitions)):
-                held = f"{lease.holder} (transition {lease.transitions})" if lease else "nobody (no Lease)"
-                self.refused.append((self.now, name, self.world.caller, f"the Lease is held by {held}"))
+            # The chart's policy: its param the WorkFence, as its cache has it (up to POLICY_LAG behind).
+            fence = self.fence_as_of(self.now - self.world.rng.uniform(0, self.POLICY_LAG))
+            if fence is None:
+                self.refused.append((self.now, name, self.world.caller, "no WorkFence"))
+                raise ApiError(422, "Invalid: failed to configure binding: no params found for policy binding with "
+                                    "`Deny` parameterNotFoundAction")
+            if not (annotations.get(LEADER) == fence["holder"] and annotations.get(LEASE_UID) == fence["leaseUid"]
+                    and annotations.get(LEASE_TRANSITIONS) == str(fence["leaseTransitions"])):
+                named = f"{fence['holder']} (transition {fence['leaseTransitions']})"
+                self.refused.append((self.now, name, self.world.caller, f"the fence names {named}"))
                 raise ApiError(403, f"Forbidden: work pod fenced: created under leadership {annotations.get(LEADER)}; "
-                                    f"the Lease is now held by {held}")
+                                    f"the fence now names {named}")
         if dry_run:
             return None
         pod = PodRecord(name, f"uid-{next(self.ids)}", annotations.get("gpu-agent.io/idempotency-key", ""), gpus,
@@ -383,6 +418,41 @@ class FakeCore:
 
     def list_node(self, _request_timeout: float) -> NS:
         return NS(items=[NS(status=NS(allocatable={"nvidia.com/gpu": str(n)})) for n in self.api.node_gpus])
+
+
+class FakeFenceApi:
+    """CustomObjectsApi's calls on the WorkFence, against the ApiServer (made at the instant they arrive)."""
+
+    def __init__(self, api: ApiServer) -> None:
+        self.api = api
+
+    def get_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, name: str,
+                                     _request_timeout: float) -> dict[str, Any]:
+        if self.api.fence is None:
+            raise ApiError(404, "NotFound")
+        return {**self.api.fence, "spec": dict(self.api.fence["spec"])}
+
+    def create_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
+                                        body: dict[str, Any], _request_timeout: float) -> dict[str, Any]:
+        return self.api.write_fence(body, create=True)
+
+    def replace_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str, name: str,
+                                         body: dict[str, Any], _request_timeout: float) -> dict[str, Any]:
+        return self.api.write_fence(body, create=False)
+
+
+class SimWorkFence(KubeWorkFence):
+    """The real WorkFence writer; each of its API calls (its read, its write) crosses the simulated network on its
+    own, as the agent makes them (net.call reads where a call goes from the object it is a method of)."""
+    side = "api"
+
+    def __init__(self, api: ApiServer) -> None:
+        super().__init__(None, namespace="work", name="sim", request_timeout=4.0, custom=FakeFenceApi(api),
+                         apps=object())
+
+    @staticmethod
+    def no_answer(what: str, timeout: float) -> Exception:
+        return TimeoutError(f"fence {what}: read timed out ({timeout:g}s)")
 
 
 class FakeLease:

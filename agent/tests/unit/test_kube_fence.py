@@ -2,6 +2,7 @@
 custom-objects API that keeps resourceVersions as the API server does: a write names the version it read and
 conflicts when the object moved since."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -45,9 +46,21 @@ class Apps:
         return SimpleNamespace(metadata=SimpleNamespace(name=name, uid="dep-uid"))
 
 
+class Fence:
+    """The fence with its calls made inline (each one still a call of its own): `publish` runs to its end."""
+
+    def __init__(self, store):
+        self.fence = KubeWorkFence(None, namespace="ns", name="ga-cluster-agent", owner_deployment="ga-cluster-agent",
+                                   custom=store, apps=Apps())
+
+    def publish(self, token, still_leading):
+        async def inline(fn, *args, **kwargs):
+            return fn(*args, **kwargs)
+        return asyncio.run(self.fence.publish(token, still_leading, inline))
+
+
 def fence(store):
-    return KubeWorkFence(None, namespace="ns", name="ga-cluster-agent", owner_deployment="ga-cluster-agent",
-                         custom=store, apps=Apps())
+    return Fence(store)
 
 
 A1, B2 = LeaderToken("agent-a", "lease-uid", 1), LeaderToken("agent-b", "lease-uid", 2)
@@ -78,7 +91,13 @@ def test_a_write_between_the_read_and_the_write_is_a_conflict_read_again_so_the_
     store = Store()
     fence(store).publish(A1, lambda: True)
     leading = iter([True, False])
-    store.before_write = lambda: fence(store).publish(B2, lambda: True)
+
+    def successor_writes():  # what the successor's own publish writes, landing between our read and our write
+        spec = {"holder": "agent-b", "leaseUid": "lease-uid", "leaseTransitions": 2}
+        store.obj, store.version = {"metadata": {"name": "ga-cluster-agent"}, "spec": spec}, store.version + 1
+        store.writes.append(spec)
+
+    store.before_write = successor_writes
     with pytest.raises(FenceNotWritten, match="no longer holds the Lease"):
         fence(store).publish(LeaderToken("agent-a", "lease-uid", 3), lambda: next(leading))
     assert store.writes[-1]["holder"] == "agent-b"

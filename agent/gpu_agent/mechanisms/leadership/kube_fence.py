@@ -26,6 +26,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 
 log = get_logger(__name__)
 
@@ -87,47 +88,68 @@ class KubeWorkFence:
             fence = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
                                                              _request_timeout=self.timeout)
             return fence if isinstance(fence, dict) else None
-        except client.ApiException as e:
-            if e.status == 404:
+        except Exception as e:
+            if _status(e) == 404:
                 return None
+            if _status(e) is None:
+                raise  # no answer: the caller's problem to tell
             raise FenceNotWritten(self._explain("reading", e)) from None
 
-    def _explain(self, what: str, e: client.ApiException) -> str:
+    def _write(self, token: LeaderToken, fence: dict[str, Any] | None) -> bool:
+        """Create the fence, or replace the one read (conditional on its resourceVersion); False on a conflict."""
+        try:
+            if fence is None:
+                self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                            self._body(token), _request_timeout=self.timeout)
+            else:
+                version = str((fence.get("metadata") or {}).get("resourceVersion", ""))
+                self.custom.replace_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
+                                                             self._body(token, version), _request_timeout=self.timeout)
+            return True
+        except Exception as e:
+            if _status(e) == 409:  # written (or created) by someone since our read
+                return False
+            if _status(e) is None:
+                raise
+            raise FenceNotWritten(self._explain("creating" if fence is None else "updating", e)) from None
+
+    def _explain(self, what: str, e: BaseException) -> str:
+        status = _status(e)
         hint = ""
-        if e.status == 404:  # on create: the kind itself is missing
+        if status == 404:  # on create: the kind itself is missing
             hint = ("; the WorkFence CRD (workfences.gpu-agent.io) is not installed: the chart's crds hook installs "
                     "it (helm upgrade), or set clusterAgent.workPodFencing=false")
-        elif e.status == 403:
+        elif status == 403:
             hint = "; the cluster agent's Role must allow workfences create, get and update (the chart's does)"
+        body = getattr(e, "body", None)
         try:  # the API server's own words (a CRD rule's message names the field); never a secret
-            said = str(json.loads(e.body)["message"])[:300] if e.body else ""
+            said = str(json.loads(body)["message"])[:300] if body else ""
         except (TypeError, ValueError, KeyError):
             said = ""
-        return f"{what} WorkFence {self.namespace}/{self.name}: {e.status} {e.reason}{': ' + said if said else ''}{hint}"
+        reason = getattr(e, "reason", "")
+        return f"{what} WorkFence {self.namespace}/{self.name}: {status} {reason}{': ' + said if said else ''}{hint}"
 
-    def publish(self, token: LeaderToken, still_leading: Callable[[], bool]) -> bool:
-        """Write `token` unless the fence holds it already; True when it wrote. Blocking: run it in a thread.
-        FenceNotWritten when it could not, saying why."""
+    async def publish(self, token: LeaderToken, still_leading: Callable[[], bool],
+                      run_blocking: RunBlocking = in_daemon_thread) -> bool:
+        """Write `token` unless the fence holds it already; True when it wrote. Each API call goes through
+        `run_blocking` on its own (a daemon thread; the simulated network in agent/tests/sim), so that the read,
+        the check and the write are the separate steps they are on a real network. FenceNotWritten when it could
+        not, saying why."""
         for _ in range(ATTEMPTS):
-            fence = self._read()
+            fence = await run_blocking(self._read)
             if token_of(fence) == token:
                 return False
             if not still_leading():
                 raise FenceNotWritten(f"not writing WorkFence {self.namespace}/{self.name}: this agent no longer holds "
                                       "the Lease")
-            try:
-                if fence is None:
-                    self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                                self._body(token), _request_timeout=self.timeout)
-                else:
-                    version = str((fence.get("metadata") or {}).get("resourceVersion", ""))
-                    self.custom.replace_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
-                                                                 self._body(token, version), _request_timeout=self.timeout)
-            except client.ApiException as e:
-                if e.status == 409:  # written (or created) by someone since our read: read it again
-                    log.v(1, "WorkFence %s/%s changed since it was read; reading it again", self.namespace, self.name)
-                    continue
-                raise FenceNotWritten(self._explain("creating" if fence is None else "updating", e)) from None
-            log.info("wrote the fencing token %s into WorkFence %s/%s", token, self.namespace, self.name)
-            return True
+            if await run_blocking(self._write, token, fence):
+                log.info("wrote the fencing token %s into WorkFence %s/%s", token, self.namespace, self.name)
+                return True
+            log.v(1, "WorkFence %s/%s changed since it was read; reading it again", self.namespace, self.name)
         raise FenceNotWritten(f"WorkFence {self.namespace}/{self.name} changed under every one of {ATTEMPTS} writes")
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status of an API error (kubernetes.client.ApiException or a fake of it); None: no answer."""
+    status = getattr(e, "status", None)
+    return status if isinstance(status, int) and status > 0 else None
