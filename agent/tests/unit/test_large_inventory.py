@@ -214,3 +214,26 @@ def test_malloc_arenas_are_limited_on_glibc_unless_the_environment_says(monkeypa
     assert malloc.limit_arenas(1) is True
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert malloc.limit_arenas(1) is False
+
+
+def test_a_database_this_release_wrote_still_takes_a_registration_from_0_1_0_after_a_downgrade(tmp_path):
+    """0.1.0 (the last stable release) inserts a registration by position, six values. The whole count lives in a
+    table of its own, so a downgraded control plane registers on this release's database; its registration, a new
+    id, is reported by its list's length, never by a count kept for an earlier one."""
+    import sqlite3
+
+    from gpu_agent.roles.control_plane.store import Store
+
+    path = tmp_path / "cp.db"
+    store = Store(path)
+    store.register("c1", 1, [{"uuid": f"GPU-{i}"} for i in range(3)], gpu_count=20000)
+    assert store.status()["registrations"][0]["gpuCount"] == 20000
+    db = sqlite3.connect(path)  # what 0.1.0's Store.register runs (git show 1468469:.../store.py)
+    db.execute("""INSERT INTO registrations VALUES (?, ?, ?, ?, ?, 1)
+        ON CONFLICT(cluster_id) DO UPDATE SET registration_id=excluded.registration_id,
+        generation=excluded.generation, gpus=excluded.gpus, registered_at=excluded.registered_at,
+        count=registrations.count + 1""", ("c1", "reg-from-0.1.0", 2, '[{"uuid": "GPU-0"}, {"uuid": "GPU-1"}]', 1.0))
+    db.commit()
+    db.close()
+    [reg] = Store(path).status()["registrations"]
+    assert (reg["registrationId"], reg["gpuCount"], reg["gpusListed"]) == ("reg-from-0.1.0", 2, 2), reg

@@ -48,7 +48,13 @@ CREATE TABLE IF NOT EXISTS terms (
     term INTEGER PRIMARY KEY AUTOINCREMENT, holder TEXT NOT NULL, started_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS deliveries (
     id INTEGER PRIMARY KEY AUTOINCREMENT, item_id INTEGER NOT NULL, holder TEXT, term INTEGER, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS registration_gpu_counts (
+    registration_id TEXT PRIMARY KEY, gpu_count INTEGER NOT NULL);
 """
+# registration_gpu_counts: a cluster's whole GPU count where its registration lists only the first MAX_GPUS. A table
+# of its own, keyed by the registration, not a column of `registrations`: 0.1.0 inserts into `registrations` by
+# position (six values), so a seventh column there would fail every registration after a downgrade; and a
+# registration 0.1.0 makes has a new id, so no count of an earlier one is ever read for it.
 # The lease query reads only items still to run; done and failed ones pile up and are never read by it.
 # Made after ADDED_COLUMNS (a database of 0.1.0 gains them first).
 INDEXES = """
@@ -56,9 +62,7 @@ CREATE INDEX IF NOT EXISTS items_open ON items(id) WHERE state IN ('queued', 'le
 """
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
 ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
-                           ("not_before", "REAL"), ("last_error", "TEXT")],
-                 # the cluster's whole GPU count, which its registration may list only the first MAX_GPUS of
-                 "registrations": [("gpu_count", "INTEGER")]}
+                           ("not_before", "REAL"), ("last_error", "TEXT")]}
 # The due items in queue order. `state IN (...)` lets the partial index items_open serve it: the done and
 # failed items, which pile up, are never scanned.
 LEASE_QUERY = """SELECT id, idempotency_key, payload, deliveries FROM items
@@ -144,17 +148,25 @@ class Store:
         """`gpus`: the GPU list, or its JSON. `gpu_count`: the cluster's whole count (None: as many as listed)."""
         registration_id = "reg-" + secrets.token_hex(8)
         text = gpus if isinstance(gpus, str) else json.dumps(gpus)
-        with self._lock:
+        with self._lock:  # a crash between the two leaves no count: the list's length is reported, as 0.1 does
+            self._forget_count(cluster_id)
             self._db.execute("""INSERT INTO registrations
-                (cluster_id, registration_id, generation, gpus, registered_at, count, gpu_count) VALUES (?, ?, ?, ?, ?, 1, ?)
+                (cluster_id, registration_id, generation, gpus, registered_at, count) VALUES (?, ?, ?, ?, ?, 1)
                 ON CONFLICT(cluster_id) DO UPDATE SET registration_id=excluded.registration_id,
                 generation=excluded.generation, gpus=excluded.gpus, registered_at=excluded.registered_at,
-                count=registrations.count + 1, gpu_count=excluded.gpu_count""",
-                             (cluster_id, registration_id, generation, text, self._now(), gpu_count))
+                count=registrations.count + 1""",
+                             (cluster_id, registration_id, generation, text, self._now()))
+            if gpu_count is not None:
+                self._db.execute("INSERT INTO registration_gpu_counts VALUES (?, ?)", (registration_id, gpu_count))
         return registration_id
+
+    def _forget_count(self, cluster_id: str) -> None:
+        self._db.execute("""DELETE FROM registration_gpu_counts WHERE registration_id IN
+            (SELECT registration_id FROM registrations WHERE cluster_id = ?)""", (cluster_id,))
 
     def deregister(self, cluster_id: str) -> bool:
         with self._lock:
+            self._forget_count(cluster_id)
             cur = self._db.execute("DELETE FROM registrations WHERE cluster_id = ?", (cluster_id,))
             self._db.execute("DELETE FROM credentials WHERE cluster_id = ?", (cluster_id,))
         return bool(cur.rowcount)
@@ -345,8 +357,9 @@ class Store:
             # json_array_length: a 16,384-GPU list is counted by SQLite, not decoded on every status call.
             regs = [{"clusterId": r[0], "registrationId": r[1], "generation": r[2], "gpuCount": max(r[5] or 0, r[3]),
                      "gpusListed": r[3], "registrations": r[4]}
-                    for r in self._db.execute("SELECT cluster_id, registration_id, generation, json_array_length(gpus), "
-                                              "count, gpu_count FROM registrations")]
+                    for r in self._db.execute("SELECT r.cluster_id, r.registration_id, r.generation, "
+                                              "json_array_length(r.gpus), r.count, c.gpu_count FROM registrations r "
+                                              "LEFT JOIN registration_gpu_counts c ON c.registration_id = r.registration_id")]
             term = self._current_term()
         return {"items": {"queued": counts.get("queued", 0), "leased": counts.get("leased", 0), "done": counts.get("done", 0),
                           "failed": counts.get("failed", 0)},
