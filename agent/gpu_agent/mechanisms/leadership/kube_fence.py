@@ -55,6 +55,7 @@ class KubeWorkFence:
         self.apps = apps if apps is not None else client.AppsV1Api(api)
         self.namespace = namespace
         self.name = name
+        self._where = (GROUP, VERSION, namespace, PLURAL)  # what every call on the fence names first
         self.timeout = request_timeout
         self.owner_deployment = owner_deployment
         self._owner: list[dict[str, str]] | None = None
@@ -62,8 +63,7 @@ class KubeWorkFence:
     def _owner_references(self) -> list[dict[str, str]]:
         if self.owner_deployment and self._owner is None:
             try:
-                deployment = self.apps.read_namespaced_deployment(self.owner_deployment, self.namespace,
-                                                                  _request_timeout=self.timeout)
+                deployment = self.apps.read_namespaced_deployment(self.owner_deployment, self.namespace, _request_timeout=self.timeout)
                 uid = str((deployment.metadata or client.V1ObjectMeta()).uid or "")  # the API server always sets it
                 self._owner = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": self.owner_deployment, "uid": uid}]
             except client.ApiException as e:  # the fence still works; it is only not garbage-collected
@@ -85,8 +85,7 @@ class KubeWorkFence:
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            fence = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
-                                                             _request_timeout=self.timeout)
+            fence = self.custom.get_namespaced_custom_object(*self._where, self.name, _request_timeout=self.timeout)
             return fence if isinstance(fence, dict) else None
         except Exception as e:
             if _status(e) == 404:
@@ -99,12 +98,11 @@ class KubeWorkFence:
         """Create the fence, or replace the one read (conditional on its resourceVersion); False on a conflict."""
         try:
             if fence is None:
-                self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                            self._body(token), _request_timeout=self.timeout)
+                self.custom.create_namespaced_custom_object(*self._where, self._body(token), _request_timeout=self.timeout)
             else:
                 version = str((fence.get("metadata") or {}).get("resourceVersion", ""))
-                self.custom.replace_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
-                                                             self._body(token, version), _request_timeout=self.timeout)
+                body = self._body(token, version)
+                self.custom.replace_namespaced_custom_object(*self._where, self.name, body, _request_timeout=self.timeout)
             return True
         except Exception as e:
             if _status(e) == 409:  # written (or created) by someone since our read
