@@ -268,7 +268,10 @@ def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_withi
         faults.fault(2, ecc="double")
         faults.fault(3, lost=True)
         not_ready = within(health.samples, broke, lambda v: v == 503, 10, "/healthz 503 with every GPU faulted")
-        _, body = r.healthz()
+        # The first 503 can come while the later faults are still on their way (a registration of the new GPU
+        # generation holds Ready back too): the state asserted below is the one with all four seen.
+        _, body = wait_until(lambda: (lambda got: got if (got[1] or {}).get("components", {}).get("gpus", {}).get(
+            "reason", "").startswith("no healthy GPU:") else None)(r.healthz()), 10, "all four faults seen")
         components = body["components"]
         assert components["gpus"]["reason"].startswith("no healthy GPU: 4 GPUs Unhealthy (node " + node), components["gpus"]
         assert "4 nvidia.com/gpu in capacity, 0 allocatable" in components["gpus"]["reason"]
