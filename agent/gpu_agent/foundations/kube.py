@@ -28,6 +28,22 @@ REQUEST_TIMEOUT = 10.0
 WATCH_GRACE = 30.0
 
 
+def api_status(e: BaseException) -> int | None:
+    """The HTTP status of an API error (kubernetes.client.ApiException or a fake of it); None: no answer."""
+    status = getattr(e, "status", None)
+    return status if isinstance(status, int) and status > 0 else None
+
+
+def api_message(e: BaseException) -> str:
+    """The API server's own message (its Status body's), at most 300 characters; names no secret."""
+    body = getattr(e, "body", None)
+    try:
+        message = str(json.loads(body)["message"]) if body else ""
+    except (TypeError, ValueError, KeyError):
+        message = str(body or "")
+    return message[:300]
+
+
 def api_client(kubeconfig: str = "", *, connections: int | None = None) -> client.ApiClient:
     """A client of the API server (in-cluster first, then the kubeconfig). `connections`: how many open
     connections it keeps for reuse, for a user that holds many at once (the client's default is 5 per

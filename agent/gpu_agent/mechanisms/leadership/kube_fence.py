@@ -18,7 +18,6 @@ hook that applies the new CRDs runs, so an upgrade from a chart without the kind
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,8 @@ from kubernetes import client
 
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import api_message
+from gpu_agent.foundations.kube import api_status as _status
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 
 log = get_logger(__name__)
@@ -119,11 +120,7 @@ class KubeWorkFence:
                     "it (helm upgrade), or set clusterAgent.workPodFencing=false")
         elif status == 403:
             hint = "; the cluster agent's Role must allow workfences create, get and update (the chart's does)"
-        body = getattr(e, "body", None)
-        try:  # the API server's own words (a CRD rule's message names the field); never a secret
-            said = str(json.loads(body)["message"])[:300] if body else ""
-        except (TypeError, ValueError, KeyError):
-            said = ""
+        said = api_message(e)  # the API server's own words (a CRD rule's message names the field)
         reason = getattr(e, "reason", "")
         return f"{what} WorkFence {self.namespace}/{self.name}: {status} {reason}{': ' + said if said else ''}{hint}"
 
@@ -146,8 +143,3 @@ class KubeWorkFence:
             log.v(1, "WorkFence %s/%s changed since it was read; reading it again", self.namespace, self.name)
         raise FenceNotWritten(f"WorkFence {self.namespace}/{self.name} changed under every one of {ATTEMPTS} writes")
 
-
-def _status(e: BaseException) -> int | None:
-    """The HTTP status of an API error (kubernetes.client.ApiException or a fake of it); None: no answer."""
-    status = getattr(e, "status", None)
-    return status if isinstance(status, int) and status > 0 else None

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -55,7 +54,8 @@ from gpu_agent.foundations.config import parse_labels
 from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import REQUEST_TIMEOUT
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_message
+from gpu_agent.foundations.kube import api_status as _status
 from gpu_agent.foundations.slices import node_usable
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
 from gpu_agent.mechanisms.queues.executor import AttemptNotMade, Outcome, WorkPathRefused
@@ -81,12 +81,6 @@ FENCED_RETRIES = (0.5, 1.0, 2.0)
 def pod_name(key: str) -> str:
     slug = re.sub(r"[^a-z0-9-]+", "-", key.lower()).strip("-")[:30].strip("-")
     return f"gpu-work-{slug}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-
-
-def _status(e: BaseException) -> int | None:
-    """The HTTP status of an API error (kubernetes.client.ApiException or a fake of it); None: no answer."""
-    status = getattr(e, "status", None)
-    return status if isinstance(status, int) and status > 0 else None
 
 
 class PodExecutor:
@@ -370,16 +364,6 @@ def fencing_refusal(e: BaseException) -> str:
         return ""
     text = f"{getattr(e, 'reason', '')} {getattr(e, 'body', '')}"
     return "fenced" if "work pod fenced" in text else "no fence" if "no params found" in text else ""
-
-
-def api_message(e: BaseException) -> str:
-    """The API server's own message (its Status body's), at most 300 characters; names no secret."""
-    body = getattr(e, "body", None)
-    try:
-        message = str(json.loads(body)["message"]) if body else ""
-    except (TypeError, ValueError, KeyError):
-        message = str(body or "")
-    return message[:300]
 
 
 def refusal_text(e: BaseException, leader: LeaderToken | None, refusal: str) -> str:
