@@ -248,6 +248,77 @@ def test_a_stale_half_prepared_claim_is_unprepared_by_the_driver_and_never_prepa
     assert "Unprepare noop: claim in PrepareAborted state" in caplog.text
 
 
+class HeldClaims(Claims):
+    """Claims whose every GET waits for `release`; records whether the plugin's socket existed at each GET."""
+
+    def __init__(self, socket):
+        super().__init__()
+        self.socket, self.release, self.socket_seen = socket, threading.Event(), []
+
+    def __call__(self, namespace, name, timeout):
+        self.socket_seen.append(self.socket.exists())
+        self.release.wait(10)
+        return super().__call__(namespace, name, timeout)
+
+
+def driver_with(tmp_path, registry, claims_of):
+    """The whole driver with its API calls scripted: claims from `claims_of(socket)`, a publisher that waits."""
+    from kubernetes import client
+
+    from gpu_agent.foundations.health import HealthRegistry
+    from gpu_agent.mechanisms.dra.driver import DRADriver
+    driver = DRADriver(client.ApiClient(), driver=DRIVER, node=NODE, registry_dir=registry, plugin_dir=tmp_path / "plugins",
+                       cdi_dir=tmp_path / "cdi", health=HealthRegistry(SystemClock(), ["dra"]))
+    driver.preparer.get_claim = claims_of(driver.plugin.socket)
+    driver.publisher.run = driver.publisher.watch = lambda halt: halt.wait()
+    return driver
+
+
+def run_driver(driver, stop_when, timeout=20.0):
+    """Runs the driver until `stop_when()` holds (polled to a deadline); returns whether it held."""
+    import asyncio
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(driver.run(stop))
+        deadline = time.monotonic() + timeout
+        while not stop_when() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        held = stop_when()
+        stop.set()
+        await task
+        return held
+
+    return asyncio.run(main())
+
+
+def test_the_plugin_registers_only_after_its_first_cleanup_undid_a_claim_gone_while_it_was_down(tmp_path, registry):
+    """A claim left PrepareStarted whose object went while no plugin ran: the restarted plugin undoes it before the
+    kubelet can reach it, so the kubelet's unprepare, retried since, is a noop and not a race with the cleanup."""
+    from gpu_agent.mechanisms.dra.checkpoint import Entry
+    Checkpoint(tmp_path / "plugins" / DRIVER / "checkpoint.json").put(Entry("u1", "default", "c1", PREPARE_STARTED))
+    holder = {}
+    driver = driver_with(tmp_path, registry, lambda socket: holder.setdefault("claims", HeldClaims(socket)))
+    claims = holder["claims"]
+    threading.Timer(0.5, claims.release.set).start()  # the API server answers late: the socket waits for it
+    assert run_driver(driver, lambda: driver.plugin.socket.exists())
+    assert claims.socket_seen == [False]
+    assert driver.checkpoint.get("u1").state == PREPARE_ABORTED
+
+
+def test_a_first_cleanup_held_past_its_bound_does_not_keep_the_plugin_unregistered(tmp_path, registry, monkeypatch):
+    from gpu_agent.mechanisms.dra import driver as driver_module
+    from gpu_agent.mechanisms.dra.checkpoint import Entry
+    monkeypatch.setattr(driver_module, "FIRST_CLEANUP_BOUND", 0.3)
+    Checkpoint(tmp_path / "plugins" / DRIVER / "checkpoint.json").put(Entry("u1", "default", "c1", PREPARE_STARTED))
+    holder = {}
+    driver = driver_with(tmp_path, registry, lambda socket: holder.setdefault("claims", HeldClaims(socket)))
+    try:
+        assert run_driver(driver, lambda: driver.plugin.socket.exists(), timeout=5)
+    finally:
+        holder["claims"].release.set()
+
+
 def test_a_socket_path_too_long_for_unix_names_the_setting(world, tmp_path):
     deep = tmp_path / ("d" * 100)
     with pytest.raises(OSError, match=re.escape("more than a unix socket takes (107): point draRegistryDir at a shorter folder")):

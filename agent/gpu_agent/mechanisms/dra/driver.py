@@ -4,7 +4,8 @@
                                                                         its watch dra-slice-watch)
                                                                   └──> KubeletPlugin health stream
     kubelet ──> KubeletPlugin (gRPC) ──> ClaimPreparer ──> Checkpoint, CDI specs
-    thread dra-cleanup: stale PrepareStarted claims unprepared at start and every `cleanup_interval`
+    thread dra-cleanup: stale PrepareStarted claims unprepared at start and every `cleanup_interval`; the plugin
+                       registers with the kubelet only after the first pass (or FIRST_CLEANUP_BOUND)
 
 Its `/healthz` component `dra` is Ready once the kubelet has accepted the registration and the
 node's slice is published, and says which of the two is missing otherwise (a kubelet that refuses the
@@ -15,9 +16,10 @@ plugin names why). All threads start on the agent's `Threads` (foundations/threa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client
 
@@ -35,6 +37,10 @@ from gpu_agent.mechanisms.dra.slices import SlicePublisher
 log = get_logger(__name__)
 
 COMPONENT = "dra"
+# How long registration waits for the first cleanup pass: each claim it reads may take REQUEST_TIMEOUT while the
+# API server is slow, and a node without its plugin runs no new claims. What the pass has not reached by then it
+# finishes beside the plugin (the preparer serializes the two).
+FIRST_CLEANUP_BOUND = 15.0
 
 
 class DRADriver:
@@ -92,21 +98,39 @@ class DRADriver:
         self.health.set(COMPONENT, not missing, "; ".join(missing) or f"registered; {count} device(s) published",
                         driver=self.driver, poolGeneration=generation, devices=count)
 
-    def _cleanup(self, stop: threading.Event) -> None:
+    def _cleanup(self, stop: threading.Event, first_pass_done: Callable[[], None]) -> None:
         while not stop.is_set():
             try:
                 self.preparer.cleanup_stale()
             except Exception as e:  # noqa: BLE001 - tried again at the next interval
                 log.warning("Checkpointed RC cleanup failed: %s", e)
+            first_pass_done()
             self.clock.wait_blocking(stop, self.cleanup_interval)
 
     async def run(self, stop: asyncio.Event) -> None:
-        halt = threading.Event()
-        self.plugin.start()
+        halt, loop, first_pass = threading.Event(), asyncio.get_running_loop(), asyncio.Event()
+
+        def first_pass_done() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: run has ended, nobody waits
+                loop.call_soon_threadsafe(first_pass.set)
+
         try:
             start_thread("dra-slices", lambda: self.publisher.run(halt), halt)
             start_thread("dra-slice-watch", lambda: self.publisher.watch(halt), halt)
-            start_thread("dra-cleanup", lambda: self._cleanup(halt), halt)
+            start_thread("dra-cleanup", lambda: self._cleanup(halt, first_pass_done), halt)
+            # The checkpoint reconciled before the kubelet can call: a claim whose object went while no plugin ran
+            # is undone by this pass, and the kubelet's own unprepare of it, retried since, finds it PrepareAborted
+            # (a noop), instead of the two racing for it.
+            waits = [asyncio.ensure_future(first_pass.wait()), asyncio.ensure_future(stop.wait())]
+            await asyncio.wait(waits, timeout=FIRST_CLEANUP_BOUND, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if stop.is_set():
+                return
+            if not first_pass.is_set():
+                log.warning("DRA plugin registering before its first checkpoint cleanup finished (%.0fs)",
+                            FIRST_CLEANUP_BOUND)
+            self.plugin.start()
             await stop.wait()
         finally:
             halt.set()
