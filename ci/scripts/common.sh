@@ -11,6 +11,9 @@ export GOCACHE=${GOCACHE:-$CI_CACHE/gocache}
 export K8S_BIN=$CI_CACHE/kubernetes-$K8S_VERSION
 export TOOLS_BIN=$CI_CACHE/tools
 export NETPOL_BIN=$CI_CACHE/kube-network-policies-$NETPOL_VERSION/kube-network-policies
+# containerd 2.x with CDI for the nodes (ci/containerd, ci/scripts/build-containerd.sh): containerd, its runc shim, ctr.
+export CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
+export CONTAINERD_BIN=$CI_CACHE/containerd-$CONTAINERD_VERSION/bin
 # kstatus (ci/kstatus): Flux's and cli-utils' verdict on live objects, for the e2e suite (e2e/gitops.py).
 # Its main.go is ours, so the cache key is cli-utils' version plus a digest of ci/kstatus: an edit
 # there is a new path, which e2e/gitops.py then finds absent rather than running a stale build.
