@@ -1,16 +1,14 @@
 """GPUs through Dynamic Resource Allocation: the chart with `dra.enabled`, its node agents the DRA driver
 (`gpu.gpu-agent.io`), on the real kubelets, scheduler and resourceclaim controller of the cluster.
 
-Mirrors the DRA suites' claim rows that need no CDI-capable container runtime: the slice's device count
-against the node's GPUs, a claim allocated on create and released on delete, one claim shared by two pods,
-the unknown opaque-config field (a FailedPrepareDynamicResources event naming it, the plugin's permanent
-error), and the slices following GPUs that come and go at run time. Evidence is the cluster's, not the
-driver's: the GPU count is the device plugin's allocatable for the same fake GPUs, allocations are the
-scheduler's, events the kubelet's.
-
-Not here yet: the `UUID:` lines inside the containers. The CI cluster's containerd (1.6) has no CDI, so
-the CDI devices a prepare returns are not injected (issue 46 part 4: containerd 2.x); the pods run, and
-the tests read the claim's allocation instead.
+Mirrors the DRA suites' claim rows: the slice's device count against the node's GPUs, a claim allocated on
+create and released on delete, one claim shared by two pods or two containers, the 15 x 5 stress, the unknown
+opaque-config field (a FailedPrepareDynamicResources event naming it, the plugin's permanent error), the stale
+claim the plugin cleans up itself, and the slices following GPUs that come and go at run time. Evidence is the
+cluster's, not the driver's: the GPU count is the device plugin's allocatable for the same fake GPUs, allocations
+are the scheduler's, events the kubelet's, and what a container was given is what it prints itself (`fake-gpu smi
+-L` inside it, reading the environment containerd 2.x built from the claim's CDI devices), checked against the
+UUID the slice lists for the allocated device.
 """
 
 from __future__ import annotations
@@ -80,8 +78,25 @@ def pod(name, node, claims, sleep=300):
                      "nodeSelector": {"kubernetes.io/hostname": node},
                      "resourceClaims": [{"name": n, **source} for n, source in claims],
                      "containers": [{"name": "cuda", "image": IMAGE, "imagePullPolicy": "Never",
-                                     "command": ["sh", "-c", f"env | grep ^GPU_AGENT_ || true; sleep {sleep}"],
+                                     "command": ["sh", "-c", f"fake-gpu smi -L; env | grep ^GPU_AGENT_ || true; sleep {sleep}"],
                                      "resources": {"claims": [{"name": n} for n, _ in claims]}}]}}
+
+
+def seen_uuids(core, ns, name, container="cuda", timeout=10):
+    """The GPUs a container was given, as it saw them: the `UUID:` lines of its `fake-gpu smi -L`, which reads the
+    environment the container runtime put together from the claim's CDI devices (none without a runtime with CDI)."""
+    def lines():
+        text = pod_log(core, ns, name, container)
+        return [ln.split("UUID: ")[1].rstrip(")") for ln in text.splitlines() if "UUID: GPU-" in ln] or None
+    return wait_until(lines, timeout, f"the UUID lines of {name}/{container}", interval=0.2)
+
+
+def uuid_in_slice(resource, pool, device):
+    """The UUID the slice lists for (pool, device): where the scheduler's allocation points, read from the slice."""
+    for d in (d for sl in slices(resource, pool) for d in sl["spec"].get("devices") or []):
+        if d["name"] == device:
+            return d["attributes"]["uuid"]["string"]
+    raise AssertionError(f"no device {pool}/{device} in the slices")
 
 
 def claim_spec(config=None):
@@ -147,11 +162,16 @@ def test_a_claim_from_a_template_is_allocated_on_create_prepared_and_released_on
     started = time.monotonic()
     core.create_namespaced_pod(namespace, pod("one", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
     wait_until(lambda: phase(core, namespace, "one") == "Running", 60, "the pod Running (its claim prepared)", interval=0.2)
-    print(f"\ncreate -> Running through a DRA claim: {time.monotonic() - started:.1f}s")
+    took = time.monotonic() - started
     statuses = core.read_namespaced_pod("one", namespace).status.resource_claim_statuses
     (generated,) = [s.resource_claim_name for s in statuses]
     results = claim_of(resource, namespace, generated)["status"]["allocation"]["devices"]["results"]
     assert [(r["driver"], r["pool"]) for r in results] == [(DRIVER, fake_gpus.node)]
+    # bats "1 pod(s), 1 full GPU": Ready within 8 s and exactly one UUID line, the allocated device's
+    seen = seen_uuids(core, namespace, "one")
+    print(f"\ncreate -> Running through a DRA claim: {took:.1f}s; the container sees {seen}")
+    assert took <= 8.0
+    assert seen == [uuid_in_slice(resource, results[0]["pool"], results[0]["device"])]
     core.delete_namespaced_pod("one", namespace)
     wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the pod's claim gone with it")
 
@@ -169,6 +189,8 @@ def test_two_pods_sharing_one_resource_claim_share_its_one_device(dra, api, core
     results = shared["status"]["allocation"]["devices"]["results"]
     assert len(results) == 1 and results[0]["driver"] == DRIVER
     assert sorted(r["name"] for r in shared["status"]["reservedFor"]) == ["a", "b"]
+    allocated = uuid_in_slice(resource, results[0]["pool"], results[0]["device"])
+    assert [seen_uuids(core, namespace, n) for n in ("a", "b")] == [[allocated], [allocated]]
     print(f"\nshared claim: device {results[0]['pool']}/{results[0]['device']} reserved for "
           f"{[r['name'] for r in shared['status']['reservedFor']]}")
     print(kubectl(kubeconfig, "describe", "resourceclaim", "shared", "-n", namespace))
@@ -288,7 +310,7 @@ def test_a_work_item_gets_its_gpu_through_a_claim_of_the_charts_device_class(dra
     assert template.spec.spec.devices.requests[0].exactly.device_class_name == CLASS
 
 
-# -- the DRA bats rows and the upstream DRA suite's rows that need no CDI ---------------------------------------------
+# -- the DRA bats rows and the upstream DRA suite's rows ----------------------------------------------------------------
 
 def template(resource, ns, name, count=1):
     spec = claim_spec()
@@ -339,8 +361,10 @@ def test_two_pods_each_with_a_claim_from_one_template_get_two_different_gpus(dra
         core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
     running(core, namespace, ["p1", "p2"])
     (first,), (second,) = (devices_of_pod(core, resource, namespace, n)["gpu"] for n in ("p1", "p2"))
-    print(f"\np1 -> {first}, p2 -> {second}")
+    seen = [seen_uuids(core, namespace, n) for n in ("p1", "p2")]
+    print(f"\np1 -> {first}, p2 -> {second}; the containers see {seen}")
     assert first != second
+    assert seen == [[uuid_in_slice(resource, *first)], [uuid_in_slice(resource, *second)]]
     delete_pods(core, namespace, ["p1", "p2"])
 
 
@@ -360,7 +384,9 @@ def test_one_pod_two_containers_one_claim_from_a_template_share_its_one_gpu(dra,
         {"cuda": True, "cuda2": True}
     (devices,) = devices_of_pod(core, resource, namespace, "two").values()
     assert len(devices) == 1, devices
-    print(f"\nboth containers of one pod: {devices[0]}")
+    seen = {c: seen_uuids(core, namespace, "two", c) for c in ("cuda", "cuda2")}
+    print(f"\nboth containers of one pod: {devices[0]}; they see {seen}")
+    assert seen == {"cuda": [uuid_in_slice(resource, *devices[0])], "cuda2": [uuid_in_slice(resource, *devices[0])]}
     delete_pods(core, namespace, ["two"])
 
 
@@ -373,8 +399,10 @@ def test_a_pod_with_two_claim_templates_gets_two_distinct_gpus(dra, core, namesp
                                                                         ("b", {"resourceClaimTemplateName": "one-gpu"})]))
     running(core, namespace, ["twice"])
     devices = devices_of_pod(core, resource, namespace, "twice")
-    print(f"\ntwo templates: {devices}")
+    seen = seen_uuids(core, namespace, "twice")
+    print(f"\ntwo templates: {devices}; the container sees {seen}")
     assert sorted(devices) == ["a", "b"] and len({d for ds in devices.values() for d in ds}) == 2
+    assert sorted(seen) == sorted(uuid_in_slice(resource, *d) for ds in devices.values() for d in ds)
     delete_pods(core, namespace, ["twice"])
 
 
@@ -426,6 +454,8 @@ def test_stress_one_shared_resource_claim_across_15_pods_x_5_loops_leaves_nothin
         claim = claim_of(resource, namespace, "shared")
         assert len(claim["status"]["reservedFor"]) == 15
         devices |= {(r["pool"], r["device"]) for r in claim["status"]["allocation"]["devices"]["results"]}
+        (device,) = devices
+        assert {n: seen_uuids(core, namespace, n) for n in names} == {n: [uuid_in_slice(resource, *device)] for n in names}
         delete_pods(core, namespace, names, timeout=120)
         took.append(round(time.monotonic() - started, 1))
     print(f"\n15 pods on one claim, 5 loops: {took} s per loop; devices used: {sorted(devices)}")

@@ -13,6 +13,7 @@ t0=$SECONDS
 bash "$here/scripts/install-deps.sh"
 bash "$here/scripts/build-kubernetes.sh"
 bash "$here/scripts/build-coredns.sh"
+bash "$here/scripts/build-containerd.sh"
 bash "$here/scripts/build-kube-network-policies.sh"
 bash "$here/scripts/build-kstatus.sh"
 bash "$here/scripts/install-tools.sh"

@@ -50,7 +50,8 @@ export PKI=$CLUSTER_DIR/pki
 export PIDS=$CLUSTER_DIR/pids
 export LOGS=$CLUSTER_DIR/logs
 export CONTAINERD_SOCK=$CLUSTER_DIR/containerd/containerd.sock
-export PATH=$K8S_BIN:$TOOLS_BIN:$PATH:/usr/local/sbin:/usr/sbin:/sbin
+# CONTAINERD_BIN before /usr/bin: containerd finds its runc shim in PATH, and Debian's (1.6) is in /usr/bin.
+export PATH=$K8S_BIN:$CONTAINERD_BIN:$TOOLS_BIN:$PATH:/usr/local/sbin:/usr/sbin:/sbin
 
 # A Go tool from the Go module proxy, built static into CI_CACHE once and reused: NAME (for the log), OUT (its
 # cached path; a new version or source digest is a new path), MODDIR (a folder of ci/ whose go.mod must hold

@@ -15,24 +15,35 @@ write_if_changed() {
 write_node_config() {
   local dir=$1 name=$2 pod_cidr=$3 cgroup_root=$4 serving=$5
   mkdir -p "$dir/containerd" "$dir/cni/net.d" "$dir/kubelet"
+  # containerd 2.x (build-containerd.sh): CDI is always on there, and kubelet 1.36 hands a DRA claim's CDI devices
+  # only to a runtime that reads them (1.6 had none). cdi_spec_dirs: the node's own /var/run/cdi (a worker binds
+  # its own folder there, node.sh), where the DRA driver writes each claim's spec.
   write_if_changed "$dir/containerd/config.toml" <<TOML
-version = 2
+version = 3
 root = "$dir/containerd/root"
 state = "$dir/containerd/state"
 [grpc]
   address = "$dir/containerd/containerd.sock"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "localhost/pause:ci"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "localhost/pause:ci"
+[plugins.'io.containerd.cri.v1.runtime']
+  cdi_spec_dirs = ["/var/run/cdi"]
   # Without CAP_SYS_RESOURCE runc cannot lower oom_score_adj: every pod fails otherwise.
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$dir/cni/net.d"
+# NRI (on by default in 2.x) would listen on the host's one /var/run/nri/nri.sock for every node: nothing here uses it.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
 TOML
   write_if_changed "$dir/cni/net.d/10-gpuci.conflist" <<JSON
 {"cniVersion": "0.4.0", "name": "gpuci", "plugins": [

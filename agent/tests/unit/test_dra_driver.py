@@ -515,3 +515,22 @@ def test_the_cdi_spec_is_replaced_atomically_and_names_no_device_twice(tmp_path)
     assert spec["kind"] == f"k8s.{DRIVER}/gpu" and spec["cdiVersion"] == "0.3.0"
     assert [d["name"] for d in spec["devices"]] == ["u9-gpu-0"]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left beside it
+
+
+def test_the_cdi_version_is_the_lowest_the_cdi_librarys_rules_admit():
+    """A claim UID that starts with a digit names devices that need cdiVersion 0.5.0: containerd 2.x drops a spec that
+    says less ("the spec version must be at least v0.5.0") and the container fails, unresolvable."""
+    def version(uid, mounts=None):
+        return cdi.minimum_version({"kind": "k/gpu", "devices": [{"name": f"{uid}-gpu-0", "containerEdits": {
+            "env": ["A=1"], **({"mounts": mounts} if mounts else {})}}]})
+    assert version("ab12") == "0.3.0"
+    assert version("3c77a47a-e8db-482f-a616-dc3189130d95") == "0.5.0"
+    assert version("ab12", [{"hostPath": "/a", "containerPath": "/a", "type": "bind"}]) == "0.4.0"
+    assert version("ab12", [{"hostPath": "/a", "containerPath": "/a"}]) == "0.3.0"
+    assert cdi.minimum_version({"devices": [{"name": "x", "containerEdits": {"deviceNodes": [{"path": "/dev/x",
+                                                                                              "hostPath": "/dev/y"}]}}]}) == "0.5.0"
+
+
+def test_a_spec_for_a_claim_uid_that_starts_with_a_digit_says_0_5_0(tmp_path):
+    path = cdi.write_spec(tmp_path, DRIVER, "9f0e", [{"device": "gpu-0", "env": ["A=1"]}])
+    assert json.loads(Path(path).read_text())["cdiVersion"] == "0.5.0"
