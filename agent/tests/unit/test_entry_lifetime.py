@@ -356,12 +356,14 @@ def test_the_peer_list_is_logged_at_level_3_only_and_its_count_at_level_0(caplog
         {"name": "n1", "index": 0, "ip": "10.0.0.1", "status": "Ready"},
         {"name": "n2", "index": 1, "ip": "10.0.0.2", "status": "Ready"}]}}
     name = reconciler_module.log._log.name
-    with caplog.at_level(logging.INFO, logger=name):
-        reconciler._write_peers(domain)
-    level_0 = [r.getMessage() for r in caplog.records]
-    assert level_0 == ["domain GPUDomain ns/train has 2 peer(s)"], level_0  # no node name, no address
-    caplog.clear()
-    reconciler._peer_count = -1
-    with caplog.at_level(1, logger=name):
-        reconciler._write_peers(domain)
-    assert "domain peers: 0=n1, 1=n2" in [r.getMessage() for r in caplog.records]
+
+    def logged_at(verbosity):  # what an agent run with -v <verbosity> logs (klog: V(n) is INFO - n)
+        caplog.clear()
+        reconciler._peer_count = -1  # the count is logged when it changes: make it a change each time
+        with caplog.at_level(logging.INFO - verbosity, logger=name):
+            reconciler._write_peers(domain)
+        return [r.getMessage() for r in caplog.records]
+
+    said = {verbosity: logged_at(verbosity) for verbosity in (0, 2, 3)}
+    count = "domain GPUDomain ns/train has 2 peer(s)"
+    assert said == {0: [count], 2: [count], 3: [count, "domain peers: 0=n1, 1=n2"]}  # no node name below -v 3
