@@ -25,6 +25,7 @@ from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleCon
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.foundations.version import VersionAction, version_info
 from gpu_agent.mechanisms.inventory.nvml import NVMLSource, describe_events
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
@@ -136,7 +137,7 @@ async def _serve(cfg: Config) -> None:
         try:
             await stop.wait()
         finally:
-            await asyncio.to_thread(server.stop)
+            await in_daemon_thread(server.stop)
 
 
 def _print_inventory(cfg: InventoryConfig) -> int:

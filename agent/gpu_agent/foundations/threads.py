@@ -16,6 +16,10 @@ Blocking calls:
 HTTP call there would hold a SIGTERM'd agent up for the whole poll. A daemon thread is left
 behind instead, so shutdown stays prompt (which a Recreate rollout waits on).
 
+At most MAX_BLOCKING_CALLS of them run at once per event loop; the next waits on the loop for a place, so a
+control plane or API server that hangs every call holds a bounded number of threads, not one more per retry.
+Each call runs in a copy of the caller's context, as `asyncio.to_thread`'s does.
+
 This is the one way the agent's coroutines make a blocking call (`RunBlocking`): each mechanism
 takes it as a parameter, so the deterministic simulation (agent/tests/sim) hands them its network
 instead, which delays, drops, duplicates and hangs calls on virtual time. The calls themselves carry
@@ -28,6 +32,7 @@ import asyncio
 import contextvars
 import threading
 import traceback
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -107,9 +112,26 @@ def start_thread(name: str, target: Callable[[], object], stop: threading.Event 
 
 
 
+MAX_BLOCKING_CALLS = 64
+# One limit per loop: an asyncio.Semaphore belongs to the loop it was first awaited on.
+_places: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+
+def blocking_calls_limit(loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
+    places = _places.get(loop)
+    if places is None:
+        places = _places[loop] = asyncio.Semaphore(MAX_BLOCKING_CALLS)
+    return places
+
+
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` on a daemon thread, once one of the loop's MAX_BLOCKING_CALLS places is free; its place
+    is held until `fn` returns, also when the awaiting coroutine was cancelled (the thread cannot be)."""
     loop = asyncio.get_running_loop()
+    places = blocking_calls_limit(loop)
+    await places.acquire()
     fut: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
 
     def deliver(ok: bool, value: Any) -> None:
         if fut.done():
@@ -119,15 +141,25 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
         else:
             fut.set_exception(value)
 
-    def run() -> None:
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(deliver, False, e)
-            return
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(deliver, True, result)
+    def deliver_and_free(ok: bool, value: Any) -> None:
+        places.release()
+        deliver(ok, value)
 
-    threading.Thread(target=run, name=getattr(fn, "__name__", "call"), daemon=True).start()
+    def run() -> None:
+        ok: bool = True
+        value: Any = None
+        try:
+            value = context.run(fn, *args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(deliver_and_free, ok, value)
+        except RuntimeError:
+            pass  # the loop closed: nobody waits, and its places went with it
+
+    try:
+        threading.Thread(target=run, name=getattr(fn, "__name__", "call"), daemon=True).start()
+    except BaseException:
+        places.release()
+        raise
     return await fut

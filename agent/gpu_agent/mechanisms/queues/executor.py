@@ -9,7 +9,6 @@ Pod executor gets the same property from a deterministic Pod name.)
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import threading
@@ -21,6 +20,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.control_plane_client import WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.files import open_database
+from gpu_agent.foundations.threads import in_daemon_thread
 
 
 class AttemptNotMade(Exception):
@@ -70,11 +70,11 @@ class RecordingExecutor:
 
     async def execute(self, item: WorkItem, leader: LeaderToken | None = None) -> Outcome:
         # The journal's reads and fsync'd writes run off the event loop, which keeps serving /healthz.
-        if await asyncio.to_thread(self._executed, item.idempotency_key):
+        if await in_daemon_thread(self._executed, item.idempotency_key):
             return Outcome.DUPLICATE
         if self.work_seconds:
             await self.clock.sleep(self.work_seconds)  # stands in for real work; a kill here must not lose the item
-        return Outcome.EXECUTED if await asyncio.to_thread(self._record, item, self.clock.wall()) else Outcome.DUPLICATE
+        return Outcome.EXECUTED if await in_daemon_thread(self._record, item, self.clock.wall()) else Outcome.DUPLICATE
 
     def _executed(self, key: str) -> bool:
         with self._lock:

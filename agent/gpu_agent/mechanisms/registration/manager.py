@@ -61,6 +61,7 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.threads import in_daemon_thread
 
 log = get_logger(__name__)
 
@@ -91,7 +92,7 @@ class RegistrationManager:
     def __init__(self, client: ControlPlaneClient, token: Secret, *, settings: RegistrationSettings, clock: Clock,
                  rng: random.Random, health: HealthRegistry, metrics: AgentMetrics, gate: Gate,
                  on_readiness: Callable[[bool, str], Awaitable[None]],
-                 offload: Callable[..., Awaitable[Any]] = asyncio.to_thread) -> None:
+                 offload: Callable[..., Awaitable[Any]] = in_daemon_thread) -> None:
         self.client = client
         self._offload = offload  # how blocking client calls leave the event loop; tests run them inline
         self.token = token
