@@ -22,8 +22,10 @@ import pytest
 from kubernetes import client
 
 from e2e.cluster import restart_kubelet, tool
+from e2e.fake_gpu_release import CHART as FAKE_GPU_CHART
+from e2e.fake_gpu_release import RELEASE as FAKE_GPU_RELEASE
 from e2e.helpers import IMAGE, pod_log, wait_until
-from e2e.release import Release
+from e2e.release import Release, helm
 
 pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
                                        "registry belongs to this module's release alone")
@@ -620,3 +622,47 @@ def test_an_xid_79_taints_its_device_within_2s_a_new_claim_never_gets_it_and_a_c
         delete_pods(core, namespace, ["first", "second"])
     finally:  # a failure halfway must not leave the next test a faulted GPU
         fake_gpus.command("fault", "--node", fake_gpus.node, "--clear")
+
+
+def fake_gpu_device_plugin(fake_gpus, enabled: bool):
+    """The shared fake-gpu release's device plugin on or off on every node (its GPUs, labels and state stay)."""
+    helm("upgrade", FAKE_GPU_RELEASE, str(FAKE_GPU_CHART), "--kubeconfig", fake_gpus.kubeconfig, "-n", fake_gpus.namespace,
+         "--reuse-values", "--set", f"devicePlugin.enabled={str(enabled).lower()}", "--wait", "--timeout", "120s")
+
+
+def test_a_legacy_nvidia_gpu_pod_is_served_by_dra_where_no_device_plugin_advertises_it(dra, api, core, namespace,
+                                                                                        fake_gpus):
+    """The upstream DRA suite: a pod asking `nvidia.com/gpu: 1` in its limits, as of a device plugin, is served by DRA
+    (DRAExtendedResource, beta and on in 1.36) through the DeviceClass's extendedResourceName: with the device plugin
+    off the node's allocatable is 0, the scheduler makes the pod a claim of our driver, and the container sees the
+    allocated GPU. Where the device plugin advertises the name it wins, so the shared fake-gpu release's plugin is
+    turned off for the test and on again after."""
+    release, resource = dra
+    ready_with(resource, fake_gpus, 2)
+    release.upgrade("--reuse-values", "--set", "dra.extendedResourceName=nvidia.com/gpu", "--wait")
+    assert client.ResourceV1Api(api).read_device_class(CLASS).spec.extended_resource_name == "nvidia.com/gpu"
+    fake_gpu_device_plugin(fake_gpus, False)
+    try:
+        wait_until(lambda: fake_gpus.allocatable() == 0, 60, "allocatable nvidia.com/gpu 0 with the device plugin off")
+        wait_until(lambda: device_count(resource, fake_gpus.node) == 2, 30, "2 devices still in the slice")
+        body = pod("legacy", fake_gpus.node, [])
+        del body["spec"]["resourceClaims"], body["spec"]["containers"][0]["resources"]["claims"]
+        body["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": "1"}
+        started = time.monotonic()
+        core.create_namespaced_pod(namespace, body)
+        running(core, namespace, ["legacy"])
+        took = time.monotonic() - started
+        raw = json.loads(core.read_namespaced_pod("legacy", namespace, _preload_content=False).data)
+        claim_name = raw["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        results = claim_of(resource, namespace, claim_name)["status"]["allocation"]["devices"]["results"]
+        assert [(r["driver"], r["pool"]) for r in results] == [(DRIVER, fake_gpus.node)], results
+        seen = seen_uuids(core, namespace, "legacy")
+        print(f"\nnvidia.com/gpu: 1 pod -> Running in {took:.1f}s through DRA claim {claim_name} "
+              f"({results[0]['pool']}/{results[0]['device']}); the container sees {seen}")
+        assert seen == [uuid_in_slice(resource, results[0]["pool"], results[0]["device"])]
+        delete_pods(core, namespace, ["legacy"])
+        wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the pod's claim gone")
+    finally:
+        fake_gpu_device_plugin(fake_gpus, True)
+        release.upgrade("--reuse-values", "--set", "dra.extendedResourceName=", "--wait")
+    wait_until(lambda: fake_gpus.allocatable() == 2, 60, "allocatable nvidia.com/gpu back to 2 with the plugin on")
