@@ -154,6 +154,7 @@ def test_gpus_0_4_0_three_times_the_slice_follows_within_2s_and_nothing_restarts
     fake_gpus.set(2)
 
 
+@pytest.mark.every_cluster  # kind's nodes run containerd 2.x too: the CDI path on a node kind made
 def test_a_claim_from_a_template_is_allocated_on_create_prepared_and_released_on_delete(dra, api, core, namespace, fake_gpus):
     _, resource = dra
     fake_gpus.set(2)

@@ -25,6 +25,7 @@ t0=$SECONDS
 bash "$here/scripts/build-kind-rootfs.sh" >&2
 bash "$here/scripts/build-kubernetes.sh" >&2
 bash "$here/scripts/build-coredns.sh" >&2
+bash "$here/scripts/build-containerd.sh" >&2
 [[ -x $TOOLS_BIN/kubectl ]] || bash "$here/scripts/install-tools.sh" >&2  # the node needs kubectl (kind runs it there)
 bash "$here/scripts/build-images.sh" system >&2
 bash "$here/scripts/build-kind.sh" >&2
@@ -41,7 +42,7 @@ log "timing: kind node pieces $((SECONDS - t0))s"
 
 kind_files=$GOMODCACHE/sigs.k8s.io/kind@$KIND_VERSION/images/base/files
 [[ -d $kind_files ]] || { echo "ci: kind's module is not in $GOMODCACHE (build-kind.sh downloads it)" >&2; exit 1; }
-key=$( { echo "$K8S_VERSION $KIND_ETCD_VERSION $COREDNS_VERSION $KIND_VERSION $KIND_ROOTFS_VERSION"
+key=$( { echo "$K8S_VERSION $KIND_ETCD_VERSION $COREDNS_VERSION $KIND_VERSION $KIND_ROOTFS_VERSION $CONTAINERD_VERSION"
          cat "$0" "$here"/kind/node/*; } | sha256sum | cut -c1-10)
 name=localhost/gpu-agent-kind-node:$K8S_VERSION-$key
 tools=localhost/gpu-agent-kind-tools:$key
@@ -91,9 +92,11 @@ PY
   # fails with "can't get final child's PID from pipe"; kind sets this for rootless nodes, for the same reason.
   sed -i 's|^\( *restrict_oom_score_adj = \).*|\1true|' "$root/etc/containerd/config.toml"
   grep -q 'restrict_oom_score_adj = true' "$root/etc/containerd/config.toml"
-  # kind's base image: `ctr oci spec` with its product-files hook and without rlimits (Debian's ctr here is
-  # the node's containerd version)
-  ctr oci spec | python3 -c 'import json, sys
+  # containerd 2.x, the CI cluster's (build-containerd.sh), over Debian's 1.6: CDI, which kubelet 1.36 hands a DRA
+  # claim's devices through, and the version kind's own node images run with this config.toml
+  for b in containerd containerd-shim-runc-v2 ctr; do install -D -m 0755 "$CONTAINERD_BIN/$b" "$root/usr/bin/$b"; done
+  # kind's base image: `ctr oci spec` with its product-files hook and without rlimits (the node's ctr)
+  "$CONTAINERD_BIN/ctr" oci spec | python3 -c 'import json, sys
 s = json.load(sys.stdin)
 s.setdefault("hooks", {}).setdefault("createContainer", []).append({"path": "/kind/bin/mount-product-files.sh"})
 s["process"].pop("rlimits", None)

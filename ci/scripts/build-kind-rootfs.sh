@@ -14,7 +14,8 @@ t=$SECONDS
 log "debootstrap bookworm for the kind node (cold: a few minutes)"
 # kind's images/base installs the same tools (systemd, conntrack, iptables, nftables, iproute2, ethtool, mount,
 # kmod, libseccomp2, pigz, ca-certificates, curl, jq, procps) and builds containerd, runc and the CNI plugins
-# from source; Debian's packages of those three serve here (containerd 1.6 reads kind's version-2 config).
+# from source; Debian's packages of those three serve here (build-kind-node.sh lays the CI cluster's containerd 2.x,
+# with CDI, over Debian's 1.6; it reads kind's version-2 config as kind's own node images do).
 debootstrap --variant=minbase \
   --include=systemd,conntrack,iptables,nftables,iproute2,ethtool,mount,kmod,libseccomp2,pigz,ca-certificates,curl,jq,procps,containerd,runc,containernetworking-plugins \
   bookworm "$work/root" "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" > "$work/debootstrap.log" 2>&1 \

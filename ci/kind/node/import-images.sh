@@ -13,7 +13,8 @@ until ctr version >/dev/null 2>&1; do
   sleep 0.2
 done
 # the snapshotter the CRI plugin uses (the entrypoint may have switched it from overlayfs)
-snapshotter=$(containerd config dump | sed -n 's/^ *snapshotter = "\(.*\)"$/\1/p' | head -1)
+# (containerd 2.x dumps TOML strings in single quotes, 1.x in double)
+snapshotter=$(containerd config dump | sed -n "s/^ *snapshotter = [\"']\([^\"']\+\)[\"']\$/\1/p" | head -1)
 for archive in /kind/images/*.tar; do
   ctr --namespace=k8s.io images import --all-platforms --digests --snapshotter="${snapshotter:-overlayfs}" "$archive"
 done
