@@ -134,16 +134,13 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
     context = contextvars.copy_context()
 
     def deliver(ok: bool, value: Any) -> None:
-        if fut.done():
+        places.release()
+        if fut.done():  # the waiter was cancelled
             return
         if ok:
             fut.set_result(value)
         else:
             fut.set_exception(value)
-
-    def deliver_and_free(ok: bool, value: Any) -> None:
-        places.release()
-        deliver(ok, value)
 
     def run() -> None:
         ok: bool = True
@@ -153,7 +150,7 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             ok, value = False, e
         try:
-            loop.call_soon_threadsafe(deliver_and_free, ok, value)
+            loop.call_soon_threadsafe(deliver, ok, value)
         except RuntimeError:
             pass  # the loop closed: nobody waits, and its places went with it
 

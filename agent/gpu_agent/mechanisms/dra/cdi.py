@@ -61,9 +61,9 @@ def write_spec(cdi_dir: Path, driver: str, claim_uid: str, devices: list[dict[st
                mounts: list[dict[str, Any]] | None = None) -> Path:
     """`devices`: [{"device": "gpu-0", "env": ["K=V", ...]}, ...]. Returns the file written."""
     spec: dict[str, Any] = {"kind": kind(driver),
-            "devices": [{"name": f"{claim_uid}-{d['device']}",
-                         "containerEdits": {"env": list(d["env"]), **({"mounts": mounts} if mounts else {})}}
-                        for d in devices]}
+                            "devices": [{"name": f"{claim_uid}-{d['device']}",
+                                         "containerEdits": {"env": list(d["env"]), **({"mounts": mounts} if mounts else {})}}
+                                        for d in devices]}
     if not spec["devices"]:
         # a spec needs at least one device; a claim of ours with no device of ours has nothing to inject
         spec["devices"] = [{"name": f"{claim_uid}-none", "containerEdits": {"env": [f"GPU_AGENT_CLAIM_EMPTY={claim_uid}"]}}]
