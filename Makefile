@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra bench-fake-gpu gpu-check clean e2e chaos cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra bench-fake-gpu gpu-check clean e2e chaos handover flaps cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -72,12 +72,24 @@ e2e-kind-podman: setup
 e2e-fast: setup
 	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m fast"
 
+## handover: N graceful deletes of the leading cluster agent beside a hot standby, each with an item in flight, on the
+## CI cluster: per hand-over when the Lease was released and taken and when an agent leased again, the slowest one's
+## shutdown log. A benchmark: `make handover N=50` (the test command runs 3).
+handover: setup
+	E2E_HANDOVERS=$(or $(N),50) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k graceful_hand_overs" E2E_JOBS=0
+
+## flaps: N leadership flaps (the leader cut off the API server until its standby leads, then let back) on the CI
+## cluster: each agent's threads and RSS before and after, read from /proc on the host. A benchmark: `make flaps N=20`
+## (the test command runs 4).
+flaps: setup
+	E2E_FLAPS=$(or $(N),20) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k leadership_flaps" E2E_JOBS=0
+
 ## chaos: K random disruptions (leader force-deleted, deleted, killed; standby deleted; control plane restarted; node
 ## agents force-deleted or stopped) under a stream of work on the CI cluster, then a table: items, lost, doubled, most
 ## active leaders seen, worst time back to Ready. A benchmark: `make chaos K=50` (the test command runs K=5).
 K ?= 50
 chaos: setup
-	CHAOS_K=$(K) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k chaos"
+	CHAOS_K=$(K) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k chaos" E2E_JOBS=0
 
 ## cluster-up NODES=3 | cluster-down | images | node-stop/node-start/node-partition/node-heal NODE=w1: see ci/Makefile
 cluster-up cluster-down images node-stop node-start node-partition node-heal:

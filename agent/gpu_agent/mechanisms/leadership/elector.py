@@ -270,6 +270,24 @@ class LeaderElector:
                 self.leading = False
                 await self._release()
 
+    def _delete_ours(self, seen: LeaseRecord) -> bool:
+        """Delete the record while this agent holds it (True once it is gone; False: another holds it now).
+        The version last seen may be behind: a renewal cancelled by the shutdown still lands at the server (its
+        thread runs on) and moves the version on, and a delete at the old one conflicts. Before, that conflict
+        left the Lease to expire, and the standby waited a lease duration (one in 50 graceful hand-overs)."""
+        record: LeaseRecord | None = seen
+        for _ in range(3):  # one renewal can still land after the first read; more is someone else's doing
+            if record is None:
+                return True
+            if record.holder != self.identity:
+                return False
+            try:
+                self.backend.delete(record)
+                return True
+            except LeaseConflict:
+                record = self.backend.get()
+        raise LeaseConflict()
+
     async def _release(self) -> None:
         """On shutdown, give the lease up so a standby takes over at its next attempt (client-go's
         ReleaseOnCancel clears the holder; we delete the record, only if it is still the one we
@@ -277,8 +295,10 @@ class LeaderElector:
         if self.observed is None or self.observed.holder != self.identity:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self.run_blocking(self.backend.delete, self.observed)), timeout=2.0)
-            log.info("released the lease")
+            if await asyncio.wait_for(asyncio.shield(self.run_blocking(self._delete_ours, self.observed)), timeout=2.0):
+                log.info("released the lease")
+            else:
+                log.info("not releasing the lease: another agent holds it now")
         except BaseException as e:  # noqa: BLE001 - shutdown goes on; the lease expires by itself
             log.warning("releasing the lease failed: %s; it expires in %.0fs", str(e) or type(e).__name__,
                         self.settings.lease_duration)
