@@ -68,6 +68,9 @@ BAD_VALUES = [
     (["--set", "nodeAgent.nvml.libraryPath=/usr/lib64/libnvidia-ml.so.1"], "/nodeAgent/nvml/libraryPath"),  # relative
     (["--set", "nodeAgent.nvml.libraryPath=usr/lib64"], "/nodeAgent/nvml/libraryPath"),  # the file, not its folder
     (["--set", "nodeAgent.nvml.driverDir=/"], "additional properties 'driverDir' not allowed"),
+    (["--set", "clusterAgent.kubeAPI.burst=0"], "/clusterAgent/kubeAPI/burst"),  # a bucket of 0 admits nothing
+    (["--set", "nodeAgent.kubeAPI.qps=-2"], "/nodeAgent/kubeAPI/qps"),
+    (["--set", "nodeAgent.kubeAPI.limit=1"], "additional properties 'limit' not allowed"),
 ]
 
 
@@ -218,6 +221,8 @@ CONFIG_REFUSED = [
     (["--set", "clusterAgent.config.leaseSeconds=0"], "leaseSeconds"),
     (["--set", "clusterAgent.leaderElection.leaseDuration=5", "--set", "clusterAgent.config.leaderElectionRenewDeadline=6"],
      "retryPeriod < renewDeadline < leaseDuration"),
+    (["--set", "nodeAgent.kubeAPI.qps=5", "--set", "nodeAgent.config.kubeApiQps=6"],
+     "nodeAgent.config.kubeApiQps (6) and nodeAgent.kubeAPI.qps (5)"),
 ]
 
 
@@ -226,6 +231,37 @@ def test_a_config_setting_the_chart_wires_or_a_conflicting_one_is_refused_naming
     r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
     assert r.returncode != 0
     assert named in r.stderr, r.stderr
+
+
+def test_the_kube_api_limit_values_reach_each_agents_settings(tmp_path):
+    """clusterAgent.kubeAPI and nodeAgent.kubeAPI, read by the agent's own loader from the ConfigMap it mounts."""
+    import argparse
+
+    from gpu_agent.foundations.config import load
+    from gpu_agent.roles import cluster_agent, node_agent
+
+    roles = {"cluster-agent": (cluster_agent.SETTINGS, cluster_agent.ClusterAgentConfig),
+             "node-agent": (node_agent.SETTINGS, node_agent.NodeAgentConfig)}
+
+    def limits(docs):
+        out = {}
+        for role, (settings, as_) in roles.items():
+            path = tmp_path / f"{role}.yaml"
+            config = agent_config(docs, role)
+            config.pop("controlPlaneTokenFile", None)  # the pod's Secret mount, not on this machine
+            path.write_text(yaml.safe_dump(config))
+            cfg = load(settings, argparse.Namespace(config=str(path)), environ={}, as_=as_)
+            out[role] = (cfg.kubeApiQps, cfg.kubeApiBurst)
+        return out
+
+    docs = render()
+    assert not {"kubeApiQps", "kubeApiBurst"} & {*agent_config(docs, "cluster-agent"), *agent_config(docs, "node-agent")}
+    assert limits(docs) == {"cluster-agent": (100.0, 200), "node-agent": (10.0, 20)}  # unset: the agents' defaults
+    docs = render("--set", "clusterAgent.kubeAPI.qps=40", "--set", "clusterAgent.kubeAPI.burst=60",
+                  "--set", "nodeAgent.kubeAPI.qps=-1", "--set", "nodeAgent.kubeAPI.burst=3")
+    assert limits(docs) == {"cluster-agent": (40.0, 60), "node-agent": (-1.0, 3)}  # -1: no limit
+    docs = render("--set", "clusterAgent.config.kubeApiBurst=7")  # or through the free-form config
+    assert limits(docs)["cluster-agent"] == (100.0, 7)
 
 
 def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():

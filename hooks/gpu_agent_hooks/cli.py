@@ -294,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--work-claim-templates", choices=("true", "false"), default="false",
                    help="true: also delete the ResourceClaimTemplates the cluster agent made for work Pods (dra.enabled)")
     a = p.parse_args(argv)
-    api = api_client(a.kubeconfig)
+    # No client-side rate limit: a hook is a short-lived Job bounded by its activeDeadlineSeconds, its waits already
+    # pause 0.5 s between polls, and the cleanup's two calls per work Pod must fit in its timeout however many
+    # Pods a large release leaves (300 Pods: 600 calls, which 20/s would stretch to 30 s of its 60).
+    api = api_client(a.kubeconfig, limit=None)
     try:
         if a.hook == "crds":
             # One Job for both on every upgrade: a hook Job's pod costs seconds of each `helm upgrade`.

@@ -49,7 +49,7 @@ def test_the_crds_hook_runs_the_skew_check_first_and_a_refusal_applies_nothing(m
     """The chart runs the skew check inside the CRDs hook Job (one pod per upgrade, not two): with
     --skew-check-to-version the check comes before any CRD is applied, and a refusal stops the hook."""
     steps = []
-    monkeypatch.setattr(cli, "api_client", lambda kubeconfig: None)
+    monkeypatch.setattr(cli, "api_client", lambda kubeconfig, limit: None)
     monkeypatch.setattr(cli, "apply_crds", lambda api, folder: steps.append("apply"))
     monkeypatch.setattr(cli, "hand_over_from_non_electing", lambda *a: steps.append("hand over"))
 

@@ -6,7 +6,15 @@ Footprint: the `kubernetes` package loads each API group's module on first use, 
 `client.CoreV1Api` alone costs about 22 MiB of RSS (thousands of generated methods with their
 docstrings and validators). A role that only lists and watches one core kind uses
 `core_v1_list` instead, which goes through the same ApiClient (auth, TLS, proxies) and hands back
-plain dicts."""
+plain dicts.
+
+Client-side rate limit: every ApiClient `api_client` builds with a `limit` sends each request through its own
+token bucket (foundations/ratelimit.py: client-go's QPS and burst). The hook is `ApiClient.call_api`, which every
+request of the client goes through: each generated API method (through `_call_with_legacy_options`),
+`core_v1_list`'s lean list, and so a `watch.Watch().stream` of either (it calls the list method with
+watch=True: one request, one token, when the watch starts; the events streamed over it take none). The
+Watch's own ApiClient only deserializes events; it sends nothing. Retries inside one call (urllib3's, on a
+failed connection) are not requests the API server answered and take no further token."""
 
 from __future__ import annotations
 
@@ -14,11 +22,13 @@ import json
 import threading
 from collections.abc import Callable
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.ratelimit import ApiLimit, TokenBucket
 
 # Every call to the API server names a timeout: a hung call would hold whatever waits on it (a work
 # item, a lease, a shutdown). Ten seconds is well inside what the callers protect.
@@ -44,19 +54,47 @@ def api_message(e: BaseException) -> str:
     return message[:300]
 
 
-def api_client(kubeconfig: str = "", *, connections: int | None = None) -> client.ApiClient:
-    """A client of the API server (in-cluster first, then the kubeconfig). `connections`: how many open
-    connections it keeps for reuse, for a user that holds many at once (the client's default is 5 per
-    CPU). A pool smaller than the connections in use closes each one it cannot keep when it is released,
+class LimitedApiClient(client.ApiClient):
+    """An ApiClient whose every request first takes its turn from `limiter` (None: no limit)."""
+
+    limiter: TokenBucket | None = None
+
+    def call_api(self, method: str, url: str, header_params: Any = None, body: Any = None, post_params: Any = None,
+                 _request_timeout: Any = None) -> Any:
+        if self.limiter is not None:
+            self.limiter.take(wait_bound(_request_timeout), what=f"{method} {urlsplit(url).path}")
+        return super().call_api(method, url, header_params=header_params, body=body, post_params=post_params,
+                                _request_timeout=_request_timeout)
+
+
+def wait_bound(request_timeout: Any) -> float:
+    """How long a request may wait for its turn: its timeout (a (connect, read) pair: both), or REQUEST_TIMEOUT
+    for one that names none (every call of the agents names one)."""
+    if isinstance(request_timeout, (int, float)) and not isinstance(request_timeout, bool) and request_timeout > 0:
+        return float(request_timeout)
+    if isinstance(request_timeout, tuple) and len(request_timeout) == 2:
+        return float(sum(t for t in request_timeout if isinstance(t, (int, float))))
+    return REQUEST_TIMEOUT
+
+
+def api_client(kubeconfig: str = "", *, limit: ApiLimit | None, connections: int | None = None) -> client.ApiClient:
+    """A client of the API server (in-cluster first, then the kubeconfig). `limit`: its client-side rate limit
+    (a bucket of its own); None: none, which only a short-lived tool should ask for (the hooks). `connections`:
+    how many open connections it keeps for reuse, for a user that holds many at once (the client's default is 5
+    per CPU). A pool smaller than the connections in use closes each one it cannot keep when it is released,
     and the next call pays a new TCP and TLS handshake, on both ends."""
     if kubeconfig:
-        api = cast(client.ApiClient, config.new_client_from_config(config_file=kubeconfig))
+        # config.new_client_from_config's steps, with this module's client class
+        configuration = client.Configuration()
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        api = LimitedApiClient(configuration=configuration)
     else:
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        api = client.ApiClient()
+        api = LimitedApiClient()
+    api.limiter = limit.bucket() if limit is not None else None
     if connections is not None:
         # read when the pool for the API server's host is made, at the first call (none has been made yet)
         api.rest_client.pool_manager.connection_pool_kw["maxsize"] = connections

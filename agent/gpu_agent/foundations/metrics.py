@@ -51,6 +51,16 @@ class NodeMetrics:
             self.gpu_health_transitions.labels(state)
         for kind in ("xid_critical", "xid_ignored", "ecc_single", "ecc_double"):
             self.gpu_health_events.labels(kind)
+        # The client-side rate limit of API server calls (foundations/ratelimit.py), by the agent's API client
+        # (work, leader, domains, gpus, dra): how often it held a request back, and for how long.
+        self.kube_api_throttled = Counter("gpu_agent_kube_api_throttled", "Kubernetes API requests the client-side "
+                                          "rate limit (kubeApiQps, kubeApiBurst) held back: waited (then sent) or "
+                                          "refused (the wait would have outlasted the request's timeout; not sent)",
+                                          ["client", "outcome"], registry=r)
+        self.kube_api_throttle_wait = Histogram("gpu_agent_kube_api_throttle_wait_seconds", "Time Kubernetes API "
+                                                "requests that waited spent waiting for the client-side rate limit",
+                                                ["client"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+                                                registry=r)
 
     # The health tracker's metrics sink (gpu_health.HealthMetrics).
     def gpu_health_transition(self, to: str) -> None:
@@ -62,6 +72,14 @@ class NodeMetrics:
 
     def gpu_health_event(self, kind: str) -> None:
         self.gpu_health_events.labels(kind).inc()
+
+    # The rate limiters' sink (ratelimit.LimiterObserver).
+    def kube_api_waited(self, client: str, seconds: float) -> None:
+        self.kube_api_throttled.labels(client, "waited").inc()
+        self.kube_api_throttle_wait.labels(client).observe(seconds)
+
+    def kube_api_refused(self, client: str) -> None:
+        self.kube_api_throttled.labels(client, "refused").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,6 +39,7 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.randomness import RandomSources
+from gpu_agent.foundations.ratelimit import ApiLimit, kube_api_settings
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
@@ -122,6 +123,19 @@ SETTINGS = [
             "leading and pauses its queues (shorter than the lease duration)", 0.5, 3600),
     Setting("leaderElectionRetryPeriod", "seconds", 2.0, "wait between attempts to acquire or renew "
             "(shorter than the renew deadline)", 0.1, 600),
+    # Each API client's own limit (foundations/ratelimit.py). The busy client is the Pod executor's: an item costs
+    # about 7 calls (its Pod's create; a read at once, then one per change the watch shows: scheduled, started,
+    # ended; after the ack the finalizer's release and the delete), and an item still running one read per 5 s
+    # (the watch's fallback). The queue bench's 16 one-GPU slots turn over no faster than every ~2 s (create ->
+    # Succeeded -> gone), so at most ~8 items/s: at most ~56 calls/s at the floor's pace, ~45 at the bench's goal
+    # (0.8 of it). 100/s is about twice that; a burst of 200 lets a wave of 100 items start at once (a create and
+    # a read each), and a wave of ~600 queue within the 10 s a call may wait. Beyond ~500 items running at once
+    # their fallback reads alone (0.2/s each) reach 100/s: raise it there. The other clients send far less: the
+    # Lease's a renewal every 2 s; the domain fold's a list and a watch per domain when it starts (64 domains:
+    # 128, inside the burst), then about one status write per domain per change, coalesced; the GPU source's one
+    # watch. kube-controller-manager's 20/30 per controller would hold the executor to ~3 items/s: a controller
+    # reads from its informers' cache, the executor reads its Pod fresh.
+    *kube_api_settings(100.0, 200),
 ]
 
 
@@ -166,12 +180,14 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     leaderElectionLeaseDuration: float
     leaderElectionRenewDeadline: float
     leaderElectionRetryPeriod: float
+    kubeApiQps: float
+    kubeApiBurst: int
 
 
 WORK_CONNECTIONS = 64  # the Pod executor's pool of API server connections, at least
 
 
-def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
+def make_executor(cfg: ClusterAgentConfig, clock: Clock, api_limit: ApiLimit | None = None) -> Executor:
     if cfg.executor == "pod":
         # Kubernetes' client costs ~15 MiB of RSS: loaded only by the roles that use it.
         from kubernetes import client
@@ -184,7 +200,7 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock) -> Executor:
         # Each item in flight reads its Pod: a pool smaller than the calls in flight closes connections it cannot
         # keep, and the next call pays a TLS handshake (foundations/kube.py). 0 in flight: the GPUs, not known yet.
         connections = max(WORK_CONNECTIONS, cfg.queueMaxInFlight + 4)
-        api = api_client(cfg.kubeconfig, connections=connections)
+        api = api_client(cfg.kubeconfig, connections=connections, limit=api_limit.named("work") if api_limit else None)
         # One watch of the release's work Pods says when each item reads its Pod again (not every 0.5 s each).
         changes = PodChanges(core_v1_list(api, "pods"), cfg.workNamespace, work_pod_selector(cfg.releaseName), clock=clock)
         claims = DraWorkClaims(client.ResourceV1Api(api), cfg.workNamespace, cfg.draDeviceClassName, release=cfg.releaseName,
@@ -218,17 +234,19 @@ class ClusterAgent:
         CURRENT.set(self.threads)
         self.metrics = AgentMetrics()
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
+        # Each API client this agent builds gets a bucket of its own from this (foundations/ratelimit.py).
+        self.api_limit = ApiLimit(cfg.kubeApiQps, cfg.kubeApiBurst, clock=self.clock, observer=self.metrics)
         self.gate = Gate(self.clock, self._gate_observed)
         self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
         # The parts, as the module docstring draws them (the elector and the aggregator are made when
         # they start: both need the Kubernetes API).
-        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock), clock=self.clock,
-                                        health=self.health,
+        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),
+                                        clock=self.clock, health=self.health,
                                         poll_interval=cfg.gpuPollInterval, on_change=self._gpus_changed,
                                         loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         self.registration = self._registration()
-        self.executor = make_executor(cfg, self.clock)
+        self.executor = make_executor(cfg, self.clock, self.api_limit)
         self.queue = self._queue()
         self.elector: LeaderElector | None = None
         self.work_fence: KubeWorkFence | None = None  # made with the elector (it needs the Kubernetes API)
@@ -358,7 +376,7 @@ class ClusterAgent:
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.domain.aggregate import FOLDER_CONNECTIONS, Aggregator, EveryDomainAggregator
 
-        api = api_client(self.cfg.kubeconfig, connections=FOLDER_CONNECTIONS)
+        api = api_client(self.cfg.kubeconfig, connections=FOLDER_CONNECTIONS, limit=self.api_limit.named("domains"))
         self.recorder = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
                                       clock=self.clock)
         start_thread("domain-events", self.recorder.run)
@@ -396,7 +414,7 @@ class ClusterAgent:
         from gpu_agent.mechanisms.leadership.kube_fence import KubeWorkFence
         from gpu_agent.mechanisms.leadership.kube_lease import KubeLease
 
-        api = api_client(self.cfg.kubeconfig)
+        api = api_client(self.cfg.kubeconfig, limit=self.api_limit.named("leader"))
         timeout = min(self.cfg.requestTimeout, self.election.retry_period * 2)
         if self.cfg.workPodFence:
             self.work_fence = KubeWorkFence(api, namespace=self.cfg.leaderElectionNamespace, name=self.cfg.workPodFence,

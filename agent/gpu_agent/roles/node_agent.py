@@ -27,6 +27,7 @@ from gpu_agent.foundations.gpus import Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
+from gpu_agent.foundations.ratelimit import ApiLimit, kube_api_settings
 from gpu_agent.foundations.threads import CURRENT, Threads
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
@@ -69,6 +70,14 @@ SETTINGS = [
             "(one the container runtime reads)"),
     Setting("draCleanupInterval", "seconds", 600.0, "how often the DRA driver unprepares claims it left half-prepared "
             "whose object is gone or replaced (also at start)", 1, 86400),
+    # Each API client's own limit (foundations/ratelimit.py): the domain's and the DRA driver's. Steady, a node
+    # agent sends a fraction of a call a second (its member applied every heartbeat, 5 s; watches). Its bursts: at
+    # start a handful (lists, watches, its member, its ResourceSlice); the DRA driver reads each claim it prepares,
+    # one at a time, so a 16-GPU node (the CI's fake node) starting a Pod per GPU at once reads 16 claims and
+    # writes its slice: inside a burst of 20, refilled in 2 s at 10/s. client-go's default (5/10) would hold the
+    # last of those 16 Pods' claims about a second. A DaemonSet multiplies whatever one agent sends by the nodes,
+    # so its limit stays low: a bug's loop on 1,000 nodes is 10,000/s, not whatever each can send.
+    *kube_api_settings(10.0, 20),
 ]
 
 
@@ -93,6 +102,8 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     draPluginDir: str
     draCdiDir: str
     draCleanupInterval: float
+    kubeApiQps: float
+    kubeApiBurst: int
 
 
 def member_message(event: InventoryEvent) -> str:
@@ -119,6 +130,9 @@ class NodeAgent:
         # Every long-lived thread this agent starts, from here on and from its run (foundations/threads.py).
         self.threads = Threads(self.health)
         CURRENT.set(self.threads)
+        self.metrics = NodeMetrics()
+        # Each API client this agent builds gets a bucket of its own from this (foundations/ratelimit.py).
+        self.api_limit = ApiLimit(cfg.kubeApiQps, cfg.kubeApiBurst, clock=self.clock, observer=self.metrics)
         self.domain: Any = None
         if cfg.domainName or cfg.joinMatchingDomains:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
@@ -128,7 +142,7 @@ class NodeAgent:
             from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
             from gpu_agent.mechanisms.domain.writer import DomainWriter
 
-            api = api_client(cfg.kubeconfig)
+            api = api_client(cfg.kubeconfig, limit=self.api_limit.named("domains"))
 
             def reconciler_for(domain: str) -> DomainReconciler:
                 writer: DomainWriter | MemberWriter
@@ -155,13 +169,12 @@ class NodeAgent:
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.dra.driver import DRADriver
 
-            self.dra = DRADriver(api_client(cfg.kubeconfig), driver=cfg.draDriverName, node=cfg.nodeName,
-                                 registry_dir=Path(cfg.draRegistryDir), plugin_dir=Path(cfg.draPluginDir),
+            self.dra = DRADriver(api_client(cfg.kubeconfig, limit=self.api_limit.named("dra")), driver=cfg.draDriverName,
+                                 node=cfg.nodeName, registry_dir=Path(cfg.draRegistryDir), plugin_dir=Path(cfg.draPluginDir),
                                  cdi_dir=Path(cfg.draCdiDir), health=self.health, clock=self.clock,
                                  cleanup_interval=cfg.draCleanupInterval)
-        self.metrics = NodeMetrics()
-        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock), clock=self.clock,
-                                        health=self.health, poll_interval=cfg.gpuPollInterval,
+        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),
+                                        clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
                                         on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")

@@ -77,6 +77,10 @@ NAMED = {
     "domain.heartbeatTTL": ("cluster-agent", "domainHeartbeatTtl"),
     "queue.maxInFlight": ("cluster-agent", "queueMaxInFlight"),
     "domain.heartbeatInterval": ("node-agent", "domainHeartbeatInterval"),
+    "clusterAgent.kubeAPI.qps": ("cluster-agent", "kubeApiQps"),
+    "clusterAgent.kubeAPI.burst": ("cluster-agent", "kubeApiBurst"),
+    "nodeAgent.kubeAPI.qps": ("node-agent", "kubeApiQps"),
+    "nodeAgent.kubeAPI.burst": ("node-agent", "kubeApiBurst"),
 }
 
 

@@ -13,7 +13,8 @@ def families(metrics) -> dict:
 def test_node_agent_exports_node_metrics_only_and_the_cluster_agent_all():
     node, cluster = families(NodeMetrics()), families(AgentMetrics())
     shared = {"gpu_agent_gpus", "gpu_agent_gpu_generation", "gpu_agent_gpu_drops", "gpu_agent_build_info",
-              "process_resident_memory_bytes", "process_cpu_seconds", "python_info"}
+              "process_resident_memory_bytes", "process_cpu_seconds", "python_info",
+              "gpu_agent_kube_api_throttled", "gpu_agent_kube_api_throttle_wait_seconds"}
     assert shared <= set(node) and shared <= set(cluster)
     cluster_only = {"gpu_agent_ready", "gpu_agent_queue_paused", "gpu_agent_registration_attempts",
                     "gpu_agent_items_processed", "gpu_agent_gate_wait_seconds"}

@@ -382,7 +382,9 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   (list "queueMaxInFlight" $v.queue.maxInFlight "queue.maxInFlight")
   (list "leaderElectionLeaseDuration" $le.leaseDuration "clusterAgent.leaderElection.leaseDuration")
   (list "leaderElectionRenewDeadline" $le.renewDeadline "clusterAgent.leaderElection.renewDeadline")
-  (list "leaderElectionRetryPeriod" $le.retryPeriod "clusterAgent.leaderElection.retryPeriod") -}}
+  (list "leaderElectionRetryPeriod" $le.retryPeriod "clusterAgent.leaderElection.retryPeriod")
+  (list "kubeApiQps" $v.clusterAgent.kubeAPI.qps "clusterAgent.kubeAPI.qps")
+  (list "kubeApiBurst" $v.clusterAgent.kubeAPI.burst "clusterAgent.kubeAPI.burst") -}}
 {{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
 {{- $named = append $named (list "domainHeartbeatTtl" $v.domain.heartbeatTTL "domain.heartbeatTTL") -}}
 {{- end -}}
@@ -398,7 +400,9 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   (list "verbosity" $v.logVerbosity "logVerbosity")
   (list "gpuLossDebounce" $v.nodeAgent.gpuLossDebounce "nodeAgent.gpuLossDebounce")
   (list "gpuHealthIgnoredXids" $v.gpuHealth.ignoredXids "gpuHealth.ignoredXids")
-  (list "gpuHealthRecovery" $v.gpuHealth.recovery "gpuHealth.recovery") -}}
+  (list "gpuHealthRecovery" $v.gpuHealth.recovery "gpuHealth.recovery")
+  (list "kubeApiQps" $v.nodeAgent.kubeAPI.qps "nodeAgent.kubeAPI.qps")
+  (list "kubeApiBurst" $v.nodeAgent.kubeAPI.burst "nodeAgent.kubeAPI.burst") -}}
 {{- if include "gpu-agent.domainsOn" . -}}
 {{- with $v.domain.name }}{{ $_ := set $wiring "domainName" . }}{{ end -}}
 {{- if $v.domain.joinMatching }}{{ $_ := set $wiring "joinMatchingDomains" true }}{{ end -}}

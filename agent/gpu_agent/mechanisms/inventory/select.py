@@ -7,6 +7,7 @@ from pathlib import Path
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import Config, Setting
+from gpu_agent.foundations.ratelimit import ApiLimit
 from gpu_agent.foundations.xids import DEFAULT_IGNORED_XIDS
 from gpu_agent.mechanisms.inventory.fake import FakeFileSource
 from gpu_agent.mechanisms.inventory.gpu_health import HealthMetrics, HealthTracker
@@ -62,8 +63,10 @@ def health_recovery(cfg: GPUSourceConfig) -> float:
     return HEALTH_RECOVERY_DEFAULTS[cfg.gpuSource] if cfg.gpuHealthRecovery == "" else float(cfg.gpuHealthRecovery)
 
 
-def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, clock: Clock | None = None) -> GPUSource:
-    """The configured source; `metrics` receives its GPUs' health transitions and counts (nvml and fake)."""
+def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, clock: Clock | None = None,
+                api_limit: ApiLimit | None = None) -> GPUSource:
+    """The configured source; `metrics` receives its GPUs' health transitions and counts (nvml and fake).
+    `api_limit`: the client-side rate limit of the cluster source's API client; None: none (a one-shot command)."""
     tracker = HealthTracker(clock=clock or SystemClock(), recovery=health_recovery(cfg),
                             ignored_xids=cfg.gpuHealthIgnoredXids, source=cfg.gpuSource, metrics=metrics)
     if cfg.gpuSource == "nvml":
@@ -72,7 +75,8 @@ def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, c
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.inventory.cluster import ClusterSource
 
-        return ClusterSource(api_client(getattr(cfg, "kubeconfig", "")), node_selector=getattr(cfg, "gpuNodeSelector", ""),
-                             dra_driver=getattr(cfg, "draDriverName", ""))
+        limit = api_limit.named("gpus") if api_limit is not None else None
+        return ClusterSource(api_client(getattr(cfg, "kubeconfig", ""), limit=limit),
+                             node_selector=getattr(cfg, "gpuNodeSelector", ""), dra_driver=getattr(cfg, "draDriverName", ""))
 
     return FakeFileSource(Path(cfg.fakeGpuStateFile), tracker)
