@@ -27,6 +27,11 @@ def test_helm_lint_and_rendered_manifests_pass_the_api_servers_validation(kubeco
     assert r.stdout.count("(server dry run)") == len([d for d in yaml.safe_load_all(rendered) if d])
 
 
+# The `release` fixture's tests start their cluster agent with no GPUs: without gracefulNoGPU it would exit and
+# crash-loop (its default fails fast at start), which none of them is about.
+GRACEFUL = ("--set", "gracefulNoGPU=true")
+
+
 @pytest.fixture
 def release(api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(0)
@@ -147,13 +152,13 @@ def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_pat
         c = ext.read_custom_resource_definition("gpudomains.gpu-agent.io")
         return set(c.spec.versions[0].schema.open_apiv3_schema.properties["spec"].properties)
 
-    args = release.args()
+    args = release.args(*GRACEFUL)
     args[args.index(str(CHART))] = str(old_chart)
     helm("install", *args, "--timeout", "120s")
     current = set(yaml.safe_load((CHART / "crds" / "gpudomain.yaml").read_text())["spec"]["versions"][0]["schema"]
                   ["openAPIV3Schema"]["properties"]["spec"]["properties"])
     assert spec_fields() == current - {"nodeSelector"}
-    release.upgrade()
+    release.upgrade(*GRACEFUL)
     assert spec_fields() == current
     managers = {m.manager for m in ext.read_custom_resource_definition("gpudomains.gpu-agent.io").metadata.managed_fields}
     assert "gpu-agent-hooks" not in managers, "the hook must apply as Helm does, or Helm's next CRD install conflicts"
@@ -164,19 +169,19 @@ def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_pat
     helm("install", *args, "--timeout", "120s")
     assert spec_fields() == current - {"nodeSelector"}
     release.uninstall()
-    release.install()
+    release.install(*GRACEFUL)
     assert spec_fields() == current
 
 
 def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_path, core):
-    release.install()
+    release.install(*GRACEFUL)
     wait_until(release.all_running, 60, "every release pod Running")
     future = tmp_path / "gpu-agent"
     shutil.copytree(CHART, future)
     chart_yaml = yaml.safe_load((future / "Chart.yaml").read_text())
     chart_yaml["appVersion"] = "2.0.0"
     (future / "Chart.yaml").write_text(yaml.safe_dump(chart_yaml))
-    args = release.args()
+    args = release.args(*GRACEFUL)
     args[args.index(str(CHART))] = str(future)
     r = helm("upgrade", *args, "--set", "hooks.backoffLimit=0", "--timeout", "120s", check=False)
     assert r.returncode != 0 and "pre-upgrade" in r.stderr
@@ -196,7 +201,7 @@ def can_i(api, namespace, sa, verb, resource, ns=None, group=""):
 
 
 def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(release, api):
-    release.install()
+    release.install(*GRACEFUL)
     ns, other = release.namespace, f"other-{uuid.uuid4().hex[:4]}"
     table = [
         ("cluster-agent", "list", "nodes", None, True), ("cluster-agent", "watch", "nodes", None, True),

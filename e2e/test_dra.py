@@ -32,6 +32,7 @@ pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registratio
 
 DRIVER = "gpu.gpu-agent.io"
 CLASS = "gpu.gpu-agent.io"
+DRA_VALUES = ("--set", "dra.enabled=true", "--set", "gracefulNoGPU=true")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,10 @@ def dra(api, core, apps, kubeconfig, fake_gpus):
     release = Release(api, core, apps, kubeconfig, ns, name="dra")
     fake_gpus.set(2)
     started = time.monotonic()
-    release.install("--set", "dra.enabled=true", "--wait")
+    # gracefulNoGPU: the cluster agent counts the devices this release's own node agents publish, which its first look
+    # may come before (an agent failing fast would exit and restart once); and the module's tests take every device
+    # away and expect it NotReady, not restarting.
+    release.install(*DRA_VALUES, "--wait")
     print(f"\nDRA release installed with --wait in {time.monotonic() - started:.1f}s")
     resource = client.ResourceV1Api(api)
     yield release, resource
@@ -556,7 +560,7 @@ def test_a_claim_left_in_prepare_started_whose_object_is_gone_is_unprepared_by_t
     core.delete_namespaced_pod("stale", namespace, grace_period_seconds=0)
     resource.delete_namespaced_resource_claim("stale", namespace, grace_period_seconds=0)
     wait_until(lambda: not resource.list_namespaced_resource_claim(namespace).items, 60, "the claim gone")
-    release.install("--set", "dra.enabled=true", "--wait")
+    release.install(*DRA_VALUES, "--wait")
     after = wait_until(lambda: node_agent_on(release, fake_gpus.node), 60, "the new node agent Ready", interval=0.5)
 
     def stale_lines():

@@ -3,6 +3,9 @@
 A kubelet restart must not flap it (the cluster source reads allocatable 0 for about a second
 while the device plugin registers again; gpuLossDebounce absorbs that), and a real removal must
 still turn it NotReady within the window + 1 s. Samplers record in threads; the test asserts.
+
+Every test here but the fail-fast one installs with gracefulNoGPU=true: they start the agent with
+no GPUs, which the chart's default (NVCA's) answers with an exit, and assert NotReady instead.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import time
 import uuid
 
 import pytest
+from kubernetes import client
 from kubernetes.client import ApiException
 
 from e2e import cluster
 from e2e.helpers import Sampler, drops, pod_http_get, pod_log, wait_until
-from e2e.release import Release
+from e2e.release import CA, Release
 
 CLUSTER_SOURCE_WINDOW = 5.0  # gpuLossDebounce default of the cluster source (mechanisms/inventory/select.py)
 
@@ -130,6 +134,70 @@ def test_gpus_0_4_0_three_times_readiness_follows_through_the_service(release_at
         seen.append((round(up, 1), round(time.monotonic() - t, 1)))
     print(f"\n0->4->0 x3 through the Service: (to 200, to 503) seconds per cycle: {seen}")
     assert set(agent_restarts(r)) == {0}, "an agent container restarted during the cycles"
+
+
+def test_without_graceful_no_gpu_the_agent_exits_at_zero_gpus_saying_why_releases_its_lease_and_is_ready_once_gpus_come(
+        release_at_zero, fake_gpus):
+    """NVCA's default, the chart's: installed (no --wait) on a cluster with no GPUs, the cluster agent's container
+    ends with exit code 3 after the shutdown a SIGTERM takes, the last line of its log naming gracefulNoGPU and what to
+    set; if it had led, it released the Lease (none held while it is down); GPUs come, and the next restart
+    (CrashLoopBackOff: 10 s after the first exit, then 20 s, 40 s) is Ready."""
+    r = release_at_zero
+    r.install()  # the chart's default: gracefulNoGPU=false
+    config = r.core.read_namespaced_config_map(f"{r.fullname}-cluster-agent", r.namespace).data["config.yaml"]
+    assert "gracefulNoGPU: false" in config, config
+
+    def ended():
+        """(pod, container status, its terminated state, whether that is the previous run) once it has ended."""
+        pods = [p for p in r.pods(CA) if p.metadata.deletion_timestamp is None]
+        for status in (pods[0].status.container_statuses or []) if len(pods) == 1 else []:
+            if status.state and status.state.terminated:
+                return pods[0].metadata.name, status, status.state.terminated, False
+            if status.last_state and status.last_state.terminated:
+                return pods[0].metadata.name, status, status.last_state.terminated, True
+        return None
+
+    pod, status, terminated, previous = wait_until(ended, 90, "the cluster agent's container ended", interval=0.5)
+    lease = f"{r.fullname}-cluster-agent"
+    try:
+        holder = client.CoordinationV1Api(r.api).read_namespaced_lease(lease, r.namespace).spec.holder_identity
+    except ApiException as e:
+        assert e.status == 404, e
+        holder = None
+    down = ended()  # the run that ended is still the last one: the Lease was read while the agent was down
+    down = down is not None and (down[1].restart_count, down[1].state.running) == (status.restart_count, None)
+
+    def lines_of(of_previous: bool) -> list[str]:
+        try:
+            text = r.core.read_namespaced_pod_log(pod, r.namespace, container="cluster-agent", previous=of_previous)
+        except ApiException:
+            return []
+        return [line for line in (text or "").splitlines() if line.strip()]
+
+    lines = lines_of(previous)
+    if not previous and not any("gracefulNoGPU is off" in line for line in lines[-1:]):
+        lines = lines_of(True)  # it restarted between the two reads: the run that ended is the previous one
+    last = lines[-1] if lines else ""
+    led = next((i for i, line in enumerate(lines) if "became the leader" in line), None)
+    print(f"\nno GPUs, gracefulNoGPU off: exit code {terminated.exit_code} ({terminated.reason}); "
+          f"{'it led, then' if led is not None else 'it never led;'} the Lease's holder while it was down: "
+          f"{holder if down else '(not read while down)'}; last line: {last}")
+    assert terminated.exit_code == 3, terminated
+    assert "no GPUs in the cluster at start" in last and "gracefulNoGPU is off" in last, last
+    assert "set gracefulNoGPU=true" in last, last
+    assert any(line.split("] ", 1)[-1].startswith("shutting down (exit code 3") for line in lines), lines[-10:]
+    if led is not None:  # the clean shutdown a SIGTERM takes: the Lease released before the exit, none left held
+        assert any("released the lease" in line for line in lines[led:]), lines[led:]
+        if down:
+            assert holder in (None, ""), f"{holder} holds the Lease while its agent is down"
+
+    fake_gpus.set(2)
+    arrived = time.monotonic()
+    wait_until(lambda: r.healthz()[0] == 200, 90, "the cluster agent Ready once GPUs are there (after a restart)",
+               interval=0.5)
+    restarts = max(c.restart_count for p in r.pods(CA) for c in p.status.container_statuses or [])
+    print(f"GPUs -> Ready {time.monotonic() - arrived:.1f} s later, after {restarts} restart(s)")
+    assert restarts >= 1
 
 
 def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero, fake_gpus):

@@ -99,7 +99,9 @@ def main() -> int:
             "--wait", "--timeout", "120s")
         run(*helm, "install", "ga", str(REPO / "charts" / "gpu-agent"), "--set", "image.tag=dev",
             "--set", "image.pullPolicy=Never", "--set", "controlPlane.enabled=true", "--set", "nodeAgent.gpuSource=fake",
-            "--set", f"nodeAgent.fakeGpuStateDir={STATE_DIR}", "--set", "dra.enabled=true", "--wait", "--timeout", "180s")
+            "--set", f"nodeAgent.fakeGpuStateDir={STATE_DIR}", "--set", "dra.enabled=true",
+            # the cluster agent counts the devices this release's node agents publish, maybe after its first look
+            "--set", "gracefulNoGPU=true", "--wait", "--timeout", "180s")
         resource.create_namespaced_resource_claim_template(ns, {
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
             "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS}}]}}}},

@@ -8,7 +8,9 @@
     gpu-agent queue list|add  the control plane's work queue (admin token), e.g. beside `make run`
     gpu-agent version         (or `gpu-agent --version`)
 
-Bad flags and bad values exit with code 2 and a message naming the setting.
+Bad flags and bad values exit with code 2 and a message naming the setting. A cluster agent (or
+`local` with --graceful-no-gpu=false) that starts with no GPUs and gracefulNoGPU off exits with code 3,
+its last log line saying why (roles/cluster_agent.py).
 """
 
 from __future__ import annotations
@@ -117,17 +119,17 @@ def _queue(args: argparse.Namespace, cfg: QueueConfig) -> int:
         client.close()
 
 
-async def _serve(cfg: Config) -> None:
-    """Run the role whose settings `cfg` holds (the class says which)."""
+async def _serve(cfg: Config) -> int:
+    """Run the role whose settings `cfg` holds (the class says which); the process's exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if isinstance(cfg, local.LocalConfig):  # before ClusterAgentConfig, which it extends
-        await local.run(cfg, stop)
-    elif isinstance(cfg, cluster_agent.ClusterAgentConfig):
-        await cluster_agent.ClusterAgent(cfg).run(stop)
-    elif isinstance(cfg, node_agent.NodeAgentConfig):
+        return await local.run(cfg, stop)
+    if isinstance(cfg, cluster_agent.ClusterAgentConfig):
+        return await cluster_agent.ClusterAgent(cfg).run(stop)
+    if isinstance(cfg, node_agent.NodeAgentConfig):
         await node_agent.NodeAgent(cfg).run(stop)
     else:
         assert isinstance(cfg, control_plane.ControlPlaneConfig)
@@ -138,6 +140,7 @@ async def _serve(cfg: Config) -> None:
             await stop.wait()
         finally:
             await in_daemon_thread(server.stop)
+    return 0
 
 
 def _print_inventory(cfg: InventoryConfig) -> int:
@@ -182,10 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         settings, config_class, _ = ROLES[args.role]
         cfg = load(settings, args, as_=config_class)
         klog.setup(cfg.verbosity)
-        asyncio.run(_serve(cfg))
+        return asyncio.run(_serve(cfg))
     except (ConfigError, ListenError) as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0

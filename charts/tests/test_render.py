@@ -61,6 +61,7 @@ BAD_VALUES = [
     (["--set", "dra.cdiDir=cdi"], "/dra/cdiDir"),
     (["--set", "dra.socketDir=/x"], "socketDir"),
     (["--set", "nodeAgent.config.draDriverName=x"], "draDriverName"),  # the chart wires it: set dra.driverName
+    (["--set", "clusterAgent.config.gracefulNoGPU=true"], "gracefulNoGPU"),  # the chart wires it: set gracefulNoGPU
     (["--set", "nodeAgent.runtimeClassName=Nvidia_CDI"], "/nodeAgent/runtimeClassName"),  # not a DNS subdomain
     (["--set", "nodeAgent.runtimeClassName=true"], "/nodeAgent/runtimeClassName': got boolean, want null or string"),
     (["--set", "nodeAgent.runtimeClassName=" + "r" * 254], "/nodeAgent/runtimeClassName"),
@@ -95,6 +96,18 @@ def test_rendered_strategy_follows_the_readiness_model():
                                                "--set", "clusterAgent.strategy.type=RollingUpdate",
                                                "--set", "clusterAgent.strategy.rollingUpdate.maxSurge=0"))
     assert no_surge["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0}
+
+
+def test_graceful_no_gpu_reaches_the_cluster_agents_config_in_both_states_and_the_notes_say_what_each_means():
+    assert agent_config(render(), "cluster-agent")["gracefulNoGPU"] is False  # NVCA's default: fail fast at start
+    assert agent_config(render("--set", "gracefulNoGPU=true"), "cluster-agent")["gracefulNoGPU"] is True
+    assert "gracefulNoGPU" not in agent_config(render(), "node-agent")  # the cluster agent's alone
+    off, on = notes(), notes("--set", "gracefulNoGPU=true")
+    assert "gracefulNoGPU is off (NVCA's default): a cluster agent that starts with no GPUs in the cluster exits" in off
+    assert "so on a cluster whose GPU nodes have not joined yet it crash-loops" in off
+    assert "Set gracefulNoGPU=true for clusters whose GPU nodes come and go" in off
+    assert "gracefulNoGPU is on: with no GPUs the cluster agent stays live but NotReady" in on
+    assert "gracefulNoGPU is off" not in on and "gracefulNoGPU is on" not in off
 
 
 def test_rendered_placement_finds_gpu_nodes_by_any_common_label_and_a_users_selector_wins():
@@ -193,8 +206,9 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
         mounts = d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
         assert {"name": "config", "mountPath": "/etc/gpu-agent", "readOnly": True} in mounts
     # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
+    # gracefulNoGPU is a value of the chart's own, always passed (test_graceful_no_gpu_reaches_...).
     assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
-                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile",
+                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU",
                               "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"}
     assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
     assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"

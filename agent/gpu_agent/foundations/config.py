@@ -70,7 +70,9 @@ def quote_one_line(value: object, limit: int = 200) -> str:
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    """camelCase as snake_case, an acronym kept whole: gpuPollInterval -> gpu_poll_interval, gracefulNoGPU ->
+    graceful_no_gpu (its flag --graceful-no-gpu, its variable GPU_AGENT_GRACEFUL_NO_GPU)."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The cluster agent: graceful no-GPU mode, from GPU discovery to leasing work.
+"""The cluster agent: from GPU discovery to leasing work, failing fast or graceful without GPUs.
 
     GPU source -> InventoryMonitor -> RegistrationManager -> (credentials) --+
                                                                              +--> QueueConsumer -> Executor
@@ -19,6 +19,20 @@ and `replicas: 2` could never be installed with `--wait`. With it Ready, a rolli
 hand-over: the new pod registers and becomes a Ready standby, the old leader is told to stop,
 pauses its queues and releases the Lease, and the standby, watching the Lease, leads at once.
 With no GPUs nothing is Ready, as NVCA validated (the chart then replaces the pod: Recreate).
+
+Without GPUs at start, `gracefulNoGPU` decides, as NVCA's flag of that name does:
+
+- off (the default, NVCA's, and the chart's): the agent fails fast. When the inventory monitor's first
+  complete reading (the source answered in full: not an error, not a hung read, not the cluster source
+  still waiting for its first list of nodes or slices) counts no GPU at all, the agent stops as it does
+  on SIGTERM (queues paused, the Lease released, endpoints closed) and the process exits with code 3
+  (EXIT_NO_GPUS), its last log line saying why and what to set. GPUs listed but unhealthy are GPUs: it
+  waits for them, NotReady. Once a first complete reading has counted GPUs, the start is done: GPUs lost
+  later turn the agent NotReady with its queues paused, as in graceful mode, and it never exits for it.
+- on: graceful no-GPU mode. The agent is live with no GPUs (`/livez` 200) but NotReady (`/healthz` 503)
+  with its queues paused, however long that lasts, until GPUs, registration and credentials are there.
+
+`gpu-agent local` (make run) is the graceful mode's demo, started with no GPUs: its default is on.
 """
 
 from __future__ import annotations
@@ -27,8 +41,9 @@ import asyncio
 import os
 import random
 import socket
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import VERBOSITY, ConfigError, RoleConfig, Setting
@@ -64,6 +79,9 @@ SETTINGS = [
     VERBOSITY,
     Setting("listenAddress", "address", "127.0.0.1:8080", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     *GPU_SOURCE_SETTINGS,
+    Setting("gracefulNoGPU", "bool", False, "with no GPUs at start, stay live but NotReady (queues paused) until "
+            "GPUs come; false: exit with code 3 when the first complete GPU reading counts none (GPUs lost after a "
+            "start with GPUs never make the agent exit)"),
     Setting("gpuNodeSelector", "labels", "", "node labels (key=value,...): with gpuSource=cluster only the GPUs of the "
             "nodes that carry them count, and work Pods are placed on those nodes (their nodeSelector); empty: every "
             "node", optional=True),
@@ -142,6 +160,7 @@ SETTINGS = [
 class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     """The settings above, typed (`Config.problems` holds the two to each other)."""
     listenAddress: str
+    gracefulNoGPU: bool
     gpuNodeSelector: str
     draDriverName: str
     draDeviceClassName: str
@@ -185,6 +204,15 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
 
 
 WORK_CONNECTIONS = 64  # the Pod executor's pool of API server connections, at least
+
+EXIT_NO_GPUS = 3  # the process's exit code when it starts with no GPUs and gracefulNoGPU is off
+
+
+def no_gpus_at_start(note: str | None) -> str:
+    """The reason an agent without gracefulNoGPU gives up at start: its last log line."""
+    seen = f" ({note})" if note else ""
+    return (f"no GPUs in the cluster at start{seen} and gracefulNoGPU is off: exiting (set gracefulNoGPU=true to wait "
+            "for GPUs live but NotReady)")
 
 
 def make_executor(cfg: ClusterAgentConfig, clock: Clock, api_limit: ApiLimit | None = None) -> Executor:
@@ -262,6 +290,12 @@ class ClusterAgent:
         self.health.set("leadership", True, self.leading[1])  # a standby does its job: see the module docstring
         self.logged: tuple[bool, str] | None = None
         self.started = asyncio.Event()  # set once the endpoints serve
+        # Whether the first complete GPU reading counted GPUs (None until one came): without gracefulNoGPU, none
+        # at start ends the run; after a start with GPUs nothing does.
+        self.started_with_gpus: bool | None = None
+        # Why this agent stops on its own, with the process's exit code (None: it runs until told to stop).
+        self.exit: tuple[int, str] | None = None
+        self._stopping = asyncio.Event()
 
     def _registration(self) -> RegistrationManager:
         cfg = self.cfg
@@ -324,8 +358,29 @@ class ClusterAgent:
     async def _gpus_changed(self, event: InventoryEvent) -> None:
         self.metrics.gpus.set(len(event.inventory.healthy))  # what it registers: only healthy GPUs count
         self.metrics.gpu_generation.set(event.generation)
+        if self._no_gpus_at_start(event):
+            return
         await self.queue.set_gpus(len(event.inventory.healthy))  # what items in flight may use
         await self.registration.gpus_changed(event.generation, event.inventory)
+
+    def _no_gpus_at_start(self, event: InventoryEvent) -> bool:
+        """NVCA's fail-fast, decided once, by the first complete reading: True when it counts no GPU and
+        gracefulNoGPU is off, and the run is then told to stop. A reading that is no answer (an error, a hung
+        read, a source still waiting for its first list) decides nothing: the next one may."""
+        if self.started_with_gpus is not None or not event.complete:
+            return False
+        self.started_with_gpus = event.inventory.count > 0
+        if self.started_with_gpus or self.cfg.gracefulNoGPU:
+            return False
+        self.stop_with(EXIT_NO_GPUS, no_gpus_at_start(event.note))
+        return True
+
+    def stop_with(self, code: int, reason: str) -> None:
+        """End the run as a stop request does (queues paused, the Lease released, endpoints closed), then have
+        it log `reason` as its last line and return `code`, the process's exit code. The first reason wins."""
+        if self.exit is None:
+            self.exit = (code, reason)
+        self._stopping.set()
 
     async def _readiness_changed(self, ready: bool, reason: str) -> None:
         self.registered = (ready, reason)
@@ -433,7 +488,9 @@ class ClusterAgent:
                              on_started_leading=self._started_leading, on_stopped_leading=self._stopped_leading,
                              on_new_leader=self._new_leader)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until `stop` is set or the agent stops itself (`stop_with`); the process's exit code: 0, or the
+        code `stop_with` gave, after its reason has been logged as the last line."""
         CURRENT.set(self.threads)
         log.info("effective configuration (secrets redacted):")
         for line in self.cfg.describe():
@@ -452,10 +509,11 @@ class ClusterAgent:
                 if self.cfg.leaderElection:
                     self.elector = self._elector()
                     tasks.append(tg.create_task(self.elector.run(), name="leader-election"))
-                await stop.wait()
+                await first_of(stop.wait(), self._stopping.wait())
                 # Stop leasing before the Lease is released (the elector's task, cancelled below), so
                 # that the successor never finds this agent still leasing: a hand-over, not an overlap.
-                log.info("shutting down: pausing the queues, then releasing the lease")
+                log.info("shutting down%s: pausing the queues, then releasing the lease",
+                         "" if self.exit is None else f" (exit code {self.exit[0]}, why in the last line)")
                 await self.queue.set_open(False, "shutting down")
                 for t in tasks:
                     t.cancel()
@@ -467,4 +525,17 @@ class ClusterAgent:
             self.monitor.source.close()
             self.client.close()
             self._close_executor()
+        if self.exit is None:
+            return 0
+        log.error("%s", self.exit[1])  # the last line: why, and what to do
+        return self.exit[0]
 
+
+async def first_of(*waits: Coroutine[Any, Any, object]) -> None:
+    """Wait until the first of `waits` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

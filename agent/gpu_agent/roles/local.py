@@ -3,7 +3,9 @@
 Starts the reference control plane and the cluster agent on loopback, with the fake GPU
 source. Tokens are generated once into the state folder (mode 0600); the fake GPU state
 file starts with zero GPUs, so the agent comes up live and NotReady, and a few demo work
-items wait in the queue until `fake-gpu set --count 4` brings GPUs.
+items wait in the queue until `fake-gpu set --count 4` brings GPUs. That is graceful no-GPU
+mode, so here `gracefulNoGPU` defaults to true (the cluster agent's own default is false:
+it exits when it starts with no GPUs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import secrets
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from gpu_agent.foundations import fake_state
@@ -26,8 +29,11 @@ from gpu_agent.roles.control_plane.main import STORE_SETTINGS, ServerConfig, bui
 
 log = get_logger(__name__)
 
+# The demo starts with no GPUs and waits for them: graceful no-GPU mode unless told otherwise.
+GRACEFUL = replace(next(s for s in cluster_agent.SETTINGS if s.name == "gracefulNoGPU"), default=True)
+
 SETTINGS = [
-    *cluster_agent.SETTINGS,
+    *(GRACEFUL if s.name == GRACEFUL.name else s for s in cluster_agent.SETTINGS),
     *[s for s in STORE_SETTINGS if s.kind != "secret" and not s.name.endswith("TokenFile")],
     Setting("controlPlaneListen", "address", "127.0.0.1:8700", "HOST:PORT of the embedded control plane"),
     Setting("stateDir", "path", ".run", "folder for tokens, databases and the fake GPU state file"),
@@ -105,7 +111,8 @@ def banner(agent_url: str, control_plane_url: str, state: Path, fake_file: Path,
     ])
 
 
-async def run(cfg: LocalConfig, stop: asyncio.Event) -> None:
+async def run(cfg: LocalConfig, stop: asyncio.Event) -> int:
+    """Serve until `stop` is set; the process's exit code (the cluster agent's: see ClusterAgent.run)."""
     cfg = in_state_dir(cfg)
     state = Path(cfg.stateDir)
     registration_token = _token(state / "registration-token")
@@ -133,7 +140,7 @@ async def run(cfg: LocalConfig, stop: asyncio.Event) -> None:
 
         announcing = asyncio.create_task(announce())
         try:
-            await agent.run(stop)
+            return await agent.run(stop)
         finally:
             announcing.cancel()
     finally:

@@ -18,7 +18,8 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 # (leaderElection, which the hooks look for).
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
-                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "domainName", "gpuNodeSelector",
+                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
+                      "gpuNodeSelector",
                       "draDriverName", "draDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},

@@ -144,3 +144,17 @@ def test_a_poll_of_unchanged_nodes_reuses_the_inventory_and_a_change_rebuilds_it
     source._node_event("MODIFIED", named("n2", 4000))  # a heartbeat: the same counts
     source.read()
     assert len(built) == 2
+
+
+def test_before_its_first_list_the_source_has_no_answer_and_an_empty_cluster_after_it_is_one(monkeypatch):
+    """What the cluster agent without gracefulNoGPU waits for: a zero read before the watch's first list is no
+    answer (it would exit on a cluster full of GPUs); the first list of a cluster with none is."""
+    from gpu_agent.mechanisms.inventory import cluster
+
+    monkeypatch.setattr(cluster.client, "CoreV1Api", lambda api: None)
+    source = cluster.ClusterSource(api=None, start=False)
+    before = source.read()
+    assert (before.inventory.count, before.complete, before.answered) == (0, False, False)
+    source._listed_nodes(NS(items=[]))
+    after = source.read()
+    assert (after.inventory.count, after.answered, after.note) == (0, True, "no Ready node has nvidia.com/gpu")

@@ -167,3 +167,49 @@ def test_gpu_health_settings_default_to_the_device_plugin_and_the_sources_window
         with pytest.raises(ConfigError, match=r"gpuHealthIgnoredXids .*from config file"):
             parse(["--config", str(f)])
     assert "gpuHealthIgnoredXids: [13, 31, 43, 45, 68, 109]" in parse([]).describe()
+
+
+def test_graceful_no_gpu_is_off_unless_a_flag_the_environment_or_the_file_says_on_and_local_defaults_on(tmp_path):
+    from gpu_agent.roles import local
+
+    assert parse([]).gracefulNoGPU is False  # NVCA's default, and the chart's
+    assert parse(["--graceful-no-gpu", "true"]).gracefulNoGPU is True
+    assert parse([], {"GPU_AGENT_GRACEFUL_NO_GPU": "true"}).gracefulNoGPU is True
+    f = tmp_path / "c.yaml"
+    f.write_text("gracefulNoGPU: true\n")  # the key the chart's ConfigMap writes
+    assert parse(["--config", str(f)]).gracefulNoGPU is True
+    with pytest.raises(ConfigError, match=r"gracefulNoGPU.*true or false"):
+        parse(["--graceful-no-gpu", "maybe"])
+    # `gpu-agent local` (make run) starts with no GPUs and waits for them
+    assert next(s for s in local.SETTINGS if s.name == "gracefulNoGPU").default is True
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("role", ["cluster-agent", "local"])
+def test_the_process_exits_3_when_it_starts_with_no_gpus_and_graceful_no_gpu_off_its_last_line_saying_why(tmp_path, role):
+    """cli.main's exit code is the run's: the process ends by itself, its last line naming gracefulNoGPU."""
+    from gpu_agent.foundations import fake_state
+    from gpu_agent.foundations.gpus import Inventory
+
+    state = tmp_path / "fake-gpus.json"
+    fake_state.write_atomic(state, fake_state.render(Inventory(), node="n"))
+    argv = ["--fake-gpu-state-file", str(state), "--listen-address", "127.0.0.1:0",
+            "--executor-journal", str(tmp_path / "journal.sqlite")]
+    if role == "local":  # on by default there: off by the flag
+        argv += ["--graceful-no-gpu", "false", "--state-dir", str(tmp_path / "state"), "--database",
+                 str(tmp_path / "cp.sqlite"), "--control-plane-listen", f"127.0.0.1:{free_port()}", "--demo-items", "0"]
+    else:
+        argv += ["--control-plane-url", f"http://127.0.0.1:{free_port()}"]
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", role, *argv], capture_output=True, text=True, timeout=60)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert last.endswith(f"no GPUs in the cluster at start (fake GPU state file {state} lists no GPUs) and "
+                         "gracefulNoGPU is off: exiting (set gracefulNoGPU=true to wait for GPUs live but NotReady)"), last
+    assert last.startswith("E")  # klog's error letter

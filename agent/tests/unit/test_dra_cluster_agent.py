@@ -113,9 +113,12 @@ def test_with_a_dra_driver_the_source_counts_its_slices_devices_not_the_device_p
                                   [slice_of("s1", "n1", [gpu_device(0), gpu_device(1)]), slice_of("s2", "n2", [gpu_device(0)])])
     assert source.read().note == f"waiting for the first list of nodes and {DRIVER} ResourceSlices"
     source._listed_nodes(source.core.list_node())
-    assert source.read().note == f"waiting for the first list of {DRIVER} ResourceSlices"
+    waiting = source.read()
+    assert waiting.note == f"waiting for the first list of {DRIVER} ResourceSlices"
+    assert not waiting.complete and not waiting.answered  # its zero is no answer yet (gracefulNoGPU off waits for one)
     source._listed_slices(resource.list_resource_slice(field_selector=f"spec.driver={DRIVER}"))
     reading = source.read()
+    assert reading.complete and reading.answered
     # n1's 8 nvidia.com/gpu of a device plugin are not what a claim of this driver can get; cordoned n2 lists nothing
     assert [g.name for g in reading.inventory.gpus] == ["gpu-0 on n1", "gpu-1 on n1"] and reading.note is None
 

@@ -348,7 +348,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "workNamespace" .Release.Namespace
   "workImage" (default (include "gpu-agent.image" (dict "ctx" . "image" $v.clusterAgent.image)) $v.clusterAgent.workImage)
   "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
-  "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" -}}
+  "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" "gracefulNoGPU" $v.gracefulNoGPU -}}
 {{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
 {{- if $v.dra.enabled -}}
 {{- /* GPUs through DRA: the cluster agent counts the driver's devices in ResourceSlices, and its work Pods claim

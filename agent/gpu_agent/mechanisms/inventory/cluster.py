@@ -188,7 +188,7 @@ class ClusterSource:
         if errors:
             return Reading(Inventory(), error="; ".join(errors[k] for k in sorted(errors)))
         if listed < wanted:
-            return Reading(Inventory(), note="waiting for the first list of " + " and ".join(
+            return Reading(Inventory(), complete=False, note="waiting for the first list of " + " and ".join(
                 "nodes" if w == "nodes" else f"{self.dra_driver} ResourceSlices" for w in sorted(wanted - listed)))
         where = f" among the nodes labelled {self.node_selector}" if self.node_selector else ""
         if self.dra_driver:

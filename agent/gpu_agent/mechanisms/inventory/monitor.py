@@ -5,7 +5,9 @@ or its reason: Healthy, Unhealthy with the Xid or error, Lost), or of the source
 Each change bumps the generation and is handed to every subscriber as an `InventoryEvent`;
 registration uses the generation to discard responses to a stale view (and registers only the
 healthy GPUs of the new one). An unreadable source counts as zero GPUs: the agent never serves
-work on GPUs it cannot see.
+work on GPUs it cannot see. Each event says whether its reading was an answer (`complete`: no
+error, a hung read included, and the source has looked in full); a source turning from "not looked
+yet" to an answer is a change even when both count zero, so the first answer is always an event.
 
 Losses are debounced, arrivals and recoveries are not. A reading that loses GPUs is held back
 for `loss_debounce` seconds, timed from the first poll that saw it. A loss is any of: a UUID
@@ -53,6 +55,7 @@ class InventoryEvent:
     inventory: Inventory
     error: str | None
     note: str | None
+    complete: bool = True  # the reading was an answer (Reading.answered): its count of zero means "no GPUs"
 
 
 @dataclass
@@ -73,6 +76,7 @@ def _health_map(inventory: Inventory) -> dict[str, tuple[str, str]]:
 
 def _same(before: InventoryEvent, reading: Reading) -> bool:
     return (_health_map(before.inventory) == _health_map(reading.inventory) and before.error == reading.error
+            and before.complete == reading.answered
             and (before.inventory.clique, before.inventory.fabric) == (reading.inventory.clique, reading.inventory.fabric))
 
 
@@ -158,7 +162,7 @@ class InventoryMonitor:
         if prev is not None and _loses_gpus(prev, reading):
             self.on_drop("acted")
         self.generation += 1
-        event = InventoryEvent(self.generation, reading.inventory, reading.error, reading.note)
+        event = InventoryEvent(self.generation, reading.inventory, reading.error, reading.note, reading.answered)
         self.current = event
         self._report(event)
         await self.on_change(event)
