@@ -651,7 +651,8 @@ class LeaseEvents:
                     self.events.append((time.monotonic(), event["type"], (lease.spec and lease.spec.holder_identity) or ""))
             except Exception as e:  # noqa: BLE001 - recorded, judged by the test
                 self.errors.append(f"{type(e).__name__}: {e}"[:200])
-                version = ""
+                if getattr(e, "status", None) == 410:  # only then from now: a resumed watch misses no DELETED
+                    version = ""
                 time.sleep(0.2)
 
     def __enter__(self) -> LeaseEvents:

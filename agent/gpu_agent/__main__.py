@@ -1,3 +1,3 @@
-from gpu_agent.cli import main
+from gpu_agent.cli import entry
 
-raise SystemExit(main())
+entry()
