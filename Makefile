@@ -74,13 +74,13 @@ e2e-fast: setup
 
 ## handover: N graceful deletes of the leading cluster agent beside a hot standby, each with an item in flight, on the
 ## CI cluster: per hand-over when the Lease was released and taken and when an agent leased again, the slowest one's
-## shutdown log. A benchmark: `make handover N=50` (the test command runs 3).
+## shutdown log. A benchmark: `make handover N=50` (the test command runs 2).
 handover: setup
 	E2E_HANDOVERS=$(or $(N),50) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k graceful_hand_overs" E2E_JOBS=0
 
 ## flaps: N leadership flaps (the leader cut off the API server until its standby leads, then let back) on the CI
 ## cluster: each agent's threads and RSS before and after, read from /proc on the host. A benchmark: `make flaps N=20`
-## (the test command runs 4).
+## (the test command runs 2).
 flaps: setup
 	E2E_FLAPS=$(or $(N),20) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k leadership_flaps" E2E_JOBS=0
 

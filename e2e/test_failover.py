@@ -700,13 +700,13 @@ class LogFollower:
 def test_graceful_hand_overs_release_the_lease_and_the_standby_leads_within_a_retry_period(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     """A leader deleted gracefully (a rolling update, a drain) pauses its queues and deletes the Lease; its hot
-    standby, watching the Lease, leads at once. E2E_HANDOVERS hand-overs (3 in the test command; `make handover
+    standby, watching the Lease, leads at once. E2E_HANDOVERS hand-overs (2 in the test command; `make handover
     N=50` as a benchmark), each with an item in flight. Evidence from the API server: a watch of the Lease (when it
     was deleted, when the next holder wrote it) and the /healthz of every agent (when one was leasing again); the
     old leader's own log from SIGTERM to exit is printed for the slowest. Asserted: the Lease deleted in every
     hand-over (released, not expired), the successor leasing within a retry period of the release (plus what a
     busy 2-core machine adds), one agent leasing at a time, every item run once."""
-    runs = int(os.environ.get("E2E_HANDOVERS", "3"))
+    runs = int(os.environ.get("E2E_HANDOVERS", "2"))
     fake_gpus.set(2)
     cluster = install(api, core, apps, kubeconfig, namespace, "ho", "--set", "clusterAgent.replicas=2")
     keys: list[str] = []
@@ -787,7 +787,7 @@ def settled_footprint(pid: int, samples: int = 6, interval: float = 0.5) -> tupl
 
 
 def test_leadership_flaps_leave_each_agents_threads_and_memory_flat(api, core, apps, kubeconfig, namespace, fake_gpus):
-    """E2E_FLAPS times (4 in the test command; `make flaps N=20` as a benchmark) the leader is cut off the API server
+    """E2E_FLAPS times (2 in the test command; `make flaps N=20` as a benchmark) the leader is cut off the API server
     until its standby leads, then let back: the same two processes lead in turn, each term starting and stopping
     its folders, recorder and work-Pod watch. Each process's threads (the fewest over 3 s, so a blocking call in
     flight is not counted) and RSS are read from /proc on the host after a first flap (lazy imports counted in the
@@ -795,7 +795,7 @@ def test_leadership_flaps_leave_each_agents_threads_and_memory_flat(api, core, a
     FLAPS); RSS is printed. Both processes must still be the ones that started (no restart)."""
     if not on_this_host():
         pytest.skip("reads the agents' /proc and cuts one off the API server: the CI cluster's host only")
-    flaps = int(os.environ.get("E2E_FLAPS", "4"))
+    flaps = int(os.environ.get("E2E_FLAPS", "2"))
     fake_gpus.set(2)
     cluster = install(api, core, apps, kubeconfig, namespace, "flap", "--set", "clusterAgent.replicas=2",
                       "--set", "domain.name=fabric", "--set", f"domain.heartbeatInterval={HEARTBEAT}",
