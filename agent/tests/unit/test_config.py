@@ -226,3 +226,42 @@ def test_the_command_leaves_with_mains_code_and_finalizes_nothing_after_its_flus
     assert r.returncode == code, r.stderr[-2000:]
     assert "FINALIZED" not in r.stdout
     assert (r.stdout if code == 0 else r.stderr).strip(), "main's own output flushed before leaving"
+
+
+def test_the_gpu_source_is_made_as_configured_with_a_health_tracker_of_the_configured_settings(tmp_path, monkeypatch):
+    """make_source (mechanisms/inventory/select.py): each source with what its settings name, and a health
+    tracker with the source's recovery window, the ignored Xids, the metrics and clock it was given."""
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.mechanisms.inventory import cluster
+    from gpu_agent.mechanisms.inventory.fake import FakeFileSource
+    from gpu_agent.mechanisms.inventory.nvml import NVMLSource
+    from gpu_agent.mechanisms.inventory.select import loss_debounce, make_source
+
+    clock, metrics = ManualClock(), object()
+    state = tmp_path / "gpus.json"
+    fake = make_source(parse(["--fake-gpu-state-file", str(state), "--gpu-health-ignored-xids", "43",
+                              "--gpu-health-recovery", "7"]), metrics=metrics, clock=clock)
+    assert isinstance(fake, FakeFileSource) and fake.path == state
+    tracker = fake.tracker
+    assert (tracker.clock, tracker.recovery, tracker.ignored_xids, tracker.source, tracker.metrics) == \
+        (clock, 7.0, frozenset({43}), "fake", metrics)
+    nvml = make_source(parse(["--gpu-source", "nvml", "--gpu-health-recovery", "9"]), metrics=metrics, clock=clock)
+    assert isinstance(nvml, NVMLSource)
+    assert (nvml.tracker.recovery, nvml.tracker.source, nvml.tracker.metrics) == (9.0, "nvml", metrics)
+    assert loss_debounce(parse(["--gpu-source", "cluster"])) == 5.0  # the source's default while unset
+    assert loss_debounce(parse(["--gpu-source", "cluster", "--gpu-loss-debounce", "0"])) == 0.0
+
+    made = []
+    monkeypatch.setattr("gpu_agent.foundations.kube.api_client", lambda kubeconfig, limit: ("api", kubeconfig, limit))
+    monkeypatch.setattr(cluster, "ClusterSource", lambda api, **kwargs: made.append((api, kwargs)) or "cluster")
+    assert make_source(parse(["--gpu-source", "cluster", "--kubeconfig", "/k", "--gpu-node-selector", "team=x",
+                              "--dra-driver-name", "gpu.example.com"])) == "cluster"
+    assert made == [(("api", "/k", None), {"node_selector": "team=x", "dra_driver": "gpu.example.com"})]
+    # a role whose settings name none of the three (`gpu-agent inventory` declares the GPU source's alone): in-cluster,
+    # every node, the device plugins' GPUs
+    from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig
+
+    p = argparse.ArgumentParser()
+    add_arguments(p, GPU_SOURCE_SETTINGS)
+    bare = load(GPU_SOURCE_SETTINGS, p.parse_args(["--gpu-source", "cluster"]), {}, as_=GPUSourceConfig)
+    assert make_source(bare) == "cluster" and made[-1] == (("api", "", None), {"node_selector": "", "dra_driver": ""})

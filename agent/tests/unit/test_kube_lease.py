@@ -79,9 +79,11 @@ class FakeApps:
         self.uid = uid
         self.error = error
         self.reads = 0
+        self.timeouts = []  # each read's _request_timeout
 
     def read_namespaced_deployment(self, name, namespace, **kwargs):
         self.reads += 1
+        self.timeouts.append(kwargs.get("_request_timeout"))
         if self.error is not None:
             raise self.error
         return SimpleNamespace(metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=self.uid))
@@ -158,14 +160,16 @@ def test_the_lease_is_owned_by_the_named_deployment_which_is_read_once():
         ("apps/v1", "Deployment", "gpu-agent-cluster-agent", "dep-uid-7")
     assert client.ApiClient().sanitize_for_serialization(owner) == {
         "apiVersion": "apps/v1", "kind": "Deployment", "name": "gpu-agent-cluster-agent", "uid": "dep-uid-7"}
-    assert apps.reads == 1
+    assert apps.reads == 1 and apps.timeouts == [4.0]  # bounded by the request timeout, as the Lease's calls are
 
 
 def test_a_missing_owner_leaves_the_lease_unowned_and_other_errors_name_the_deployment():
     api = FakeCoordination()
     apps = FakeApps(error=api_error(404, "Not Found"))
-    kube_lease(api, apps, owner="gone").create(record("a"))
+    lease = kube_lease(api, apps, owner="gone")
+    lease.update(lease.create(record("a")))
     assert api.leases[("ns", "agents")].metadata.owner_references is None
+    assert apps.reads == 1  # a missing owner is read once too, not before every write
     forbidden = FakeApps(error=api_error(403, "Forbidden"))
     with pytest.raises(RuntimeError, match=r"reading Deployment ns/gone \(the Lease's owner\): 403 Forbidden"):
         kube_lease(FakeCoordination(), forbidden, owner="gone").create(record("a"))
@@ -179,3 +183,84 @@ def test_other_api_errors_name_the_call_and_the_lease():
         lease.get()
     with pytest.raises(RuntimeError, match="creating Lease ns/agents: 500"):
         lease.create(record("a"))
+    with pytest.raises(RuntimeError, match="updating Lease ns/agents: 500"):
+        lease.update(record("a", version="1"))
+    with pytest.raises(RuntimeError, match="deleting Lease ns/agents: 500"):
+        lease.delete(record("a", version="1"))
+
+
+def test_without_fakes_the_lease_calls_go_through_the_api_client_it_was_given():
+    api = client.ApiClient()
+    lease = KubeLease(api, namespace="ns", name="agents")
+    assert lease.coordination.api_client is api and lease.apps.api_client is api
+
+
+def test_a_lease_written_by_hand_without_holder_times_or_transitions_reads_as_released_and_zero():
+    """kubectl can create a Lease with an empty spec: nobody holds it (so a candidate takes it at once), and what is
+    missing reads as zero, not as something an agent wrote."""
+    api = FakeCoordination()
+    api.leases[("ns", "agents")] = client.V1Lease(metadata=client.V1ObjectMeta(name="agents"), spec=client.V1LeaseSpec())
+    assert kube_lease(api).get() == LeaseRecord("", 0.0, 0.0, 0.0, 0, "", "")
+
+
+def test_a_lease_duration_under_a_second_is_written_as_one_the_least_the_api_server_takes():
+    api = FakeCoordination()
+    kube_lease(api).create(LeaseRecord("a", 0.4, 0.0, 0.0, 0))
+    assert api.leases[("ns", "agents")].spec.lease_duration_seconds == 1
+
+
+class WatchedLease(FakeCoordination):
+    """FakeCoordination with the watch KubeLease.wait_released opens: `events` (type, holder) are what the API
+    server sends on it, each the Lease as it then is, or ("ERROR", code); then the watch ends (its timeout).
+    The watch's arguments are kept for the test to read."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+        self.watches = []
+
+    def list_namespaced_lease(self, namespace, **kwargs) -> client.V1LeaseList:
+        import json
+
+        self.watches.append((namespace, kwargs))
+        lines = []
+        for kind, what in self.events:
+            if kind == "ERROR":
+                obj = {"kind": "Status", "code": what, "reason": "Expired", "message": "too old resource version"}
+            else:
+                obj = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                       "metadata": {"name": "agents", "namespace": namespace, "resourceVersion": "8"},
+                       "spec": {"holderIdentity": what} if what else {}}
+            lines.append((json.dumps({"type": kind, "object": obj}) + "\n").encode())
+
+        class Response:
+            def stream(self, amt=None, decode_content=False):
+                yield from lines
+
+            def close(self):
+                pass
+
+            def release_conn(self):
+                pass
+        return Response()
+
+
+@pytest.mark.parametrize(("events", "released"), [
+    ([("MODIFIED", "a"), ("MODIFIED", "")], True),  # renewed, then released: its holder cleared
+    ([("MODIFIED", "a"), ("DELETED", "a")], True),  # renewed, then deleted (as the elector releases it)
+    ([("MODIFIED", "a"), ("MODIFIED", "a")], False),  # only renewals until the watch's timeout
+])
+def test_waiting_for_the_release_watches_the_named_lease_from_the_version_seen_until_it_is_freed(events, released):
+    api = WatchedLease(events)
+    assert kube_lease(api).wait_released("7", 2.4) is released
+    assert api.watches == [("ns", {"field_selector": "metadata.name=agents", "resource_version": "7", "timeout_seconds": 2,
+                                   "_request_timeout": 2.4 + 4.0, "watch": True, "_preload_content": False})]
+
+
+def test_a_wait_shorter_than_a_second_asks_the_api_server_for_one_and_an_expired_version_is_an_error_naming_it():
+    api = WatchedLease([])
+    assert kube_lease(api).wait_released("7", 0.3) is False
+    assert api.watches[0][1]["timeout_seconds"] == 1  # the least the API server takes
+    api = WatchedLease([("ERROR", 410)])
+    with pytest.raises(RuntimeError, match="watching Lease ns/agents: 410 Expired: too old resource version"):
+        kube_lease(api).wait_released("7", 2.0)

@@ -4,6 +4,8 @@ import asyncio
 import random
 from dataclasses import replace
 
+import pytest
+
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector, LeaseConflict, LeaseRecord
 
@@ -11,21 +13,26 @@ SETTINGS = ElectionSettings(15.0, 10.0, 2.0)
 
 
 class MemoryLease:
-    """One Lease record with resourceVersion semantics; a caller listed in `cut_off` gets errors.
-    `watchable`: views offer wait_released (a future resolved when the record is deleted or released)."""
+    """One Lease record with resourceVersion semantics; a caller listed in `cut_off` gets errors, one listed in
+    `read_only` errors on its writes only. `watchable`: views offer wait_released (a future resolved when the
+    record is deleted or released); `watches` records each call's (version, timeout)."""
 
     def __init__(self, watchable=False):
         self.record = None
         self.version = 0
         self.cut_off = set()
+        self.read_only = set()
+        self.watches = []
         self.caller = None
         self.watchable = watchable
         self.watchers = []
         self.wakes = 0  # watchers resolved: recorded, asserted by the test
 
-    def _check(self, who):
+    def _check(self, who, write=False):
         if who in self.cut_off:
             raise RuntimeError(f"{who}: connection refused")
+        if write and who in self.read_only:
+            raise RuntimeError(f"{who}: 403 forbidden")
 
     def for_(self, who):
         """What `who` sees of the Lease: a backend with wait_released only when `watchable`."""
@@ -57,13 +64,13 @@ class View:
         return self.lease.record
 
     def create(self, record):
-        self.lease._check(self.who)
+        self.lease._check(self.who, write=True)
         if self.lease.record is not None:
             raise LeaseConflict()
         return self.lease._store(record)
 
     def update(self, record):
-        self.lease._check(self.who)
+        self.lease._check(self.who, write=True)
         if self.lease.record is None or record.version != self.lease.record.version:
             raise LeaseConflict()
         return self.lease._store(record)
@@ -80,6 +87,7 @@ class WatchableView(View):
     def wait_released(self, version, timeout):
         """A future resolved when the record is deleted or released."""
         self.lease._check(self.who)
+        self.lease.watches.append((version, timeout))
         fut = asyncio.get_running_loop().create_future()
         if self.lease.record is None or not self.lease.record.holder:
             fut.set_result(True)
@@ -156,6 +164,8 @@ async def test_one_leader_and_a_standby_that_names_it(tasks):
     assert a.elector.leading and not b.elector.leading
     assert b.changes == [(b.changes[0][0], False, "standby: the leader is agent-a")]
     assert lease.record.holder == "agent-a" and lease.record.transitions == 0
+    # renewals keep the time it was acquired (for people reading the record) and move the renew time
+    assert lease.record.acquire_time == 1000.0 and lease.record.renew_time > 1030.0 - SETTINGS.retry_period * 1.2
 
 
 async def test_the_loser_of_a_race_to_create_the_lease_names_the_winner_at_once(tasks):
@@ -202,6 +212,7 @@ async def test_a_leader_cut_off_stops_before_anyone_else_can_start(tasks):
     # ...and no longer than that after the last renewal it saw, plus one attempt's wait on either side.
     assert started <= cut + SETTINGS.lease_duration + 2 * SETTINGS.retry_period * 1.2 + 0.5
     assert lease.record.holder == "agent-b" and lease.record.transitions == 1
+    assert lease.record.acquire_time == started  # a new holder's acquire time is its own, not the old holder's
     # Healed, the old leader stays a standby and names the new one.
     lease.cut_off.clear()
     await run_for(clock, 10)
@@ -376,3 +387,166 @@ def test_holds_lease_is_false_past_the_renew_deadline_even_before_the_elector_ha
     assert elector.holds_lease()
     clock.advance_blocking(10.0)  # a stopped process: no coroutine ran meanwhile, `leading` is still True
     assert elector.leading and not elector.holds_lease()
+
+
+async def nothing(leading, reason):
+    pass
+
+
+async def test_a_standby_that_cannot_read_the_lease_names_nobody_yet_at_once(tasks):
+    clock, lease = ManualClock(), MemoryLease()
+    lease.cut_off.add("agent-b")
+    b = Agent("agent-b", lease, clock, tasks)
+    await clock.advance(0.1)
+    assert b.changes == [(1000.0, False, "standby: the leader is (nobody yet)")]
+
+
+async def test_a_standby_waits_a_retry_period_stretched_by_its_jitter_watching_from_the_version_it_saw(tasks, fixed_random):
+    """Between attempts a standby waits retryPeriod x (1 + 0.2 r), r the random source's draw in [0, 1): 2.2 s, 2 s
+    and 2.4 s here, then 2.2 s; meanwhile it watches the Lease from the version it last saw, for no longer than that wait."""
+    clock, lease = ManualClock(), MemoryLease(watchable=True)
+    lease.for_("agent-a").create(lease_record_of("agent-a"))
+    view, reads = lease.for_("agent-b"), []
+    get = view.get
+
+    def read():
+        reads.append(round(clock.monotonic() - 1000.0, 6))
+        return get()
+    view.get = read
+    elector = LeaderElector(view, identity="agent-b", settings=SETTINGS, clock=clock,
+                            rng=fixed_random([0.5, 0.0, 0.999, 0.5]), **callbacks("agent-b", nothing), run_blocking=inline)
+    tasks.start(elector.run())
+    await run_for(clock, 6.7, step=0.1)
+    assert reads == [0.0, 2.2, 4.2, 6.5996]
+    assert [(version, round(timeout, 6)) for version, timeout in lease.watches] == [("1", 2.2), ("1", 2.0), ("1", 2.3996),
+                                                                                        ("1", 2.2)]
+
+
+@pytest.mark.parametrize(("retry", "healed_at", "stops"), [(3.0, 7.0, []), (2.5, 8.0, [1010.0])])
+async def test_a_leaders_last_attempt_gets_the_time_left_before_its_deadline_and_none_is_made_with_none_left(
+        tasks, retry, healed_at, stops):
+    """Renewals fail from just after the lease was created at 0 until `healed_at`. With a retry period of 3 s the
+    attempts come at 3, 6 and 9 s, the last with 1 s left before the 10 s deadline: it renews, the leader leads on.
+    With 2.5 s they come at 2.5, 5 and 7.5 s; at 10 s nothing is left, no attempt is made and the leader stops
+    there though the API server answers again (then, the Lease still its own, it takes it again at once)."""
+    clock, lease = ManualClock(), MemoryLease()
+    a = Agent("agent-a", lease, clock, tasks, settings=ElectionSettings(15.0, 10.0, retry))
+    await clock.advance(0.1)
+    assert a.elector.leading
+    lease.cut_off.add("agent-a")
+    await clock.advance(healed_at - 0.1)
+    lease.cut_off.clear()
+    await clock.advance(12.0 - healed_at)
+    assert a.stopped_at() == stops and a.elector.leading
+
+
+async def test_a_leader_shutting_down_gives_up_a_release_that_hangs_after_two_seconds(tasks):
+    """The release on shutdown is bounded (2 s of the event loop's clock): an API server that does not answer
+    cannot hold a terminating agent; the Lease is then left to expire."""
+    clock, lease = ManualClock(), MemoryLease()
+    hang = asyncio.Event()
+
+    async def hanging(fn, *args):
+        if hang.is_set():
+            await asyncio.sleep(3600)  # real time: only the release's own bound ends it
+        return fn(*args)
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                            **callbacks("a", nothing), run_blocking=hanging)
+    task = tasks.start(elector.run())
+    await clock.advance(0.1)
+    assert elector.leading
+    hang.set()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    took = loop.time() - started
+    assert 2.0 <= took < 2.9, took
+    assert not elector.leading and elector.token is None and lease.record.holder == "a"
+
+
+async def test_a_lease_released_by_clearing_its_holder_is_taken_at_the_standbys_next_attempt(tasks):
+    """client-go's ReleaseOnCancel releases by writing an empty holder (ours deletes the record): a standby takes
+    such a Lease at its next attempt, not a lease duration after it saw it change."""
+    clock, lease = ManualClock(), MemoryLease()
+    lease.for_("agent-x").create(lease_record_of("agent-x"))
+    b = Agent("agent-b", lease, clock, tasks)
+    await run_for(clock, 5)
+    lease._store(replace(lease.record, holder=""))
+    released = clock.monotonic()
+    await run_for(clock, 3, step=0.1)
+    (started,) = b.leading_since()
+    assert started - released <= SETTINGS.retry_period * 1.2 + 0.1
+    assert lease.record.holder == "agent-b" and lease.record.transitions == 1
+
+
+async def test_a_standby_that_cannot_take_a_released_lease_still_waits_its_retry_period_between_attempts(tasks):
+    """A released Lease is nothing to watch for: the standby's writes refused (403), it tries once a retry period
+    (with jitter), never in a loop that would flood the API server."""
+    clock, lease = ManualClock(), MemoryLease(watchable=True)
+    lease.for_("agent-x").create(lease_record_of(""))
+    lease.read_only.add("agent-b")
+    b = Agent("agent-b", lease, clock, tasks)
+    view, writes = b.elector.backend, []
+    update = view.update
+
+    def counted(record):
+        writes.append(clock.monotonic())
+        return update(record)
+    view.update = counted
+    await run_for(clock, 5)
+    assert 2 <= len(writes) <= 3, len(writes)
+    assert b.changes == [(1000.0, False, "standby: the leader is (nobody yet)")]
+
+
+async def test_a_leader_that_reads_its_lease_released_but_cannot_write_keeps_leading_until_it_can(tasks):
+    """Someone cleared the holder of the leader's Lease; its next renewal reads that and is refused (403). A released
+    Lease names no other holder: the leader does not stop at once (only its renew deadline would stop it) and
+    takes the Lease back at its next attempt."""
+    clock, lease = ManualClock(), MemoryLease()
+    a = Agent("agent-a", lease, clock, tasks)
+    await run_for(clock, 1)
+    lease.read_only.add("agent-a")
+    lease._store(replace(lease.record, holder=""))
+    await run_for(clock, SETTINGS.retry_period * 1.5, step=0.1)  # one renewal, refused
+    lease.read_only.clear()
+    await run_for(clock, SETTINGS.retry_period * 1.5, step=0.1)
+    assert a.stopped_at() == [] and a.elector.leading and lease.record.holder == "agent-a"
+
+
+async def test_a_standby_may_take_the_lease_exactly_a_lease_duration_after_it_saw_it_change():
+    """client-go's rule: the lease is held while observedTime + leaseDuration is after now; at that instant it is free."""
+    clock, lease = ManualClock(), MemoryLease()
+    lease.for_("a").create(LeaseRecord("a", 15.0, 0.0, 0.0, 0))
+    b = LeaderElector(lease.for_("b"), identity="b", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                      **callbacks("b", nothing), run_blocking=inline)
+    assert not await b.try_acquire_or_renew(2.0)  # seen at 1000
+    clock._now = 1014.9
+    assert not await b.try_acquire_or_renew(2.0)
+    clock._now = 1015.0
+    assert await b.try_acquire_or_renew(2.0)
+
+
+async def test_a_conflict_with_a_write_that_changed_nothing_the_election_reads_does_not_restart_the_standbys_wait():
+    """Someone labels the Lease (its version moves, its holder and times do not) just as the standby takes over a
+    silent holder's lease: the write conflicts; read again, the record is the one the standby saw, so the lease
+    has still run out and the standby takes it at its next attempt, not a lease duration later."""
+    clock, lease = ManualClock(), MemoryLease()
+    lease.for_("a").create(LeaseRecord("a", 15.0, 0.0, 0.0, 0))
+    view = lease.for_("b")
+    get, labelled = view.get, []
+
+    def get_then_labelled():
+        record = get()
+        if clock.monotonic() >= 1015.0 and not labelled:  # the label lands between the standby's read and write
+            labelled.append(True)
+            lease._store(lease.record)
+        return record
+    view.get = get_then_labelled
+    b = LeaderElector(view, identity="b", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                      **callbacks("b", nothing), run_blocking=inline)
+    assert not await b.try_acquire_or_renew(2.0)  # seen at 1000
+    clock._now = 1015.0
+    assert not await b.try_acquire_or_renew(2.0) and labelled  # the takeover conflicts with the label's write
+    clock._now = 1017.2
+    assert await b.try_acquire_or_renew(2.0)
