@@ -72,24 +72,27 @@ e2e-kind-podman: setup
 e2e-fast: setup
 	$(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-m fast"
 
+# One e2e test as a benchmark on the CI cluster, in one process (under xdist, -s loses what it prints).
+e2e_benchmark = $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k $(1)" E2E_JOBS=0
+
 ## handover: N graceful deletes of the leading cluster agent beside a hot standby, each with an item in flight, on the
 ## CI cluster: per hand-over when the Lease was released and taken and when an agent leased again, the slowest one's
 ## shutdown log. A benchmark: `make handover N=50` (the test command runs 2).
 handover: setup
-	E2E_HANDOVERS=$(or $(N),50) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k graceful_hand_overs" E2E_JOBS=0
+	E2E_HANDOVERS=$(or $(N),50) $(call e2e_benchmark,graceful_hand_overs)
 
 ## flaps: N leadership flaps (the leader cut off the API server until its standby leads, then let back) on the CI
 ## cluster: each agent's threads and RSS before and after, read from /proc on the host. A benchmark: `make flaps N=20`
 ## (the test command runs 2).
 flaps: setup
-	E2E_FLAPS=$(or $(N),20) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k leadership_flaps" E2E_JOBS=0
+	E2E_FLAPS=$(or $(N),20) $(call e2e_benchmark,leadership_flaps)
 
 ## chaos: K random disruptions (leader force-deleted, deleted, killed; standby deleted; control plane restarted; node
 ## agents force-deleted or stopped) under a stream of work on the CI cluster, then a table: items, lost, doubled, most
 ## active leaders seen, worst time back to Ready. A benchmark: `make chaos K=50` (the test command runs K=5).
 K ?= 50
 chaos: setup
-	CHAOS_K=$(K) $(MAKE) -C ci e2e CLUSTER=$(CLUSTER) PYTEST=$(abspath $(BIN)/pytest) PYTEST_ARGS="-s -k chaos" E2E_JOBS=0
+	CHAOS_K=$(K) $(call e2e_benchmark,chaos)
 
 ## cluster-up NODES=3 | cluster-down | images | node-stop/node-start/node-partition/node-heal NODE=w1: see ci/Makefile
 cluster-up cluster-down images node-stop node-start node-partition node-heal:
