@@ -203,7 +203,7 @@ class ControlPlaneClient:
         expires_in = _field(cred, "expiresInSeconds", (int, float), where + " credential")
         if not token or expires_in <= 0:
             raise ProtocolError(f"{where}: credential token empty or expiresInSeconds <= 0")
-        return Credential(Secret(token), float(expires_in))
+        return Credential(Secret(token, float(expires_in)), float(expires_in))
 
     def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory,
                  gpu_count: int | None = None) -> Registration:

@@ -7,6 +7,14 @@
 
 GET and HEAD only (405 otherwise); served by waitress (foundations/http) with short timeouts:
 none of these reads a body.
+
+Slow clients cannot starve the probes (issue 48): a request must arrive whole within 5 s of its first
+byte and a connection idle for 5 s is closed; past 64 connections a new one closes the one longest
+without progress, so the kubelet's /livez and /healthz are answered while slow clients hold every
+slot; answers left unread close their connection instead of holding one of the 4 workers; and the
+probes' requests go before every other request waiting for a worker (clients that pipeline /metrics
+cannot queue the probes behind them). Every answer here is computed in memory in a few milliseconds,
+so a worker is never held for longer.
 """
 
 from __future__ import annotations
@@ -23,14 +31,20 @@ from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.foundations.version import version_info
 
 PATHS = ("/livez", "/healthz", "/readyz", "/version", "/metrics")
+CONNECTION_LIMIT = 64
+TIMEOUT_SECONDS = 5.0  # idle, and for a request to arrive whole (tests shorten it)
+PROBES = ("/livez", "/healthz", "/readyz")  # served before anything else waiting for a worker
 
 
 class EndpointServer:
-    def __init__(self, host: str, port: int, health: HealthRegistry, metrics: NodeMetrics) -> None:
+    def __init__(self, host: str, port: int, health: HealthRegistry, metrics: NodeMetrics, *,
+                 timeout: float = TIMEOUT_SECONDS) -> None:
         self.health = health
         self.metrics = metrics
-        # No request here has a body: 64 KiB of headers and nothing else; 5 s to send a request.
-        self.listener = http.Listener(self._app, host, port, "endpoints", threads=4, timeout=5.0, max_body=0)
+        # No request here has a body: 64 KiB of headers and nothing else; 5 s to send a request. 64 connections
+        # hold the kubelet's probes and a few scrapers with room to spare.
+        self.listener = http.Listener(self._app, host, port, "endpoints", threads=4, timeout=timeout, max_body=0,
+                                      connection_limit=CONNECTION_LIMIT, priority_paths=PROBES, read_chunk=1024)
 
     @property
     def address(self) -> str:

@@ -201,8 +201,7 @@ def test_a_cluster_id_with_a_newline_cannot_forge_a_log_line(logs):
 
 def test_slow_clients_do_not_delay_livez_and_are_closed_after_the_timeout():
     health = HealthRegistry(SystemClock(), ["gpus"])
-    server = EndpointServer("127.0.0.1", 0, health, AgentMetrics())
-    server.listener = type(server.listener)(server._app, "127.0.0.1", 0, "endpoints", threads=4, timeout=2.0, max_body=0)
+    server = EndpointServer("127.0.0.1", 0, health, AgentMetrics(), timeout=2.0)
     server.start()
     url = f"http://{server.address}"
     host, port = server.address.split(":")

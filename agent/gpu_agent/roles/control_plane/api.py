@@ -169,6 +169,12 @@ class LeaseRenewal(Model):
 FAULT_STATUSES = range(500, 600)
 HANG_LIMIT_SECONDS = 300.0  # a hung call is answered after this long even if nobody clears the fault
 MAX_HUNG_CALLS = 8  # of the 16 workers: /healthz and /admin/faults (to clear the fault) always find one free
+# Long-polled lease calls held at once, each holding a worker for its wait: in all, and per credential (an agent
+# holds one; a second covers a call whose client gave up while the server still holds it). With the hung calls
+# above, 6 + 8 of the 16 workers: 2 are always free for /healthz and every other call.
+MAX_LONG_POLLS = 6
+MAX_LONG_POLLS_PER_CREDENTIAL = 2
+LONG_POLL_RETRY_AFTER_SECONDS = 1
 
 
 def _server_error(value: int) -> int:
@@ -378,7 +384,10 @@ ROUTES = [
     Route("POST", "/v1/queue/lease", "lease", "Lease the next item; waitSeconds > 0 long-polls for one",
           frozenset({"credential"}), LeaseRequest, {200: ("leased", LeasedItem), 204: ("the queue is empty", None),
                                                     409: ("the term named is over, or none was named while terms are in use",
-                                                          ErrorBody)}),
+                                                          ErrorBody),
+                                                    429: (f"waitSeconds > 0 while {MAX_LONG_POLLS_PER_CREDENTIAL} long-polled "
+                                                          f"calls wait for this credential, or {MAX_LONG_POLLS} in all; "
+                                                          "Retry-After says when to call again", ErrorBody)}),
     Route("POST", "/v1/queue/items/{itemId}/ack", "ack", "Acknowledge a leased item", frozenset({"credential"}),
           LeaseRef, {200: ("acknowledged", ItemResult), **ITEM_ERRORS}),
     Route("POST", "/v1/queue/items/{itemId}/renew", "renew_lease",

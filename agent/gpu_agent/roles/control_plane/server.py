@@ -8,6 +8,10 @@ A request passes these steps in order, and each can only answer with a documente
 The token is checked before the body is read, so an unauthenticated client never gets its body
 parsed. Every token is compared in constant time; credentials are looked up by hash.
 
+A long-polled lease call holds a worker for its wait, so at most api.MAX_LONG_POLLS wait at once, and at
+most api.MAX_LONG_POLLS_PER_CREDENTIAL for one credential; one more is answered 429 with Retry-After
+at once (16 long-polls from one credential took every worker: /healthz went unanswered, issue 48).
+
 Fault injection is a test facility, off unless the control plane runs with faultInjection
 (`--fault-injection=true`; the chart's controlPlane.faultInjection): without it /admin/faults
 answers 404 naming the setting. Faults armed through /admin/faults apply to the next matching
@@ -19,10 +23,13 @@ gets its 401 or 403, never an injected answer, and does not use up a fault.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -38,6 +45,7 @@ log = get_logger(__name__)
 RENEWAL_OVERLAP_SECONDS = 30.0  # how long a renewed credential keeps working beside its successor
 
 LIST_LIMIT = 200  # GET /v1/queue/items shows the newest items only
+CONNECTION_LIMIT = 512  # connections open at once: a few per cluster (agents, hooks, `gpu-agent queue`)
 
 
 @dataclass
@@ -91,6 +99,43 @@ class Faults:
                         self._armed.remove(f)
                     return f
         return None
+
+
+class LongPolls:
+    """How many long-polled calls wait, per credential (by its hash) and in all; `hold` refuses one past either bound."""
+
+    def __init__(self, total: int = api.MAX_LONG_POLLS, per_credential: int = api.MAX_LONG_POLLS_PER_CREDENTIAL) -> None:
+        self.total, self.per_credential = total, per_credential
+        self._lock = threading.Lock()
+        self._held: dict[bytes, int] = {}
+        self._count = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._count
+
+    @contextmanager
+    def hold(self, token: str) -> Iterator[None]:
+        key = hashlib.sha256(token.encode()).digest()
+        with self._lock:
+            mine = self._held.get(key, 0)
+            if mine >= self.per_credential or self._count >= self.total:
+                whose = (f"{mine} long-polled lease calls already wait for this credential (at most {self.per_credential})"
+                         if mine >= self.per_credential else
+                         f"{self._count} long-polled lease calls already wait (at most {self.total} at once)")
+                raise Refused(429, f"{whose}: call again after Retry-After, or lease with waitSeconds 0",
+                              [("Retry-After", str(api.LONG_POLL_RETRY_AFTER_SECONDS))])
+            self._held[key] = mine + 1
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._held[key] <= 1:
+                    del self._held[key]
+                else:
+                    self._held[key] -= 1
 
 
 @dataclass(frozen=True)
@@ -170,6 +215,7 @@ class ControlPlane:
         self.store = store
         self.settings = settings
         self.faults = Faults()
+        self.long_polls = LongPolls()
 
     # ---- authorization -----------------------------------------------------------------------
 
@@ -254,11 +300,15 @@ class ControlPlane:
         except Fenced as e:
             raise Refused(409, str(e)) from None
 
-    def lease(self, body: api.LeaseRequest, **_: Any) -> tuple[int, api.Model | None]:
+    def lease(self, body: api.LeaseRequest, token: str, **_: Any) -> tuple[int, api.Model | None]:
         s = self.settings
         seconds = min(body.leaseSeconds or s.max_lease_seconds, s.max_lease_seconds)
-        items = self._fenced(self.store.lease_waiting, seconds, min(body.waitSeconds, s.max_lease_wait), body.holder,
-                             body.term, body.maxItems)
+        wait = min(body.waitSeconds, s.max_lease_wait)
+        if wait > 0:
+            with self.long_polls.hold(token):
+                items = self._fenced(self.store.lease_waiting, seconds, wait, body.holder, body.term, body.maxItems)
+        else:
+            items = self._fenced(self.store.lease_waiting, seconds, 0.0, body.holder, body.term, body.maxItems)
         if not items:
             return 204, None
         more = [api.OneLeasedItem(**item) for item in items[1:]]
@@ -372,17 +422,23 @@ class ControlPlane:
 
 
 class ControlPlaneServer:
-    """The API on its own threads; `start()` returns once it is listening."""
+    """The API on its own threads; `start()` returns once it is listening.
 
-    def __init__(self, cp: ControlPlane, host: str, port: int, threads: int = 16, timeout: float = 10.0) -> None:
+    Per connection (foundations/http): idle for `timeout` or a request not whole `read_timeout` after its first
+    byte (a registration of MAX_BODY bytes takes a slow link a while) closes it, and past CONNECTION_LIMIT
+    connections a new one closes the one longest without progress; /healthz (both of the chart's probes) is
+    served before every call waiting for a worker."""
+
+    def __init__(self, cp: ControlPlane, host: str, port: int, threads: int = 16, timeout: float = 10.0,
+                 read_timeout: float = 30.0) -> None:
         self.cp = cp
         # Before the workers start: a registration of up to MAX_BODY would otherwise leave its peak in each
         # worker's own arena (foundations/malloc).
         malloc.limit_arenas(1)
-        # Each long-polled lease holds a thread for up to max_lease_wait: enough threads for
-        # several agents plus everything else.
+        # Each long-polled lease holds a thread for up to max_lease_wait: at most api.MAX_LONG_POLLS of them.
         self.listener = http.Listener(cp, host, port, "control-plane", threads=threads, timeout=timeout,
-                                      max_body=api.MAX_BODY, body_hint=api.BODY_LIMIT_HINT)
+                                      read_timeout=read_timeout, max_body=api.MAX_BODY, body_hint=api.BODY_LIMIT_HINT,
+                                      connection_limit=CONNECTION_LIMIT, priority_paths=("/healthz",))
 
     @property
     def url(self) -> str:
