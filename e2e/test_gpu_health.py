@@ -30,9 +30,7 @@ from kubernetes import client
 from kubernetes.stream import stream
 
 from e2e.helpers import Sampler, drops, exec_api, pod_log, wait_until
-from e2e.release import CONTROL_PLANE_PRELUDE, Release
-
-pytestmark = pytest.mark.serial(reason="its release sets every other node's GPUs to 0 so that its cluster agent sees only the first node's")
+from e2e.release import CONTROL_PLANE_PRELUDE, NODE_SCOPE, Release
 
 DOMAIN = "health"
 GOAL = 2.0  # seconds from a fault (or its clear) to allocatable and the registered count following
@@ -163,11 +161,13 @@ def restarts(core, namespace: str, selector: str) -> dict[str, int]:
 
 @pytest.fixture
 def health_release(api, core, apps, kubeconfig, namespace, fake_gpus):
-    """4 fake GPUs on the first node (none elsewhere: the cluster agent counts every node's), and a
-    release with a control plane, a domain of that node and a cluster agent that acts at once."""
-    for node in core.list_node().items:
-        if node.metadata.name != fake_gpus.node and fake_gpus.allocatable(node.metadata.name):
-            fake_gpus.set(0, node=node.metadata.name)
+    """4 fake GPUs on this process's node, and a release with a control plane, a domain of that node and a cluster
+    agent that acts at once. Side by side the release is scoped to the worker's node (NODE_SCOPE, filled in place); in a
+    process of its own the cluster agent counts every node's GPUs, so the other nodes are set to none."""
+    if not NODE_SCOPE:
+        for node in core.list_node().items:
+            if node.metadata.name != fake_gpus.node and fake_gpus.allocatable(node.metadata.name):
+                fake_gpus.set(0, node=node.metadata.name)
     fake_gpus.set(4)
     faults = Faults(fake_gpus)
     faults.clear()  # whatever a failed run left
