@@ -21,3 +21,15 @@ class FixedRandom(random.Random):
 def fixed_random():
     """FixedRandom(values): a random source scripted with `values`."""
     return FixedRandom
+
+
+@pytest.fixture(autouse=True)
+def no_agents_threads_carried_over():
+    """Each test starts with no agent's `Threads` current: an agent's constructor sets it in the test's own context
+    (threads.CURRENT), and a later test would start its threads on that agent's owner (test_threads asserts it is
+    unset: it failed whenever it ran after a test that built an agent)."""
+    from gpu_agent.foundations.threads import CURRENT
+
+    token = CURRENT.set(None)
+    yield
+    CURRENT.reset(token)
