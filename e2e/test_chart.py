@@ -173,9 +173,27 @@ def test_crd_upgrade_applies_the_new_field_by_server_side_apply(release, tmp_pat
     assert spec_fields() == current
 
 
+def hook_rbac_left(release) -> list[str]:
+    """The kinds of the hooks' ServiceAccount and RBAC (hook resources, <fullname>-hooks) still in the cluster."""
+    rbac, core, name, ns = client.RbacAuthorizationV1Api(release.api), release.core, f"{release.fullname}-hooks", release.namespace
+    reads = {"ClusterRole": lambda: rbac.read_cluster_role(name), "ClusterRoleBinding": lambda: rbac.read_cluster_role_binding(name),
+             "Role": lambda: rbac.read_namespaced_role(name, ns), "RoleBinding": lambda: rbac.read_namespaced_role_binding(name, ns),
+             "ServiceAccount": lambda: core.read_namespaced_service_account(name, ns)}
+    left = []
+    for kind, read in reads.items():
+        try:
+            read()
+            left.append(kind)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+    return left
+
+
 def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_path, core):
     release.install(*GRACEFUL)
     wait_until(release.all_running, 60, "every release pod Running")
+    wait_until(lambda: not hook_rbac_left(release), 15, "the hooks' RBAC deleted after the install (hook-succeeded)")
     future = tmp_path / "gpu-agent"
     shutil.copytree(CHART, future)
     chart_yaml = yaml.safe_load((future / "Chart.yaml").read_text())
@@ -188,8 +206,68 @@ def test_skew_check_refuses_an_upgrade_that_skips_a_major_version(release, tmp_p
     job_pods = core.list_namespaced_pod(release.namespace, label_selector=f"job-name={release.fullname}-crds").items
     log = core.read_namespaced_pod_log(job_pods[0].metadata.name, release.namespace)
     assert f"refused: upgrade from {APP_VERSION} to 2.0.0 skips major version 1" in log
+    # The failed Job stays (for its log); the hooks' ServiceAccount and RBAC, which succeeded before it, do not: Helm 4
+    # deletes them by their hook-succeeded policy when a later hook of the phase fails (issue 48).
+    wait_until(lambda: not hook_rbac_left(release), 15, "the hooks' RBAC deleted after the failed hook")
     history = json.loads(helm("history", "--kubeconfig", release.kubeconfig, "-n", release.namespace, release.name, "-o", "json").stdout)
     assert history[0]["status"] == "deployed" and history[0]["app_version"] == APP_VERSION
+
+
+@pytest.mark.disruptive
+def test_the_hooks_crd_rights_limited_by_name_let_them_create_and_apply_a_named_crd_and_no_other(api, kubeconfig, namespace,
+                                                                                                    tmp_path):
+    """The hooks' ClusterRole names the chart's CRDs for create too: the hooks create a CRD only by server-side apply,
+    which the API server authorizes as a create with the object's name. Proven with the hooks' own code (apply_crds)
+    as a ServiceAccount bound to the chart's rendered CRD rules, their names swapped for a throwaway CRD's: it creates
+    and then applies that CRD (were the name not part of the create's authorization, the named create rule would not
+    match and the create would be refused); another CRD is refused (403)."""
+    from kubernetes import config
+
+    from gpu_agent_hooks.cli import apply_crds
+
+    tag = uuid.uuid4().hex[:8]
+    crds = {k: {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                "metadata": {"name": f"{k}{tag}s.leastpriv.e2e.gpu-agent.io"},
+                "spec": {"group": "leastpriv.e2e.gpu-agent.io", "scope": "Namespaced",
+                         "names": {"plural": f"{k}{tag}s", "singular": f"{k}{tag}", "kind": f"{k.title()}{tag}"},
+                         "versions": [{"name": "v1", "served": True, "storage": True,
+                                       "schema": {"openAPIV3Schema": {"type": "object"}}}]}} for k in ("named", "other")}
+    named = crds["named"]["metadata"]["name"]
+    (role,) = [d for d in yaml.safe_load_all(helm("template", "t", str(CHART), *BASE, "-s", "templates/clusterrole-hooks.yaml").stdout) if d]
+    rules = [{**r, "resourceNames": [named]} for r in role["rules"] if "apiextensions.k8s.io" in r["apiGroups"]]
+    assert rules and all(len(r["resourceNames"]) == 1 for r in rules)
+    rbac, ext, core = client.RbacAuthorizationV1Api(api), client.ApiextensionsV1Api(api), client.CoreV1Api(api)
+    sa, cluster_role = f"crd-applier-{tag}", f"leastpriv-{tag}"
+    core.create_namespaced_service_account(namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=sa)))
+    rbac.create_cluster_role({"metadata": {"name": cluster_role}, "rules": rules})
+    rbac.create_cluster_role_binding({"metadata": {"name": cluster_role},
+                                      "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+                                      "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}]})
+    as_sa = config.new_client_from_config(str(kubeconfig))
+    as_sa.set_default_header("Impersonate-User", f"system:serviceaccount:{namespace}:{sa}")
+    try:
+        for k in ("named", "other"):
+            (tmp_path / k).mkdir()
+            (tmp_path / k / "crd.yaml").write_text(yaml.safe_dump(crds[k]))
+        wait_until(lambda: client.AuthorizationV1Api(api).create_subject_access_review(client.V1SubjectAccessReview(
+            spec=client.V1SubjectAccessReviewSpec(user=f"system:serviceaccount:{namespace}:{sa}", resource_attributes=client.V1ResourceAttributes(
+                verb="patch", group="apiextensions.k8s.io", resource="customresourcedefinitions", name=named)))).status.allowed,
+            30, "the binding in effect")
+        apply_crds(as_sa, tmp_path / "named")  # creates it (server-side apply)
+        assert ext.read_custom_resource_definition(named).metadata.name == named
+        apply_crds(as_sa, tmp_path / "named")  # applies it again (a patch)
+        with pytest.raises(client.ApiException) as refused:
+            apply_crds(as_sa, tmp_path / "other")
+        assert refused.value.status == 403, refused.value
+    finally:
+        for k in ("named", "other"):
+            try:
+                ext.delete_custom_resource_definition(crds[k]["metadata"]["name"])
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+        rbac.delete_cluster_role_binding(cluster_role)
+        rbac.delete_cluster_role(cluster_role)
 
 
 def can_i(api, namespace, sa, verb, resource, ns=None, group=""):
