@@ -18,6 +18,7 @@ failed connection) are not requests the API server answered and take no further 
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -28,7 +29,11 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from gpu_agent.foundations.clock import Clock, SystemClock
+from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.ratelimit import ApiLimit, TokenBucket
+from gpu_agent.foundations.threads import StopEvent
+
+log = get_logger(__name__)
 
 # Every call to the API server names a timeout: a hung call would hold whatever waits on it (a work
 # item, a lease, a shutdown). Ten seconds is well inside what the callers protect.
@@ -152,11 +157,14 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
     Pods' watch wakes every item in flight on one). A 410 Gone (that version compacted away) lists again at
     once; any other error goes to `on_error`, then a pause of `retry_seconds`, then a list, since what the
     caller missed meanwhile is unknown. Works for typed and custom-object list calls alike. Runs until `stop`
-    is set; its pauses wait on `clock` (the system's by default)."""
+    is set; its pauses wait on `clock` (the system's by default). A `stop` that is a StopEvent
+    (foundations/threads.py) ends it at once, also while its watch waits on a quiet stream (its connection is shut
+    down by the stop); a plain threading.Event, at the watch's next event or end."""
     clock = clock or SystemClock()
     version: str | None = None  # None: list first
     while not stop.is_set():
         just_listed = version is None
+        take_back: list[Callable[[], None]] = []  # the registrations of this watch's connections with `stop`
         try:
             if version is None:
                 listed = list_call(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
@@ -165,25 +173,58 @@ def list_then_watch(list_call: Callable[..., Any], *args: Any, on_list: Callable
                 on_list(listed)
                 version = _resource_version(listed)
             w = watch.Watch()
-            for event in w.stream(list_call, *args, resource_version=version, allow_watch_bookmarks=True,
-                                  timeout_seconds=resync_seconds, _request_timeout=resync_seconds + WATCH_GRACE,
-                                  **kwargs):
+            for event in w.stream(_shut_down_on(stop, list_call, take_back), *args, resource_version=version,
+                                  allow_watch_bookmarks=True, timeout_seconds=resync_seconds,
+                                  _request_timeout=resync_seconds + WATCH_GRACE, **kwargs):
                 if stop.is_set():  # checked before delivering: no event reaches a stopped caller
                     w.stop()
                     return
                 version, just_listed = _event_version(event) or version, False
                 if event["type"] != "BOOKMARK":  # a bookmark carries only a version, no change
                     on_event(event["type"], event["object"])
-        except ApiException as e:
-            version = None  # expired (410 Gone) or failed: the list is the only way back to a consistent view
-            if e.status == 410 and not just_listed:
-                continue  # the usual expiry of an old version: list again at once, as the reflector does
-            on_error(e)  # an error, or a 410 on a version just listed, no event since (a server that cannot watch): pause
-            clock.wait_blocking(stop, retry_seconds)
         except Exception as e:  # noqa: BLE001 - reported by the caller, then list again
-            version = None
+            if stop.is_set():
+                return  # stopped: the stop's shutdown of the connection ended the read, by design; no error
+            version = None  # expired (410 Gone) or failed: the list is the only way back to a consistent view
+            if isinstance(e, ApiException) and e.status == 410 and not just_listed:
+                continue  # the usual expiry of an old version: list again at once, as the reflector does
+            # an error, or a 410 on a version just listed, no event since (a server that cannot watch): report, pause
             on_error(e)
             clock.wait_blocking(stop, retry_seconds)
+        finally:
+            for forget in take_back:
+                forget()
+
+
+def _shut_down_on(stop: threading.Event, list_call: Callable[..., Any],
+                  take_back: list[Callable[[], None]]) -> Callable[..., Any]:
+    """`list_call` as the watch calls it (watch=True: it answers with the open response): each response it opens
+    is shut down when `stop` is set, a StopEvent (foundations/threads.py), by the thread that sets it, so a read
+    blocked on a quiet stream returns at once (the stream ends or fails; the loop sees `stop` and reports
+    nothing), instead of at the next event or the server's timeout (`resync_seconds`, minutes). A response opened
+    after the stop is shut down as soon as it is (the stop came while its request was in flight). Each
+    registration goes into `take_back`, undone once the watch is over. With a plain threading.Event nothing is
+    registered: the watch sees its stop at its next event. `wraps`: Watch reads the list call's signature and
+    docstring (its return type, to deserialize events, and whether it watches or follows)."""
+    if not isinstance(stop, StopEvent):
+        return list_call
+
+    @functools.wraps(list_call)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        response = list_call(*args, **kwargs)
+        take_back.append(stop.on_set(lambda: _shut_down(response)))
+        return response
+    return call
+
+
+def _shut_down(response: Any) -> None:
+    """Shut the read side of an open response's socket (urllib3 2.3's HTTPResponse.shutdown; from another thread:
+    the read blocked in it returns). Shut down rather than closed: a close could wait on a TLS socket's lock,
+    which the blocked read holds. A response already over (closed, released to its pool) has none to shut."""
+    try:
+        response.shutdown()
+    except (AttributeError, ValueError, RuntimeError, OSError) as e:  # over already, or an older urllib3 (no shutdown)
+        log.v(4, "shutting down a stopped watch's connection: %s", e)
 
 
 def _event_version(event: dict[str, Any]) -> str | None:

@@ -10,6 +10,10 @@ its `stop` is not set, is dead: the log says so with its traceback, and the agen
 the process is broken and its readiness says it, as controller-runtime's manager fails when a runnable
 does). Nothing restarts it.
 
+A thread's `stop` is a `StopEvent` where the thread may block in a read that only its peer would end (a watch on a
+quiet stream): setting it also runs what the thread registered with `on_set` (the shutdown of that connection), so
+the thread ends at once, not at its next event or its server's timeout.
+
 Blocking calls:
 
 `asyncio.to_thread` uses the loop's executor, whose threads are joined at exit; a long-polled
@@ -99,6 +103,49 @@ class Threads:
         else:
             reason = "every thread runs"
         self._health.set(COMPONENT, not died, reason, running=sum(running.values()), died=sorted(died))
+
+
+class StopEvent(threading.Event):
+    """A threading.Event (what a long-lived thread's `stop` is) that also runs, in the thread that sets it, each call
+    registered with `on_set` (once). Why: a thread checks its stop only between the reads it blocks in, and a watch
+    on a quiet stream (no events; a bookmark about once a minute) blocks for minutes, so its owner's stop would
+    leave it running until the next event or the server's timeout. The watch registers the shutdown of its
+    connection here (foundations/kube.py's `list_then_watch`): the stop ends its read. A registered call must be
+    quick and must not block (it runs in the stopper's thread, maybe the event loop's); one that fails is logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._calls_lock = threading.Lock()
+        self._calls: dict[object, Callable[[], object]] = {}
+
+    def set(self) -> None:
+        with self._calls_lock:  # set and take the calls at once: one registered meanwhile sees it set, and runs now
+            super().set()
+            calls, self._calls = list(self._calls.values()), {}
+        for call in calls:
+            _run_stop_call(call)
+
+    def on_set(self, call: Callable[[], object]) -> Callable[[], None]:
+        """Run `call` when this is set (now, if it is set already); returns how to take it back (when what it
+        would end has ended by itself)."""
+        key = object()
+        with self._calls_lock:
+            if not self.is_set():
+                self._calls[key] = call
+
+                def take_back() -> None:
+                    with self._calls_lock:
+                        self._calls.pop(key, None)
+                return take_back
+        _run_stop_call(call)
+        return lambda: None
+
+
+def _run_stop_call(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the stop itself stands; the thread then ends as it would without this
+        log.warning("running %r on a stop failed: %s", call, e)
 
 
 # The agent whose threads start now: each role sets its own (in its constructor and at the start of its run).

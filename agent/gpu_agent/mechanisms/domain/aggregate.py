@@ -42,7 +42,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.domain.conditions import generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
@@ -442,7 +442,7 @@ class Aggregator:
         self.members_listed = False
         self._lock = threading.Lock()
         self._changed = threading.Event()
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
         self.writer = DomainWriter(api, namespace, domain, "fulljitter", 25.0, rng or random.Random(), self.clock,
                                    custom_api=custom_api)
         self.index = MemberIndex(domain, self.writer.where)
@@ -627,7 +627,7 @@ class EveryDomainAggregator:
         self._domain_of: dict[str, str] = {}  # member object name -> the domain its label named when last seen
         self.arrivals = Arrivals()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
 
     def window(self, domains: int) -> float:
         return min(self.MAX_INTERVAL, self.interval * max(1.0, math.pow(domains, 2 / 3)))

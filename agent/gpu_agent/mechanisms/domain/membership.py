@@ -29,7 +29,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.domain.members import domain_name_problem
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION
@@ -71,7 +71,7 @@ class DomainMembership:
         self.gpus: tuple[list[str], bool, str, int | None, str] = ([], False, "", None, "")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = asyncio.Event()
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
         self._lock = threading.Lock()
 
     # ---- what the watches see (their threads) ----------------------------------------------------

@@ -29,7 +29,7 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.entries import Entry, GPUDomain, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
@@ -64,8 +64,9 @@ class DomainReconciler:
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Set once the loop ended (leave, shutdown): the watch and the writes stop. `_idle` is clear while a
-        # write runs on its thread; `_writes` makes "not stopped, so this write starts" one step.
-        self._stop = threading.Event()
+        # write runs on its thread; `_writes` makes "not stopped, so this write starts" one step. A StopEvent: its set
+        # also shuts down the watch's connection (foundations/threads.py), so a stopped watch ends at once.
+        self._stop = StopEvent()
         self._idle = threading.Event()
         self._idle.set()
         self._writes = threading.Lock()

@@ -28,7 +28,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.dra.checkpoint import Checkpoint
 from gpu_agent.mechanisms.dra.devices import NodeDevices
 from gpu_agent.mechanisms.dra.plugin import KubeletPlugin
@@ -109,7 +109,8 @@ class DRADriver:
             self.clock.wait_blocking(stop, self.cleanup_interval)
 
     async def run(self, stop: asyncio.Event) -> None:
-        halt, loop, first_pass = threading.Event(), asyncio.get_running_loop(), asyncio.Event()
+        # a StopEvent: the halt also shuts down the slice watch's connection (foundations/threads.py)
+        halt, loop, first_pass = StopEvent(), asyncio.get_running_loop(), asyncio.Event()
 
         def first_pass_done() -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed: run has ended, nobody waits

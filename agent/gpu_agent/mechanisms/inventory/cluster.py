@@ -50,7 +50,7 @@ from gpu_agent.foundations.slices import (
     node_usable,
     pool_slice,
 )
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.inventory.source import Reading
 
 log = get_logger(__name__)
@@ -113,7 +113,7 @@ class ClusterSource:
         self._slices: dict[str, PoolSlice] = {}  # by slice name
         self._errors: dict[str, str] = {}  # "nodes" / "slices" -> what failed, until the next list
         self._listed: set[str] = set()
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
         # The last device-plugin inventory and the table it was built from: a poll (every gpuPollInterval) of an
         # unchanged table returns it instead of building one GPU per device again (20,000 of them took 0.27 s).
         self._built: tuple[tuple[tuple[str, NodeGPUs], ...], Inventory] | None = None

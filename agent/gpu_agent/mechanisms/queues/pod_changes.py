@@ -34,7 +34,7 @@ from typing import Any
 from gpu_agent.foundations.clock import Clock, SystemClock, sleep_or
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import list_then_watch
-from gpu_agent.foundations.threads import start_thread
+from gpu_agent.foundations.threads import StopEvent, start_thread
 
 log = get_logger(__name__)
 FALLBACK_SECONDS = 5.0  # the longest an item waits for its Pod's change while the watch is up
@@ -75,7 +75,7 @@ class PodChanges:
         self.watching = False  # listed, and no error since: only then do waits stretch to fallback_seconds
         self._interested: dict[str, set[asyncio.Event]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -84,7 +84,8 @@ class PodChanges:
         if self._thread is not None and not self._stop.is_set():
             return
         self._loop = asyncio.get_running_loop()
-        self._stop = stop = threading.Event()  # this watch's own: a stopped one never resumes
+        # this watch's own: a stopped one never resumes; a StopEvent: its stop also shuts the watch's connection
+        self._stop = stop = StopEvent()
         self._thread = start_thread("work-pod-watch", lambda: self._run(stop), stop)
 
     def stop(self) -> None:
