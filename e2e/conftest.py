@@ -47,8 +47,9 @@ def api(kubeconfig) -> client.ApiClient:
 # (kubernetes/kubernetes#130887). The current chart's param is a WorkFence of its own and needs nothing of the kind;
 # the tests of the last stable release (upgrades from it, downgrades to it) keep one binding naming Lease params while
 # they run, as that release's values tell its users to: it matches nothing (a namespace label no namespace has). Made
-# by the `last_stable` fixture at first use and removed at the end of that session (the serial phase), so that every
-# later test, the whole parallel phase, takes the user's path: no binding with a Lease param anywhere.
+# by the `last_stable` fixture at first use and removed at the end of that session (the serial phase; a side-by-side
+# phase's controller once every worker is done), so that every later test, the whole parallel phase, takes the user's
+# path: no binding with a Lease param anywhere.
 ANCHOR = "gpu-agent-e2e-lease-param-anchor"
 
 
@@ -231,16 +232,38 @@ def serial_reason(item) -> str | None:
     return None
 
 
+def among(item) -> str | None:
+    """The group a serial test may run beside, or None: `@pytest.mark.serial(reason=..., among="name")` says the test
+    cannot run beside the rest of the suite but can beside the other tests of the same group, which then run side by
+    side in a phase of their own (E2E_PHASE=grouped), each worker owning its node as in the parallel phase."""
+    mark = item.get_closest_marker("serial")
+    return mark.kwargs.get("among") if mark is not None else None
+
+
+PHASES = ("serial", "grouped", "parallel")
+SIDE_BY_SIDE = ("grouped", "parallel")  # phases whose workers each own a node
+
+
+def phase_of(item) -> str:
+    if among(item) is not None:
+        return "grouped"
+    return "serial" if serial_reason(item) is not None else "parallel"
+
+
 def pytest_collection_modifyitems(config, items):
-    """A cluster the suite did not create is never disrupted: those tests skip, saying why. E2E_PHASE=serial keeps
-    the tests that cannot run beside others (serial_reason), E2E_PHASE=parallel the rest (ci/scripts/e2e.sh runs
-    the one phase, then the other on E2E_JOBS workers); unset, every test."""
-    reasons = {item.nodeid: serial_reason(item) for item in items}
+    """A cluster the suite did not create is never disrupted: those tests skip, saying why. E2E_PHASE picks one phase's
+    tests (phase_of): serial, the tests that cannot run beside others; grouped, those that can beside their own group
+    only (one group a run); parallel, the rest. ci/scripts/e2e.sh runs them in that order, the last two on E2E_JOBS
+    workers. Unset, every test."""
     phase = os.environ.get("E2E_PHASE", "")
-    if phase not in ("", "serial", "parallel"):
-        raise pytest.UsageError(f"E2E_PHASE must be serial, parallel or unset; got {phase!r}")
+    if phase not in ("", *PHASES):
+        raise pytest.UsageError(f"E2E_PHASE must be one of {', '.join(PHASES)} or unset; got {phase!r}")
     if phase:
-        keep = [i for i in items if (reasons[i.nodeid] is not None) == (phase == "serial")]
+        keep = [i for i in items if phase_of(i) == phase]
+        groups = sorted({among(i) for i in keep if among(i) is not None})
+        if len(groups) > 1:
+            raise pytest.UsageError(f"E2E_PHASE=grouped runs one group beside itself; found {groups}: give each group "
+                                    f"a phase of its own in ci/scripts/e2e.sh")
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
@@ -277,14 +300,14 @@ def fake_gpus(kubeconfig, core, apps):
     """charts/fake-gpu (one device plugin per node): installed for the session, or the one ci/scripts/e2e.sh installed
     for the whole run where E2E_FAKE_GPU_NAMESPACE names it. Every test that needs GPUs sets the count it needs.
 
-    Side by side (the parallel phase), worker gwN owns the Nth fake-GPU node: its GPUs are the only ones its tests
+    Side by side (the grouped and parallel phases), worker gwN owns the Nth fake-GPU node: its GPUs are the only ones its tests
     change, its releases' cluster agents count only that node's GPUs and place their work Pods there
     (clusterAgent.gpuNodeSelector), their node agents run there alone (nodeAgent.nodeSelector), and the GPU Pods the
     tests make are bound to it (e2e/helpers.py GPU_NODE). One process alone owns the first node and counts them all."""
     shared = os.environ.get("E2E_FAKE_GPU_NAMESPACE", "")
     ns = shared or fake_gpu_release.install(kubeconfig, core, apps)
     nodes = fake_gpu_release.labelled(core, apps, ns)
-    index = worker_index() if os.environ.get("E2E_PHASE") == "parallel" else None
+    index = worker_index() if os.environ.get("E2E_PHASE") in SIDE_BY_SIDE else None
     if index is None:
         node = nodes[0]  # gpu-ci-node (the control plane) on the CI cluster; kind: the worker
     else:
@@ -340,7 +363,19 @@ def last_stable(api):
         pytest.skip("the last-stable image is built and imported into the CI cluster's containerd only")
     anchored = lease_param_anchor(api)
     yield _last_stable_chart()
-    if anchored:
+    # Beside other workers, one that ends first must not take the anchor from a worker between two of its releases:
+    # the xdist controller removes it once every worker is done (pytest_sessionfinish).
+    if anchored and worker_index() is None:
+        remove_lease_param_anchor(api)
+
+
+def pytest_sessionfinish(session):
+    """The controller of a side-by-side run removes the Lease-param anchor its workers may have made (see ANCHOR)."""
+    if hasattr(session.config, "workerinput") or worker_index() is not None:
+        return  # a worker
+    if os.environ.get("E2E_PHASE") not in SIDE_BY_SIDE or cluster.provider() != "ci" or not cluster.CI_KUBECONFIG.exists():
+        return
+    with config.new_client_from_config(str(cluster.CI_KUBECONFIG)) as api:
         remove_lease_param_anchor(api)
 
 

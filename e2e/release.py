@@ -43,6 +43,19 @@ def scope_to(node: str) -> list[str]:
             "--set", f"nodeAgent.nodeSelector.kubernetes\\.io/hostname={node}"]
 
 
+def without_gpu_node_selector(args: list[str]) -> list[str]:
+    """`args` for the last stable chart, whose closed schema has no clusterAgent.gpuNodeSelector: that value dropped
+    (its cluster agent counts every node's GPUs), the node agents' nodeSelector kept."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--set" and i + 1 < len(args) and args[i + 1].startswith("clusterAgent.gpuNodeSelector"):
+            continue
+        if i > 0 and args[i - 1] == "--set" and arg.startswith("clusterAgent.gpuNodeSelector"):
+            continue
+        out.append(arg)
+    return out
+
+
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=300)
     if check and r.returncode:

@@ -38,6 +38,8 @@ repo=$(cd "$here/.." && pwd)
 if [[ $what == last-stable ]]; then
   read -r version commit < <(python3 "$here/tools/releases.py" last-stable)
   out=$CI_CACHE/releases/$version-${commit:0:12}
+  # Side-by-side e2e workers each ask for it at once: one builds and imports, the others wait for it.
+  mkdir -p "$CI_CACHE/releases"; exec 9> "$CI_CACHE/releases/.lock"; flock 9
   if [[ ! -f $out/image.oci.tar ]]; then
     if ! git -C "$repo" cat-file -e "$commit^{commit}" 2>/dev/null; then
       echo "last stable $version was cut from commit $commit, which this clone does not have;" \

@@ -47,9 +47,10 @@ kstatus() {
 
 # The suite on the CI cluster. The cluster's own qualification first (e2e/test_smoke.py: pods, rollouts, DNS, RBAC,
 # helm), and nothing else if it fails. Then one fake-gpu release for the run (e2e/fake_gpu_release.py), and the
-# suite in two phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
-# serial_reason) one after another, then the rest on E2E_JOBS pytest-xdist workers (default 2: one per core), each
-# owning one fake-GPU node. E2E_JOBS=0: every test in one process, one after another (no phases).
+# suite in three phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
+# serial_reason) one after another; those that can beside their own group only (serial with among=) on E2E_JOBS
+# pytest-xdist workers; then the rest on E2E_JOBS workers (default 2: one per core). Side by side each worker owns one
+# fake-GPU node. E2E_JOBS=0: every test in one process, one after another (no phases).
 ci_suite() {  # ci_suite PYTEST_ARGS...
   local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-2} fake_ns t
   kstatus
@@ -62,6 +63,8 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
     E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
   else
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
+    E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
+      --ignore="$smoke" -n "$jobs" --dist load "$@"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=parallel run_suite "parallel phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
   fi
