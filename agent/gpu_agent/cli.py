@@ -6,11 +6,16 @@
     gpu-agent control-plane   the reference control plane alone
     gpu-agent inventory       read the GPU source once and print the inventory as JSON
     gpu-agent queue list|add  the control plane's work queue (admin token), e.g. beside `make run`
+    gpu-agent completion      print a bash or zsh completion script, made from this parser (foundations/completion.py)
     gpu-agent version         (or `gpu-agent --version`)
 
-Bad flags and bad values exit with code 2 and a message naming the setting. A cluster agent (or
-`local` with --graceful-no-gpu=false) that starts with no GPUs and gracefulNoGPU off exits with code 3,
-its last log line saying why (roles/cluster_agent.py).
+The listing commands (`queue list`, `inventory`) take `-o json|yaml|wide`: json and yaml print one document of a
+fixed shape (`queue list`'s is gpu_agent/schemas/queue-list.schema.json, `inventory`'s inventory.schema.json, both
+checked by the unit tests), wide a table with every column. Without -o each prints what it printed before.
+
+The process's exit codes are EXIT_CODES below, printed by `--help` and in the README: bad flags and bad values
+exit with code 2 and a message naming the setting; a cluster agent (or `local` with --graceful-no-gpu=false) that
+starts with no GPUs and gracefulNoGPU off exits with code 3, its last log line saying why (roles/cluster_agent.py).
 """
 
 from __future__ import annotations
@@ -21,15 +26,20 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import signal
 import sys
-from typing import NoReturn
+import textwrap
+from datetime import UTC, datetime
+from typing import Any, NoReturn
 
-from gpu_agent.foundations import klog
+import yaml
+
+from gpu_agent.foundations import completion, klog
 from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleConfig, Setting, add_arguments, load
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
-from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.secrets import REDACTOR, Secret
 from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.foundations.version import VersionAction, version_info
 from gpu_agent.mechanisms.inventory.nvml import NVMLSource, describe_events
@@ -65,29 +75,152 @@ class InventoryConfig(GPUSourceConfig, RoleConfig):
     """`gpu-agent inventory`'s settings."""
 
 
+# The process's exit codes: what `gpu-agent --help` prints and the README's table says (a unit test holds the
+# three together, and one test per code makes a real process exit with it).
+EXIT_CODES: dict[int, str] = {
+    0: "success; also --help, --version, and a serving role (local, cluster-agent, node-agent, control-plane) "
+       "stopped by SIGTERM or SIGINT",
+    1: "the command ran and failed: `queue` could not reach the control plane or the control plane refused the call "
+       "(the message says which); `inventory`'s GPU source answered with an error (the inventory is printed all "
+       "the same, its error set); also an unexpected error, its traceback on stderr",
+    2: "usage: an unknown command, flag or choice, a bad setting value (the message names the setting and where it "
+       "came from), no admin token for `queue`, a listen address that cannot be bound",
+    3: "`cluster-agent`, or `local` with --graceful-no-gpu=false, started with no GPUs and gracefulNoGPU is off "
+       "(its last log line says why and what to set)",
+    130: "interrupted (Ctrl-C) in a one-shot command such as `queue` or `inventory`, or before a serving role "
+         "had started",
+}
+# The codes each command can exit with (every command: 0, and 2 for usage).
+COMMAND_EXIT_CODES: dict[str, tuple[int, ...]] = {
+    "local": (0, 2, 3, 130), "cluster-agent": (0, 2, 3, 130), "node-agent": (0, 2, 130), "control-plane": (0, 2, 130),
+    "inventory": (0, 1, 2, 130), "queue": (0, 1, 2, 130), "queue list": (0, 1, 2, 130), "queue add": (0, 1, 2, 130),
+    "completion": (0, 2), "version": (0, 2),
+}
+OUTPUTS = ("json", "yaml", "wide")
+QUEUE_LIST_KIND = {"apiVersion": "gpu-agent/v1", "kind": "QueueList"}
+ITEM_STATES = ("queued", "leased", "done", "failed")
+
+
+def exit_codes_text(codes: tuple[int, ...] | None = None) -> str:
+    """The exit-code table for an epilog: a header paragraph, then one row a code (wrapped by _Formatter)."""
+    rows = [f"  {code:<5}{meaning}" for code, meaning in EXIT_CODES.items() if codes is None or code in codes]
+    return "Exit codes:\n\n" + "\n".join(rows)
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, except that a paragraph whose lines are indented is a table: each of its lines is
+    wrapped on its own, under its second column (argparse's would run the rows together)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for para in text.split("\n\n"):
+            if not para.startswith(" "):
+                paragraphs.append(super()._fill_text(para, width, indent))
+                continue
+            lines = []
+            for line in para.splitlines():
+                first = re.sub(r"^(\s*\S+\s+).*", r"\1", line) if re.match(r"\s*\S+\s+\S", line) else ""
+                lines += textwrap.wrap(line[len(first):], width, initial_indent=indent + first, break_on_hyphens=False,
+                                       subsequent_indent=indent + " " * len(first)) or [indent + first]
+            paragraphs.append("\n".join(lines))
+        return "\n\n".join(paragraphs)
+
+
+def _command(sub: Any, name: str, help_text: str, path: str = "") -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text, description=help_text,
+                                                     formatter_class=_Formatter)
+    parser.epilog = exit_codes_text(COMMAND_EXIT_CODES[f"{path} {name}".strip()])
+    return parser
+
+
+def _with_settings(parser: argparse.ArgumentParser, settings: list[Setting]) -> argparse.ArgumentParser:
+    codes = parser.epilog
+    add_arguments(parser, settings)  # sets the epilog when a setting is a secret (where secrets come from)
+    if parser.epilog != codes:
+        parser.epilog = f"{parser.epilog}\n\n{codes}"
+    return parser
+
+
+def _add_output(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("-o", "--output", choices=OUTPUTS, metavar="FORMAT",
+                        help=f"json or yaml: one document of a fixed shape, for scripts; wide: a table with every "
+                             f"column (default: {default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes")
+    parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes",
+                                     epilog=exit_codes_text(), formatter_class=_Formatter)
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     for name, (settings, _, help_text) in ROLES.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text), settings)
-    add_arguments(sub.add_parser("inventory", help="read the GPU source once and print the inventory as JSON",
-                                 description="read the GPU source once and print the inventory as JSON"),
-                  [VERBOSITY, *GPU_SOURCE_SETTINGS])
-    queue = sub.add_parser("queue", help="list or add work items at the control plane (admin token)",
-                           description="list or add work items at the control plane (admin token)")
+        _with_settings(_command(sub, name, help_text), settings)
+    inventory = _with_settings(_command(sub, "inventory", "read the GPU source once and print the inventory "
+                                        "(JSON unless -o says otherwise)"), [VERBOSITY, *GPU_SOURCE_SETTINGS])
+    _add_output(inventory, "json, as before -o existed")
+    queue = _command(sub, "queue", "list or add work items at the control plane (admin token)")
     actions = queue.add_subparsers(dest="action", required=True, metavar="ACTION")
-    add_arguments(actions.add_parser("list", help="the newest 200 items with their state, and the queue's counts",
-                                     description="the newest 200 items with their state, and the queue's counts"),
-                  QUEUE_SETTINGS)
-    add = actions.add_parser("add", help="enqueue one item (idempotent on its key)",
-                             description="enqueue one item (idempotent on its key)")
+    listing = _with_settings(_command(actions, "list", "the newest 200 items with their state, and the queue's counts",
+                                      "queue"), QUEUE_SETTINGS)
+    _add_output(listing, "a table for people")
+    add = _command(actions, "add", "enqueue one item (idempotent on its key)", "queue")
     add.add_argument("key", help="the item's idempotency key, e.g. demo-9 (adding the same key twice adds it once)")
     add.add_argument("--payload", default="{}", metavar="JSON", help="the item's payload, a JSON object (default: {})")
-    add_arguments(add, QUEUE_SETTINGS)
-    sub.add_parser("version", help="print version, commit and build date as JSON",
-                   description="print version, commit and build date as JSON")
+    _with_settings(add, QUEUE_SETTINGS)
+    shells = _command(sub, "completion", "print a shell completion script for gpu-agent, made from this command's "
+                      "own parser: `source <(gpu-agent completion bash)`; for zsh, after compinit, "
+                      "`source <(gpu-agent completion zsh)`")
+    shells.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete in")
+    _command(sub, "version", "print version, commit and build date as JSON")
     return parser
+
+
+def _scrubbed(value: Any) -> Any:
+    """`value` with every secret this process knows (the admin token) replaced by <redacted>, in every string:
+    what the control plane sends back (an item's last error) is printed, and must not carry one."""
+    if isinstance(value, str):
+        return REDACTOR.scrub(value)
+    if isinstance(value, dict):
+        return {k: _scrubbed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(v) for v in value]
+    return value
+
+
+def _print_document(doc: Any, output: str) -> None:
+    if output == "yaml":
+        print(yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, allow_unicode=True), end="")
+    else:
+        print(json.dumps(doc, indent=2))
+
+
+def _when(seconds: float | None) -> str:
+    return "-" if seconds is None else datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def queue_list_document(items: list[dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
+    """`gpu-agent queue list -o json|yaml`: every key always there (null when it has no value), in this order;
+    its JSON Schema is gpu_agent/schemas/queue-list.schema.json."""
+    return {**QUEUE_LIST_KIND,
+            "items": [{"id": i.get("id"), "idempotencyKey": i.get("idempotencyKey"), "state": i.get("state"),
+                       "deliveries": i.get("deliveries"), "failedAttempts": i.get("failedAttempts", 0),
+                       "createdAt": i.get("createdAt"), "ackedAt": i.get("ackedAt"), "lastError": i.get("lastError")}
+                      for i in items],
+            "counts": {state: counts.get(state, 0) for state in ITEM_STATES}}
+
+
+def _print_queue(items: list[dict[str, Any]], counts: dict[str, Any], output: str | None) -> None:
+    if output in ("json", "yaml"):
+        _print_document(queue_list_document(items, counts), output)
+        return
+    wide = output == "wide"
+    print(f"{'ID':>6}  {'KEY':<32} {'STATE':<7} {'DELIVERIES':>10} {'FAILED':>6}  "
+          + (f"{'CREATED':<20} {'ACKED':<20} " if wide else "") + "LAST ERROR")
+    for i in items:
+        error = " ".join(str(i.get("lastError") or "").split())  # one line per item
+        print(f"{i.get('id', '?'):>6}  {i.get('idempotencyKey', '?')!s:<32} {i.get('state', '?')!s:<7} "
+              f"{i.get('deliveries', '?'):>10} {i.get('failedAttempts', 0):>6}  "
+              + (f"{_when(i.get('createdAt')):<20} {_when(i.get('ackedAt')):<20} {error}" if wide else error[:120]))
+    print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 def _queue(args: argparse.Namespace, cfg: QueueConfig) -> int:
@@ -104,19 +237,14 @@ def _queue(args: argparse.Namespace, cfg: QueueConfig) -> int:
             if not isinstance(payload, dict):
                 raise ConfigError(f"--payload must be a JSON object, e.g. '{{\"n\": 1}}'; got {args.payload!r}")
             item_id = client.enqueue(cfg.adminToken, args.key, payload)
-            print(f"item {args.key} queued (id {item_id})")
+            print(REDACTOR.scrub(f"item {args.key} queued (id {item_id})"))
             return 0
-        items = client.list_items(cfg.adminToken)
-        counts = client.status(cfg.adminToken).get("items", {})
-        print(f"{'ID':>6}  {'KEY':<32} {'STATE':<7} {'DELIVERIES':>10} {'FAILED':>6}  LAST ERROR")
-        for i in items:
-            error = " ".join(str(i.get("lastError") or "").split())  # one line per item
-            print(f"{i.get('id', '?'):>6}  {i.get('idempotencyKey', '?')!s:<32} {i.get('state', '?')!s:<7} "
-                  f"{i.get('deliveries', '?'):>10} {i.get('failedAttempts', 0):>6}  {error[:120]}")
-        print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+        items = _scrubbed(client.list_items(cfg.adminToken))
+        counts = _scrubbed(client.status(cfg.adminToken).get("items", {}))
+        _print_queue(items, counts, args.output)
         return 0
     except ControlPlaneError as e:
-        print(f"gpu-agent queue {args.action}: error: {e}", file=sys.stderr)
+        print(REDACTOR.scrub(f"gpu-agent queue {args.action}: error: {e}"), file=sys.stderr)
         return 1
     finally:
         client.close()
@@ -146,7 +274,9 @@ async def _serve(cfg: Config) -> int:
     return 0
 
 
-def _print_inventory(cfg: InventoryConfig) -> int:
+def _print_inventory(cfg: InventoryConfig, output: str | None) -> int:
+    """The inventory as JSON (the default, unchanged since before -o), YAML or a wide table; its JSON Schema is
+    gpu_agent/schemas/inventory.schema.json. Exit code 1 when the source answered with an error."""
     source = make_source(cfg)
     reading = source.read()
     gpus = [{**g.to_json(), "health": g.health, **({"healthReason": g.health_reason} if g.health_reason else {})}
@@ -159,7 +289,15 @@ def _print_inventory(cfg: InventoryConfig) -> int:
                                       "registered": describe_events(source.registered_events.get(uuid, 0))}
                                for uuid, mask in source.supported_events.items()}
     source.close()
-    print(json.dumps(doc, indent=2))
+    if output == "wide":
+        print(f"{'INDEX':>5}  {'UUID':<40} {'NAME':<24} {'MEMORY':>10} {'MIG':<5} {'HEALTH':<9} REASON")
+        for g in gpus:
+            print(f"{g['index']:>5}  {g['uuid']:<40} {g['name']:<24} {g['memoryTotalBytes'] // 2**20:>7}MiB "
+                  f"{'on' if g['migMode'] else 'off':<5} {g['health']:<9} {g.get('healthReason', '')}".rstrip())
+        print(f"source: {doc['source']}, count: {doc['count']}, clique: {doc['clique'] or '-'}, "
+              f"fabric: {doc['fabric'] or '-'}" + "".join(f", {k}: {doc[k]}" for k in ("error", "note") if doc[k]))
+    else:
+        _print_document(doc, output or "json")
     return 1 if reading.error else 0
 
 
@@ -171,16 +309,20 @@ def dump_stacks_on_sigusr2() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     dump_stacks_on_sigusr2()
     if args.role == "version":
         print(json.dumps(version_info()))
+        return 0
+    if args.role == "completion":
+        print(completion.bash(parser) if args.shell == "bash" else completion.zsh(parser), end="")
         return 0
     try:
         if args.role == "inventory":
             inventory = load([VERBOSITY, *GPU_SOURCE_SETTINGS], args, as_=InventoryConfig)
             klog.setup(inventory.verbosity)
-            return _print_inventory(inventory)
+            return _print_inventory(inventory, args.output)
         if args.role == "queue":
             queue = load(QUEUE_SETTINGS, args, as_=QueueConfig)
             klog.setup(queue.verbosity)

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from gpu_agent.foundations.completion import COMPLETIONS
 from gpu_agent.foundations.klog import quote
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.xids import MAX_XID, parse_xids
@@ -302,7 +303,10 @@ def add_arguments(parser: argparse.ArgumentParser, settings: list[Setting]) -> N
             parser.add_argument("-v", "--v", dest=s.name, metavar="N", help=f"{text} (default: 0; env {s.env})")
             continue
         default = _help_default(s).replace("%", "%%")
-        parser.add_argument(s.flag, dest=s.name, metavar=s.kind.upper(), help=f"{text} (default: {default}; env {s.env})")
+        action = parser.add_argument(s.flag, dest=s.name, metavar=s.kind.upper(),
+                                     help=f"{text} (default: {default}; env {s.env})")
+        if s.kind in ("choice", "bool"):  # offered by shell completion; checked by load, which names the setting
+            setattr(action, COMPLETIONS, s.choices if s.kind == "choice" else ("true", "false"))
     if secrets:
         # An epilog is not %-formatted (only help strings are).
         parser.epilog = ("Secrets are never flags; set them in the environment (or the matching *File setting): "
