@@ -3,7 +3,8 @@
 
 For each chart it writes README.md (what `helm show readme` prints: every value with its default
 and meaning, then the Argo CD health checks of health/*.lua, embedded verbatim) and puts each meaning into values.schema.json as the property's description, and
-it declares `global` in the schema so the chart works as a subchart. `--check` changes nothing
+it declares `global` in the schema so the chart works as a subchart (open: an umbrella chart's globals reach every
+subchart; the global values a chart reads are declared with their types). `--check` changes nothing
 and fails, naming the files, when they are not what it would write (the test command runs it).
 
     python3 scripts/chart-docs.py [--check] [charts/gpu-agent charts/fake-gpu]
@@ -59,7 +60,10 @@ def with_descriptions(schema: dict, docs: dict[str, str]) -> dict:
 
     schema = json.loads(json.dumps(schema))
     walk(schema, "")
-    schema.setdefault("properties", {})["global"] = GLOBAL
+    # A chart that reads global values declares them (open to the other charts' globals); one that does not, none.
+    declared = schema.setdefault("properties", {}).get("global", {})
+    if not declared.get("properties"):
+        schema["properties"]["global"] = GLOBAL
     return schema
 
 

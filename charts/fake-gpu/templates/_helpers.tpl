@@ -8,13 +8,65 @@ app.kubernetes.io/name: fake-gpu
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "fake-gpu.labels" -}}
+{{/* fake-gpu.chartLabels: the labels the chart sets on its objects (its selectors rely on them). */}}
+{{- define "fake-gpu.chartLabels" -}}
 {{ include "fake-gpu.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/component: device-plugin
 app.kubernetes.io/part-of: gpu-agent
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
+{{/* fake-gpu.commonLabels: commonLabels as YAML, "" for none; a label the chart sets itself fails the render. */}}
+{{- define "fake-gpu.commonLabels" -}}
+{{- $own := include "fake-gpu.chartLabels" . | fromYaml -}}
+{{- range $key, $_ := .Values.commonLabels -}}
+{{- if hasKey $own $key -}}
+{{- fail (printf "commonLabels: %s is a label the chart sets itself (its selectors rely on it): remove it from commonLabels" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.commonLabels }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* fake-gpu.labels: every object's labels, the chart's and commonLabels. */}}
+{{- define "fake-gpu.labels" -}}
+{{ include "fake-gpu.chartLabels" . }}
+{{- with include "fake-gpu.commonLabels" . }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* fake-gpu.image: the image reference, with global.imageRegistry as its registry when set: the registry host the
+     repository names (a first path component with a "." or ":", or localhost) is replaced, otherwise the registry is
+     put in front (the gpu-agent chart's rule, gpu-agent.withRegistry). */}}
+{{- define "fake-gpu.image" -}}
+{{- $repository := .Values.image.repository -}}
+{{- $registry := trimSuffix "/" ((.Values.global | default dict).imageRegistry | default "") -}}
+{{- if $registry -}}
+{{- $parts := splitList "/" $repository -}}
+{{- $first := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- $repository = join "/" (rest $parts) -}}
+{{- end -}}
+{{- $repository = printf "%s/%s" $registry $repository -}}
+{{- end -}}
+{{- printf "%s:%s" $repository .Values.image.tag -}}
+{{- end -}}
+
+{{/* fake-gpu.imagePullSecrets: global.imagePullSecrets (each {name: ...} or a name) as a YAML list, "" for none. */}}
+{{- define "fake-gpu.imagePullSecrets" -}}
+{{- $all := list -}}
+{{- $names := list -}}
+{{- range (.Values.global | default dict).imagePullSecrets | default list -}}
+{{- $secret := . -}}
+{{- if kindIs "string" . }}{{ $secret = dict "name" . }}{{ end -}}
+{{- if not (has $secret.name $names) -}}
+{{- $names = append $names $secret.name -}}
+{{- $all = append $all $secret -}}
+{{- end -}}
+{{- end -}}
+{{- if $all }}{{ toYaml $all }}{{ end -}}
 {{- end -}}
 
 {{/* fake-gpu.lintSuppressions: checkov annotations for the findings this chart accepts, each with its reason. */}}

@@ -22,18 +22,54 @@ whole, so two long release names never share objects. */}}
 
 {{/* gpu-agent.image: a component's image reference; call with (dict "ctx" $ "image" .Values.clusterAgent.image).
 Each empty field of the component's image inherits the top-level image's; the top-level digest only
-applies to the top-level repository. */}}
+applies to the top-level repository; global.imageRegistry, when set, is the registry (gpu-agent.withRegistry). */}}
 {{- define "gpu-agent.image" -}}
 {{- $top := .ctx.Values.image -}}
 {{- $own := .image | default dict -}}
 {{- $repository := default $top.repository $own.repository -}}
 {{- $tag := default (default .ctx.Chart.AppVersion $top.tag) $own.tag -}}
 {{- $digest := $own.digest | default (ternary "" ($top.digest | default "") (not (empty $own.repository))) -}}
+{{- $repository = include "gpu-agent.withRegistry" (dict "ctx" .ctx "repository" $repository) -}}
 {{- if $digest -}}
 {{- printf "%s:%s@%s" $repository $tag $digest -}}
 {{- else -}}
 {{- printf "%s:%s" $repository $tag -}}
 {{- end -}}
+{{- end -}}
+
+{{/* gpu-agent.withRegistry: a repository with global.imageRegistry as its registry; call with
+(dict "ctx" $ "repository" REPO). Unset: REPO as given. Set: the registry host REPO names, if any, is replaced
+(the first path component when it has a "." or a ":" or is "localhost", the rule Docker and containerd use to tell
+a registry from a path), otherwise the registry is put in front: localhost/gpu-agent and gpu-agent both become
+<registry>/gpu-agent, ghcr.io/org/gpu-agent becomes <registry>/org/gpu-agent (a mirror keeps the image's path). */}}
+{{- define "gpu-agent.withRegistry" -}}
+{{- $registry := trimSuffix "/" ((.ctx.Values.global | default dict).imageRegistry | default "") -}}
+{{- $repository := .repository -}}
+{{- if $registry -}}
+{{- $parts := splitList "/" $repository -}}
+{{- $first := first $parts -}}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- $repository = join "/" (rest $parts) -}}
+{{- end -}}
+{{- $repository = printf "%s/%s" $registry $repository -}}
+{{- end -}}
+{{- $repository -}}
+{{- end -}}
+
+{{/* gpu-agent.imagePullSecrets: the pull secrets of every pod spec as a YAML list, "" for none: imagePullSecrets,
+then global.imagePullSecrets (an umbrella chart's; each a {name: ...} or a name), each name once. */}}
+{{- define "gpu-agent.imagePullSecrets" -}}
+{{- $all := list -}}
+{{- $names := list -}}
+{{- range concat (.Values.imagePullSecrets | default list) ((.Values.global | default dict).imagePullSecrets | default list) -}}
+{{- $secret := . -}}
+{{- if kindIs "string" . }}{{ $secret = dict "name" . }}{{ end -}}
+{{- if not (has $secret.name $names) -}}
+{{- $names = append $names $secret.name -}}
+{{- $all = append $all $secret -}}
+{{- end -}}
+{{- end -}}
+{{- if $all }}{{ toYaml $all }}{{ end -}}
 {{- end -}}
 
 {{- define "gpu-agent.imagePullPolicy" -}}
@@ -60,7 +96,8 @@ app.kubernetes.io/name: {{ include "gpu-agent.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- define "gpu-agent.labels" -}}
+{{/* gpu-agent.chartLabels: the labels the chart sets on its objects (selectors and policies rely on them). */}}
+{{- define "gpu-agent.chartLabels" -}}
 {{ include "gpu-agent.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
@@ -68,10 +105,37 @@ app.kubernetes.io/part-of: gpu-agent
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* gpu-agent.componentLabels: labels of one component; call with (dict "ctx" $ "component" "cluster-agent") */}}
+{{/* gpu-agent.userLabels: the labels a user adds to an object with the chart's labels `.own` (text): commonLabels,
+and `.extra` (a dict: a pod template's podLabels, a monitor's labels; they win over commonLabels), as YAML; "" for
+none. A commonLabels key the chart sets itself fails the render, naming it. */}}
+{{- define "gpu-agent.userLabels" -}}
+{{- $own := .own | fromYaml -}}
+{{- $common := .ctx.Values.commonLabels | default dict -}}
+{{- range $key, $_ := $common -}}
+{{- if hasKey $own $key -}}
+{{- fail (printf "commonLabels: %s is a label the chart sets itself (its selectors and policies rely on it): remove it from commonLabels" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $all := merge (deepCopy (.extra | default dict)) $common -}}
+{{- if $all }}{{ toYaml $all }}{{ end -}}
+{{- end -}}
+
+{{/* gpu-agent.labels: every object's labels, the chart's and commonLabels. */}}
+{{- define "gpu-agent.labels" -}}
+{{ include "gpu-agent.chartLabels" . }}
+{{- with include "gpu-agent.userLabels" (dict "ctx" . "own" (include "gpu-agent.chartLabels" .)) }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* gpu-agent.componentLabels: labels of one component; call with (dict "ctx" $ "component" "cluster-agent"), and
+"extra" (a dict of labels of the object's own: podLabels, a monitor's labels) where it has some. */}}
 {{- define "gpu-agent.componentLabels" -}}
-{{ include "gpu-agent.labels" .ctx }}
-app.kubernetes.io/component: {{ .component }}
+{{- $own := printf "%s\napp.kubernetes.io/component: %s" (include "gpu-agent.chartLabels" .ctx) .component -}}
+{{ $own }}
+{{- with include "gpu-agent.userLabels" (dict "ctx" .ctx "own" $own "extra" .extra) }}
+{{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "gpu-agent.componentSelector" -}}
@@ -116,8 +180,8 @@ template:
     labels: {{- include "gpu-agent.componentLabels" (dict "ctx" .ctx "component" "hooks") | nindent 6 }}
   spec:
     serviceAccountName: {{ include "gpu-agent.serviceAccountName" (dict "ctx" .ctx "component" "hooks" "key" "hooks") }}
-    {{- with .ctx.Values.imagePullSecrets }}
-    imagePullSecrets: {{- toYaml . | nindent 6 }}
+    {{- with include "gpu-agent.imagePullSecrets" .ctx }}
+    imagePullSecrets: {{- . | nindent 6 }}
     {{- end }}
     restartPolicy: Never
     {{- with .ctx.Values.hooks.priorityClassName }}
@@ -420,4 +484,14 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- end -}}
 {{- include "gpu-agent.agentConfig" (dict "wiring" $wiring "named" $named "config" ($v.nodeAgent.config | default dict)
   "key" "nodeAgent" "role" "node-agent") -}}
+{{- end -}}
+
+{{/* gpu-agent.kubeVersionChecks: the Kubernetes version Chart.yaml's kubeVersion admits (1.30, for the
+ValidatingAdmissionPolicies of admissionregistration.k8s.io/v1) is not enough for dra.enabled: resource.k8s.io/v1 (the
+DeviceClass, ResourceSlices, ResourceClaimTemplates) is served from 1.34. .Capabilities.KubeVersion is the cluster's
+on install and upgrade; under `helm template` it is --kube-version, or the version helm was built with. */}}
+{{- define "gpu-agent.kubeVersionChecks" -}}
+{{- if and .Values.dra.enabled (semverCompare "<1.34.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "dra.enabled=true needs Kubernetes 1.34 or later (resource.k8s.io/v1: DeviceClass, ResourceSlice, ResourceClaimTemplate), and this cluster is %s: set dra.enabled=false (GPUs through the device plugin), or upgrade the cluster to 1.34+ (under `helm template`, pass --kube-version)" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
 {{- end -}}
