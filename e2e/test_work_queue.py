@@ -144,3 +144,87 @@ def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, cor
             pods.stop()
         release.uninstall_if_installed()
         fake_gpus.set(0)
+
+
+def test_a_work_pod_carries_every_work_pods_value_and_its_item_is_done(api, core, apps, kubeconfig, namespace, fake_gpus,
+                                                                      tmp_path):
+    """Issue 50 part 3: a release installed with every workPods value set runs an item whose Pod, as the API server
+    has it, carries each value beside the agent's own. Side-by-side safe: the PriorityClass and the RuntimeClass
+    (handler runc, the CI containerd's default runtime) it makes are cluster-scoped, so they get unique names and are
+    deleted at the end; everything else lives in the test's namespace."""
+    import uuid
+
+    import yaml
+
+    from gpu_agent.mechanisms.queues.pod_executor import pod_name
+
+    suffix = uuid.uuid4().hex[:6]
+    runtime_class, priority_class = f"e2e-runc-{suffix}", f"e2e-work-{suffix}"
+    node_api, scheduling = client.NodeV1Api(api), client.SchedulingV1Api(api)
+    node_api.create_runtime_class(client.V1RuntimeClass(metadata=client.V1ObjectMeta(name=runtime_class), handler="runc"))
+    scheduling.create_priority_class(client.V1PriorityClass(metadata=client.V1ObjectMeta(name=priority_class), value=1000,
+                                                            description="e2e: workPods.priorityClassName"))
+    core.create_namespaced_secret(namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="e2e-pull"), type="kubernetes.io/dockerconfigjson",
+        string_data={".dockerconfigjson": json.dumps({"auths": {"registry.invalid": {"auth": "ZTJlOmUyZQ=="}}})}))
+    work_pods = {
+        "tolerations": [{"key": "e2e.gpu-agent.io/dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"kubernetes.io/hostname": fake_gpus.node},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [fake_gpus.node]}]}]}}},
+        "runtimeClassName": runtime_class,
+        "imagePullSecrets": [{"name": "e2e-pull"}],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "128Mi"}},
+        "priorityClassName": priority_class,
+        "labels": {"e2e.gpu-agent.io/team": "ml"},
+        "annotations": {"e2e.gpu-agent.io/owner": "work-pods-test"},
+    }
+    values = tmp_path / "work-pods.yaml"
+    values.write_text(yaml.safe_dump({"workPods": work_pods}))
+    fake_gpus.set(2)
+    release = Release(api, core, apps, kubeconfig, namespace, name="shaped")
+    try:
+        release.install(*WAIT, "-f", str(values))
+        wait_until(lambda: (release.healthz()[1] or {}).get("active"), 60, "the cluster agent active")
+        enqueue(release, ["shaped-1"], seconds=20)  # long enough to read its Pod while it runs
+        name = pod_name("shaped-1")
+
+        def running():
+            try:
+                pod = core.read_namespaced_pod(name, namespace)
+            except client.ApiException as e:
+                if e.status == 404:
+                    return None
+                raise
+            return pod if pod.status.phase == "Running" else None
+
+        pod = wait_until(running, 90, f"work pod {name} Running")
+        spec, (container,) = pod.spec, pod.spec.containers
+        assert [(t.key, t.operator, t.effect) for t in spec.tolerations or []
+                if t.key == "e2e.gpu-agent.io/dedicated"] == [("e2e.gpu-agent.io/dedicated", "Exists", "NoSchedule")]
+        assert spec.node_selector == {"kubernetes.io/hostname": fake_gpus.node}, spec.node_selector
+        (term,) = spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms
+        assert [(e.key, e.operator, e.values) for e in term.match_expressions] == [
+            ("kubernetes.io/hostname", "In", [fake_gpus.node])]
+        assert spec.node_name == fake_gpus.node
+        assert spec.runtime_class_name == runtime_class
+        assert [s.name for s in spec.image_pull_secrets] == ["e2e-pull"]
+        assert spec.priority_class_name == priority_class and spec.priority == 1000
+        assert container.resources.requests == {"cpu": "10m", "memory": "16Mi"}, container.resources
+        assert container.resources.limits == {"memory": "128Mi", "nvidia.com/gpu": "1"}, container.resources
+        labels, annotations = pod.metadata.labels, pod.metadata.annotations
+        assert labels["e2e.gpu-agent.io/team"] == "ml" and labels["gpu-agent.io/work-item"] == "true"
+        assert labels["app.kubernetes.io/instance"] == "shaped"
+        assert annotations["e2e.gpu-agent.io/owner"] == "work-pods-test" and annotations["gpu-agent.io/item-id"]
+        assert spec.restart_policy == "Never" and "gpu-agent.io/work-item" in (pod.metadata.finalizers or [])
+        wait_until(lambda: items(release).get("shaped-1") == "done", 90, "the shaped item done", interval=1.0)
+    finally:
+        release.uninstall_if_installed()
+        fake_gpus.set(0)
+        for delete in (lambda: node_api.delete_runtime_class(runtime_class),
+                       lambda: scheduling.delete_priority_class(priority_class)):
+            try:
+                delete()
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise

@@ -662,3 +662,85 @@ def test_with_dra_the_cluster_agent_counts_slices_claims_work_gpus_through_templ
         assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]], sets
     (cleanup,) = [d for d in render() if d["kind"] == "Job" and d["metadata"]["name"].endswith("-cleanup")]
     assert "--work-claim-templates=false" in cleanup["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+WORK_PODS = {
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "nodeSelector": {"kubernetes.io/hostname": "gpu-1", "pool": "a100"},
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}]}}},
+    "runtimeClassName": "nvidia",
+    "imagePullSecrets": [{"name": "regcred"}, "mirror"],
+    "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+    "priorityClassName": "batch-high",
+    "labels": {"team": "ml", "cost-center": "42"},
+    "annotations": {"example.com/owner": "me"},
+}
+EMPTY_WORK_PODS = {"tolerations": [], "nodeSelector": {}, "affinity": {}, "runtimeClassName": "", "imagePullSecrets": [],
+                   "resources": {}, "priorityClassName": "", "labels": {}, "annotations": {}}
+
+
+def values_file(tmp_path, values: dict) -> list[str]:
+    path = tmp_path / f"values-{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["-f", str(path)]
+
+
+def cluster_agent_configmap_text(*args: str) -> str:
+    return helm("template", "t", str(CHART), "--namespace", "ns", *BASE, *args,
+                "--show-only", "templates/configmap-cluster-agent.yaml").stdout
+
+
+def test_with_the_work_pods_block_empty_the_cluster_agents_configmap_is_byte_for_byte_the_default(tmp_path):
+    default = cluster_agent_configmap_text()
+    assert "workPods" not in default
+    assert cluster_agent_configmap_text(*values_file(tmp_path, {"workPods": EMPTY_WORK_PODS})) == default
+    assert cluster_agent_configmap_text("--set-json", "workPods={}") == default
+    assert EMPTY_WORK_PODS == yaml.safe_load((CHART / "values.yaml").read_text())["workPods"]  # the defaults are empty
+
+
+def test_every_work_pods_value_reaches_the_cluster_agents_config_and_the_agent_reads_it_back(tmp_path):
+    from gpu_agent.foundations.work_pods import parse_work_pods
+
+    args = values_file(tmp_path, {"workPods": WORK_PODS,
+                                  "clusterAgent": {"gpuNodeSelector": {"kubernetes.io/hostname": "gpu-1"}}})
+    docs = render(*args)
+    config = agent_config(docs, "cluster-agent")
+    assert config["workPods"] == WORK_PODS
+    assert config["gpuNodeSelector"] == {"kubernetes.io/hostname": "gpu-1"}  # the same key at the same value: fine
+    assert parse_work_pods(config["workPods"])["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    # Only the keys set reach the config; a changed shape rolls the cluster agent (its config checksum).
+    only = agent_config(render("--set", "workPods.priorityClassName=batch"), "cluster-agent")
+    assert only["workPods"] == {"priorityClassName": "batch"}
+    checksum = [cluster_agent_deployment(d)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for d in (docs, render())]
+    assert checksum[0] != checksum[1]
+
+
+WORK_PODS_REFUSED = [
+    (["--set", "workPods.labels.gpu-agent\\.io/work-item=x"],
+     'workPods.labels: "gpu-agent.io/work-item" is a label key the agent sets on every work Pod'),
+    (["--set", "workPods.labels.app\\.kubernetes\\.io/instance=other"],
+     'workPods.labels: "app.kubernetes.io/instance" is a label key the agent sets'),
+    (["--set", "workPods.labels.app\\.kubernetes\\.io/managed-by=me"],
+     'workPods.labels: "app.kubernetes.io/managed-by" is a label key the agent sets'),
+    (["--set", "workPods.annotations.gpu-agent\\.io/leader=me"],
+     'workPods.annotations: "gpu-agent.io/leader" is an annotation key the agent sets'),
+    (["--set", "workPods.resources.limits.nvidia\\.com/gpu=8"], "workPods.resources.limits: nvidia.com/gpu is the agent's own"),
+    (["--set", "workPods.resources.requests.nvidia\\.com/gpu=8"], "workPods.resources.requests: nvidia.com/gpu"),
+    (["--set", "clusterAgent.gpuNodeSelector.pool=a", "--set", "workPods.nodeSelector.pool=b"],
+     'workPods.nodeSelector: "pool" is "b", but clusterAgent.gpuNodeSelector sets it to "a"'),
+    (["--set-json", 'workPods.resources={"claims":[{"name":"gpus"}]}'], "additional properties 'claims' not allowed"),
+    (["--set", "workPods.podSecurityContext.runAsUser=0"], "additional properties 'podSecurityContext' not allowed"),
+    (["--set", "workPods.runtimeClassName=Nvidia_CDI"], "/workPods/runtimeClassName"),
+    (["--set-json", 'workPods.tolerations=[{"key":"a","operator":"Maybe"}]'], "/workPods/tolerations/0/operator"),
+    (["--set", "workPods.labels.team=" + "x" * 64], "/workPods/labels/team"),
+    (["--set", "clusterAgent.config.workPods.labels.team=ml"], "workPods"),  # the chart wires it: set workPods
+]
+
+
+@pytest.mark.parametrize("sets,named", WORK_PODS_REFUSED, ids=[n[:48] for _, n in WORK_PODS_REFUSED])
+def test_a_work_pods_value_that_is_the_agents_own_or_malformed_is_refused_at_render_naming_it(sets, named):
+    r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
+    assert r.returncode != 0
+    assert named in r.stderr, r.stderr

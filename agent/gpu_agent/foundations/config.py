@@ -26,6 +26,8 @@ import yaml
 from gpu_agent.foundations.completion import COMPLETIONS
 from gpu_agent.foundations.klog import quote
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.work_pods import KEYS as WORK_POD_KEYS
+from gpu_agent.foundations.work_pods import parse_work_pods
 from gpu_agent.foundations.xids import MAX_XID, parse_xids
 
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -80,6 +82,7 @@ def _snake(name: str) -> str:
 class Setting:
     name: str  # camelCase, as in YAML and the chart's values
     kind: str  # "seconds" | "number" | "int" | "str" | "bool" | "choice" | "url" | "address" | "path" | "secret" | "xids" | "labels"
+    # | "workPods" (foundations/work_pods.py: a mapping in a config file, JSON in a flag or the environment)
     default: Any
     help: str
     min: float | None = None
@@ -116,6 +119,9 @@ class Setting:
         if self.kind == "labels":
             return ("node labels as key=value pairs, comma-separated (a mapping in a config file), e.g. "
                     "pool=a100,kubernetes.io/os=linux; empty for none")
+        if self.kind == "workPods":
+            return ("a mapping (JSON in a flag or the environment) of " + ", ".join(WORK_POD_KEYS)
+                    + ", as a Pod spec has them (the chart's workPods values); {} for none")
         return "a non-empty string"
 
     def convert(self, raw: Any, origin: str) -> Any:
@@ -175,6 +181,18 @@ class Setting:
                 return labels_text(parse_labels(raw))
             except ValueError:
                 raise bad() from None
+        if self.kind == "workPods":
+            if isinstance(raw, str) and raw.strip():  # a flag or the environment: JSON
+                try:
+                    raw = json.loads(raw)
+                except (ValueError, RecursionError):
+                    raise bad() from None
+            try:
+                return parse_work_pods(raw)
+            except (ValueError, RecursionError) as e:
+                raise ConfigError(f"invalid value for {self.name} (from {origin}): {quote_one_line(e, 400)}; fix it in "
+                                  f"the chart's workPods values, or the config file's {self.name} (JSON in {self.flag} "
+                                  f"or {self.env})") from None
         if isinstance(raw, (dict, list, tuple, set)):
             raise bad()  # a structure where one value belongs (from a config file)
         text = "" if raw is None else str(raw)
@@ -208,7 +226,7 @@ class Setting:
 KIND_TYPES: dict[str, object] = {
     "seconds": float, "number": float, "int": int, "bool": bool, "secret": Secret, "featureGates": dict[str, bool],
     "str": str, "path": str, "url": str, "address": str, "choice": str, "xids": tuple[int, ...], "labels": str,
-
+    "workPods": dict[str, Any],
 }
 
 
@@ -279,7 +297,7 @@ def _help_default(s: Setting) -> str:
         return ",".join(f"{k}={str(v).lower()}" for k, v in sorted(FEATURE_GATES.items()))
     if s.kind == "xids":
         return ",".join(str(x) for x in s.default) or "none"
-    if s.default in ("", None):
+    if s.default in ("", None, {}):
         return "unset"
     if isinstance(s.default, bool):
         return str(s.default).lower()

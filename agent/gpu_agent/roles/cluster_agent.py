@@ -115,6 +115,11 @@ SETTINGS = [
     Setting("workNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of work Pods (pod executor)"),
     Setting("workImage", "str", "localhost/gpu-agent:dev", "image of work Pods (pod executor)"),
     Setting("releaseName", "str", "", "Helm release, recorded on work Pods for cleanup", optional=True),
+    Setting("workPods", "workPods", {}, "what every work Pod gets besides what the agent sets (pod executor): "
+            "tolerations, nodeSelector (merged with gpuNodeSelector, which wins on a shared key), affinity, "
+            "runtimeClassName, imagePullSecrets, resources (of its container), priorityClassName, labels, annotations; "
+            "the agent's own labels, annotations (gpu-agent.io/...) and GPU request are refused (the chart's workPods)",
+            optional=True),
     Setting("domainName", "str", "", "GPUDomain whose members this agent folds into its status "
             "(node agents with domainWriteStrategy=aggregate); empty: none", optional=True),
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
@@ -184,6 +189,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     workNamespace: str
     workImage: str
     releaseName: str
+    workPods: dict[str, Any]
     domainName: str
     domainNamespace: str
     foldAllDomains: bool
@@ -235,7 +241,7 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock, api_limit: ApiLimit | N
                                driver=cfg.draDriverName) if cfg.draDeviceClassName else None
         return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
                            pod_changes=changes, node_selector=cfg.gpuNodeSelector, claims=claims,
-                           fencing=bool(cfg.leaderElection and cfg.workPodFence))
+                           fencing=bool(cfg.leaderElection and cfg.workPodFence), work_pods=cfg.workPods)
 
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 

@@ -15,11 +15,11 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 
 # What the chart sets for the release (templates/_helpers.tpl, gpu-agent.clusterAgentConfig and .nodeAgentConfig),
 # or what the agent reads from the pod's environment (identity, nodeName, nodeIp, podName, podUid), or a flag
-# (leaderElection, which the hooks look for).
+# (leaderElection, which the hooks look for). workPods comes from the chart's workPods values.
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
-                      "gpuNodeSelector",
+                      "gpuNodeSelector", "workPods",
                       "draDriverName", "draDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},

@@ -405,6 +405,40 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- end }}
 {{- end -}}
 
+{{/* gpu-agent.workPods: the workPods values that are set (JSON; {} when none is, and the setting is not rendered), after
+     refusing what is the agent's own: a label or annotation key under gpu-agent.io/ (and the labels
+     app.kubernetes.io/managed-by and instance: the work labels, the release selector), nvidia.com/gpu in resources
+     (claims: the schema), and a nodeSelector key clusterAgent.gpuNodeSelector sets to another value. The cluster
+     agent checks the same at start (agent/gpu_agent/foundations/work_pods.py). */}}
+{{- define "gpu-agent.workPods" -}}
+{{- $wp := .Values.workPods | default dict -}}
+{{- $set := dict -}}
+{{- range $key, $value := $wp }}{{ if $value }}{{ $_ := set $set $key $value }}{{ end }}{{ end -}}
+{{- $agentLabels := list "app.kubernetes.io/managed-by" "app.kubernetes.io/instance" -}}
+{{- range $key := keys ($wp.labels | default dict) | sortAlpha -}}
+{{- if or (hasPrefix "gpu-agent.io/" $key) (has $key $agentLabels) -}}
+{{- fail (printf "workPods.labels: %q is a label key the agent sets on every work Pod (gpu-agent.io/..., %s); choose another key" $key (join ", " $agentLabels)) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key := keys ($wp.annotations | default dict) | sortAlpha -}}
+{{- if hasPrefix "gpu-agent.io/" $key -}}
+{{- fail (printf "workPods.annotations: %q is an annotation key the agent sets on work Pods (gpu-agent.io/...: the fencing token, the item); choose another key" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $part := list "requests" "limits" -}}
+{{- if hasKey (get ($wp.resources | default dict) $part | default dict) "nvidia.com/gpu" -}}
+{{- fail (printf "workPods.resources.%s: nvidia.com/gpu is the agent's own: each item asks for its GPUs (its payload's gpus)" $part) -}}
+{{- end -}}
+{{- end -}}
+{{- $gpuNodes := .Values.clusterAgent.gpuNodeSelector | default dict -}}
+{{- range $key := keys ($wp.nodeSelector | default dict) | sortAlpha -}}
+{{- if and (hasKey $gpuNodes $key) (ne (toString (get $gpuNodes $key)) (toString (get $wp.nodeSelector $key))) -}}
+{{- fail (printf "workPods.nodeSelector: %q is %q, but clusterAgent.gpuNodeSelector sets it to %q (the nodes whose GPUs the agent counts, where its work Pods must go); drop it from workPods.nodeSelector" $key (toString (get $wp.nodeSelector $key)) (toString (get $gpuNodes $key))) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $set -}}
+{{- end -}}
+
 {{- define "gpu-agent.clusterAgentConfig" -}}
 {{- $v := .Values -}}
 {{- $wiring := dict "listenAddress" "0.0.0.0:8080" "clusterId" (include "gpu-agent.clusterId" .)
@@ -414,6 +448,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
   "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" "gracefulNoGPU" $v.gracefulNoGPU -}}
 {{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
+{{- with include "gpu-agent.workPods" . | fromJson }}{{ $_ := set $wiring "workPods" . }}{{ end -}}
 {{- if $v.dra.enabled -}}
 {{- /* GPUs through DRA: the cluster agent counts the driver's devices in ResourceSlices, and its work Pods claim
      theirs through ResourceClaimTemplates of the chart's DeviceClass. */ -}}

@@ -87,8 +87,12 @@ class PodExecutor:
     def __init__(self, core: Any, namespace: str, image: str, *, release: str = "", timeout_seconds: float = 600,
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
                  pod_changes: PodChanges | Polling | None = None, node_selector: str = "",
-                 claims: DraWorkClaims | None = None, fencing: bool = False) -> None:
+                 claims: DraWorkClaims | None = None, fencing: bool = False,
+                 work_pods: dict[str, Any] | None = None) -> None:
         self.core = core
+        # what the user adds to every work Pod (foundations/work_pods.py, parsed by the settings loader); what the
+        # agent sets itself is put last in _pod and wins
+        self.work_pods = dict(work_pods or {})
         # the chart's fencing policy guards the work Pods (workPodFence set): `probe` checks it refuses a stale token
         self.fencing = fencing  # kubernetes.client.CoreV1Api, or the simulation's API server
         # GPUs through DRA (a ResourceClaimTemplate per count: work_claims.py); None: nvidia.com/gpu limits
@@ -110,28 +114,37 @@ class PodExecutor:
         return await self.run_blocking(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
 
     def _pod(self, item: WorkItem, leader: LeaderToken | None) -> dict[str, Any]:
+        """The item's Pod: the user's workPods shape under what the agent needs, which wins on every shared key
+        (its labels, annotations, finalizer, restartPolicy, the GPU limit or claim, the gpuNodeSelector)."""
         payload = item.payload
         command = payload.get("command") or ["fake-gpu", "smi", "-L"]
         gpus = int(payload.get("gpus", 1))
-        labels = {LABEL: "true", "app.kubernetes.io/managed-by": "gpu-agent"}
+        shape = self.work_pods
+        labels = {**shape.get("labels", {}), LABEL: "true", "app.kubernetes.io/managed-by": "gpu-agent"}
         if self.release:
             labels["app.kubernetes.io/instance"] = self.release
         spec_claims, resources = ({}, {"limits": {GPU: str(gpus)}}) if self.claims is None or not gpus \
             else self.claims.pod_parts(gpus)
+        resources = with_users_resources(shape.get("resources", {}), resources if gpus else {})
+        node_selector = {**shape.get("nodeSelector", {}), **self.node_labels}
+        placement = {key: shape[key] for key in ("tolerations", "affinity", "runtimeClassName", "imagePullSecrets",
+                                                 "priorityClassName") if key in shape}
         return {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(item.idempotency_key), "labels": labels, "finalizers": [FINALIZER],
-                         "annotations": {"gpu-agent.io/idempotency-key": item.idempotency_key[:250], ITEM_ID: str(item.item_id),
+                         "annotations": {**shape.get("annotations", {}),
+                                         "gpu-agent.io/idempotency-key": item.idempotency_key[:250], ITEM_ID: str(item.item_id),
                                          GPU_COUNT_ANNOTATION: str(gpus), **(leader.annotations() if leader else {})}},
             "spec": {
+                **placement,
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
-                **({"nodeSelector": dict(self.node_labels)} if self.node_labels else {}),
+                **({"nodeSelector": node_selector} if node_selector else {}),
                 **spec_claims,
                 "containers": [{
                     "name": "work", "image": self.image, "imagePullPolicy": "IfNotPresent",
                     "command": [str(c) for c in command],
-                    "resources": resources if gpus else {},
+                    "resources": resources,
                     # Admitted by Pod Security "restricted", like every pod of the chart.
                     "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True,
                                         "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -348,6 +361,17 @@ class PodExecutor:
             await self._delete(pod.metadata.name)
             swept += 1
         return swept
+
+
+def with_users_resources(users: dict[str, dict[str, str]], agents: dict[str, Any]) -> dict[str, Any]:
+    """The work container's resources: the user's requests and limits with the agent's (the GPU limit, or the DRA
+    claim) over them; only the agent's when the user set none."""
+    if not users:
+        return agents
+    out: dict[str, Any] = {part: dict(amounts) for part, amounts in users.items()}
+    for part, value in agents.items():
+        out[part] = {**out.get(part, {}), **value} if isinstance(value, dict) else value
+    return out
 
 
 def work_pod_selector(release: str) -> str:
