@@ -210,7 +210,8 @@ def test_a_work_pod_carries_every_work_pods_value_and_its_item_is_done(api, core
         assert spec.runtime_class_name == runtime_class
         assert [s.name for s in spec.image_pull_secrets] == ["e2e-pull"]
         assert spec.priority_class_name == priority_class and spec.priority == 1000
-        assert container.resources.requests == {"cpu": "10m", "memory": "16Mi"}, container.resources
+        # the API server defaults an extended resource's request to its limit: the GPU appears in both
+        assert container.resources.requests == {"cpu": "10m", "memory": "16Mi", "nvidia.com/gpu": "1"}, container.resources
         assert container.resources.limits == {"memory": "128Mi", "nvidia.com/gpu": "1"}, container.resources
         labels, annotations = pod.metadata.labels, pod.metadata.annotations
         assert labels["e2e.gpu-agent.io/team"] == "ml" and labels["gpu-agent.io/work-item"] == "true"
