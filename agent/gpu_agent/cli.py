@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import yaml
 
 from gpu_agent.foundations import completion, klog
-from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleConfig, Setting, add_arguments, load
+from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting, add_arguments, load
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.secrets import REDACTOR, Secret
@@ -56,7 +56,7 @@ ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
 
 
 QUEUE_SETTINGS = [
-    VERBOSITY,
+    *LOGGING,
     Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
     Setting("adminToken", "secret", "", "the control plane's admin token (env only; or adminTokenFile)"),
     Setting("adminTokenFile", "path", ".run/admin-token", "file holding the admin token (`make run` writes it there)",
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (settings, _, help_text) in ROLES.items():
         _with_settings(_command(sub, name, help_text), settings)
     inventory = _with_settings(_command(sub, "inventory", "read the GPU source once and print the inventory "
-                                        "(JSON unless -o says otherwise)"), [VERBOSITY, *GPU_SOURCE_SETTINGS])
+                                        "(JSON unless -o says otherwise)"), [*LOGGING, *GPU_SOURCE_SETTINGS])
     _add_output(inventory, "json, as before -o existed")
     queue = _command(sub, "queue", "list or add work items at the control plane (admin token)")
     actions = queue.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -320,16 +320,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         if args.role == "inventory":
-            inventory = load([VERBOSITY, *GPU_SOURCE_SETTINGS], args, as_=InventoryConfig)
-            klog.setup(inventory.verbosity)
+            inventory = load([*LOGGING, *GPU_SOURCE_SETTINGS], args, as_=InventoryConfig)
+            klog.setup(inventory.verbosity, log_format=inventory.logFormat)
             return _print_inventory(inventory, args.output)
         if args.role == "queue":
             queue = load(QUEUE_SETTINGS, args, as_=QueueConfig)
-            klog.setup(queue.verbosity)
+            klog.setup(queue.verbosity, log_format=queue.logFormat)
             return _queue(args, queue)
         settings, config_class, _ = ROLES[args.role]
         cfg = load(settings, args, as_=config_class)
-        klog.setup(cfg.verbosity)
+        klog.setup(cfg.verbosity, log_format=cfg.logFormat)
         return asyncio.run(_serve(cfg))
     except (ConfigError, ListenError) as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)

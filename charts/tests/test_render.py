@@ -31,6 +31,7 @@ def agent_config(docs, agent):
 BAD_VALUES = [
     (["--set", "logVerbosity=9"], "logVerbosity"),
     (["--set", "logVerbosity=-1"], "logVerbosity"),
+    (["--set", "logFormat=xml"], "/logFormat"),
     (["--set", "gracefulNoGPU=maybe"], "gracefulNoGPU"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "clusterAgent.gpuSource=tpu"], "gpuSource"),
@@ -230,6 +231,8 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
 
 CONFIG_REFUSED = [
     (["--set", "logVerbosity=2", "--set", "clusterAgent.config.verbosity=3"], "clusterAgent.config.verbosity (3) and logVerbosity (2)"),
+    (["--set", "logFormat=json", "--set", "nodeAgent.config.logFormat=text"], "nodeAgent.config.logFormat (text) and logFormat (json)"),
+    (["--set", "clusterAgent.config.logFormat=yaml"], "/clusterAgent/config/logFormat"),
     (["--set", "clusterAgent.config.listenAddress=0.0.0.0:1"], "listenAddress"),
     (["--set", "nodeAgent.config.noSuchSetting=1"], "noSuchSetting"),
     (["--set", "clusterAgent.config.leaseSeconds=0"], "leaseSeconds"),
@@ -744,3 +747,44 @@ def test_a_work_pods_value_that_is_the_agents_own_or_malformed_is_refused_at_ren
     r = helm("template", "t", str(CHART), *BASE, *sets, check=False)
     assert r.returncode != 0
     assert named in r.stderr, r.stderr
+
+
+def pod_specs(docs):
+    """(object name, pod spec) of every workload and hook Job the render holds."""
+    for d in docs:
+        if d["kind"] in ("Deployment", "DaemonSet", "Job", "StatefulSet"):
+            yield d["metadata"]["name"], d["spec"]["template"]["spec"]
+        elif d["kind"] == "Pod":
+            yield d["metadata"]["name"], d["spec"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "domain.name=d1"], ["--set", "dra.enabled=true", "--kube-version", "1.34.0"]],
+                         ids=["default", "domain", "dra"])
+def test_log_format_reaches_every_container_that_runs_gpu_agent_and_is_absent_unless_set(extra):
+    """logFormat=json reaches each container whose command is gpu-agent: the agents through the config file their
+    --config names (the ConfigMap), the control plane through its --log-format flag. The hook Jobs run
+    gpu-agent-hook, which prints plain lines of its own (not klog) and takes no log format. Unset, nothing about
+    the format is rendered: the agents' default, text, and the same pod templates as before the value existed."""
+    docs = render("--set", "logFormat=json", *extra)
+    configs = {f"t-gpu-agent-{a}": agent_config(docs, a) for a in ("cluster-agent", "node-agent")}
+    reached, hooks = [], []
+    for name, spec in pod_specs(docs):
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if c.get("command") == ["gpu-agent-hook"]:
+                hooks.append(name)
+                assert not any("log-format" in a for a in c.get("args", [])), (name, c["args"])
+                continue
+            args = c.get("args", [])
+            assert args and args[0] in ("cluster-agent", "node-agent", "control-plane"), (name, c)
+            if "--config=/etc/gpu-agent/config.yaml" in args:
+                assert configs[name]["logFormat"] == "json", name
+                assert not any(a.startswith("--log-format") for a in args)  # one source: the file
+            else:
+                assert "--log-format=json" in args, (name, args)
+            reached.append(args[0])
+    assert sorted(reached) == ["cluster-agent", "control-plane", "node-agent"]
+    assert sorted(hooks) == ["t-gpu-agent-cleanup", "t-gpu-agent-crds"]
+
+    default = yaml.safe_dump_all(render(*extra))
+    assert "logFormat" not in default and "log-format" not in default
+    assert yaml.safe_dump_all(render("--set", "logFormat=text", *extra)).count("logFormat: text") == 2

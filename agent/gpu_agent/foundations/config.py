@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import yaml
 
 from gpu_agent.foundations.completion import COMPLETIONS
-from gpu_agent.foundations.klog import quote
+from gpu_agent.foundations.klog import FORMATS, quote
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.work_pods import KEYS as WORK_POD_KEYS
 from gpu_agent.foundations.work_pods import parse_work_pods
@@ -407,8 +407,14 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
 
 
 VERBOSITY = Setting("verbosity", "int", 0, "log verbosity, 0 (quiet) to 7 (every detail)", 0, 7)
+LOG_FORMAT = Setting("logFormat", "choice", "text", "log line format: text (klog's `I1129 22:43:40.123456 12345 "
+                     "file.py:42] msg`) or json (one JSON object a line: ts, level, v, logger, caller, msg, pid, "
+                     "thread, err), secrets redacted in both", choices=FORMATS)
+# The settings every command's table starts with: how it logs.
+LOGGING = [VERBOSITY, LOG_FORMAT]
 
 
 class RoleConfig(Config):
-    """What every command's settings have (their tables start with VERBOSITY)."""
+    """What every command's settings have (their tables start with LOGGING)."""
     verbosity: int
+    logFormat: str

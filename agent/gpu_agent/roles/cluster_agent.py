@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, ConfigError, RoleConfig, Setting
+from gpu_agent.foundations.config import LOGGING, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.gate import Gate, GateEvent
@@ -76,7 +76,7 @@ COMPONENTS = ["gpus", "registration", "credentials", "leadership", "queues"]
 
 
 SETTINGS = [
-    VERBOSITY,
+    *LOGGING,
     Setting("listenAddress", "address", "127.0.0.1:8080", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     *GPU_SOURCE_SETTINGS,
     Setting("gracefulNoGPU", "bool", False, "with no GPUs at start, stay live but NotReady (queues paused) until "

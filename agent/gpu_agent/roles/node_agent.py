@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
-from gpu_agent.foundations.config import VERBOSITY, RoleConfig, Setting
+from gpu_agent.foundations.config import LOGGING, RoleConfig, Setting
 from gpu_agent.foundations.gpus import Inventory, describe_unhealthy
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
@@ -37,7 +37,7 @@ from gpu_agent.roles.endpoints import EndpointServer
 log = get_logger(__name__)
 
 SETTINGS = [
-    VERBOSITY,
+    *LOGGING,
     Setting("listenAddress", "address", "127.0.0.1:8081", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     Setting("nodeName", "str", os.environ.get("NODE_NAME") or socket.gethostname(), "this node's name"),
     *GPU_SOURCE_SETTINGS,

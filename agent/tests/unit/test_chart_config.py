@@ -68,6 +68,7 @@ def test_every_wired_setting_is_one_the_chart_renders():
 # The chart's named values of agent settings, which values.yaml leaves null: the comment gives the agent's default.
 NAMED = {
     "logVerbosity": ("cluster-agent", "verbosity"),
+    "logFormat": ("cluster-agent", "logFormat"),
     "clusterAgent.registrationRetryInitial": ("cluster-agent", "registrationRetryInitial"),
     "clusterAgent.registrationRetryMax": ("cluster-agent", "registrationRetryMax"),
     "clusterAgent.reregistrationInterval": ("cluster-agent", "reregistrationInterval"),
@@ -96,6 +97,7 @@ def test_a_named_value_is_unset_and_its_comment_gives_the_agents_default(value):
         node = node[part]
     assert node is None, f"{value} repeats a default in values.yaml; leave it null so the agent's default applies"
     row = next(line for line in (CHART / "README.md").read_text().splitlines() if line.startswith(f"| `{value}` |"))
-    assert f"the agent's default, {s.default:g}." in row or f"the components' default, {s.default:g}." in row, row
+    default = s.default if isinstance(s.default, str) else f"{s.default:g}"
+    assert f"the agent's default, {default}." in row or f"the components' default, {default}." in row, row
     helpers = (CHART / "templates" / "_helpers.tpl").read_text()
     assert f'(list "{setting}" ' in helpers and f' "{value}")' in helpers

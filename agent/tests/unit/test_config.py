@@ -114,11 +114,11 @@ def test_a_gpu_node_selector_is_canonical_labels_from_a_flag_or_a_mapping_and_a_
 def test_every_commands_typed_settings_agree_with_its_table():
 
     from gpu_agent import cli
-    from gpu_agent.foundations.config import VERBOSITY
+    from gpu_agent.foundations.config import LOGGING
     from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS
 
     tables = [(settings, cls) for settings, cls, _ in cli.ROLES.values()]
-    tables += [(cli.QUEUE_SETTINGS, cli.QueueConfig), ([VERBOSITY, *GPU_SOURCE_SETTINGS], cli.InventoryConfig)]
+    tables += [(cli.QUEUE_SETTINGS, cli.QueueConfig), ([*LOGGING, *GPU_SOURCE_SETTINGS], cli.InventoryConfig)]
     assert {cls.__name__: cls.problems(settings) for settings, cls in tables} == {
         cls.__name__: [] for _, cls in tables}
 

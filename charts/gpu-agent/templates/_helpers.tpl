@@ -470,6 +470,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- $le := $v.clusterAgent.leaderElection -}}
 {{- $named := list
   (list "verbosity" $v.logVerbosity "logVerbosity")
+  (list "logFormat" $v.logFormat "logFormat")
   (list "featureGates" (include "gpu-agent.featureGates" .) "featureGates")
   (list "gpuLossDebounce" $v.clusterAgent.gpuLossDebounce "clusterAgent.gpuLossDebounce")
   (list "gpuHealthIgnoredXids" $v.gpuHealth.ignoredXids "gpuHealth.ignoredXids")
@@ -497,6 +498,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "fakeGpuStateFile" "/var/run/fake-gpu/fake-gpus.json" -}}
 {{- $named := list
   (list "verbosity" $v.logVerbosity "logVerbosity")
+  (list "logFormat" $v.logFormat "logFormat")
   (list "gpuLossDebounce" $v.nodeAgent.gpuLossDebounce "nodeAgent.gpuLossDebounce")
   (list "gpuHealthIgnoredXids" $v.gpuHealth.ignoredXids "gpuHealth.ignoredXids")
   (list "gpuHealthRecovery" $v.gpuHealth.recovery "gpuHealth.recovery")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpu_agent.foundations.config import VERBOSITY, Config, ConfigError, RoleConfig, Setting
+from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
 
@@ -29,7 +29,7 @@ STORE_SETTINGS = [
 ]
 
 SETTINGS = [
-    VERBOSITY,
+    *LOGGING,
     Setting("listenAddress", "address", "127.0.0.1:8700", "HOST:PORT to serve the API on"),
     *STORE_SETTINGS,
 ]
