@@ -19,6 +19,7 @@ from gpu_agent.foundations.config import load
 from gpu_agent.foundations.kube import api_client, api_status, core_v1_list, wait_bound
 from gpu_agent.foundations.ratelimit import ApiLimit, RateLimited
 from gpu_agent.roles import cluster_agent, node_agent
+from tests.loopback_kubeconfig import loopback_kubeconfig
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns", "resourceVersion": "5"}}
 EVENTS = [{"type": "ADDED", "object": {**POD, "metadata": {**POD["metadata"], "resourceVersion": "8"}}},
@@ -63,13 +64,7 @@ class ApiServer:
         self.thread.start()
 
     def kubeconfig(self, tmp_path) -> str:
-        path = tmp_path / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "x",
-            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.httpd.server_address[1]}"}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}]}))
-        return str(path)
+        return loopback_kubeconfig(self.httpd.server_address[1], tmp_path)
 
     def close(self) -> None:
         self.httpd.shutdown()

@@ -16,6 +16,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.kube import api_client, core_v1_list, list_then_watch
 from gpu_agent.foundations.threads import StopEvent
+from tests.loopback_kubeconfig import loopback_kubeconfig
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns", "resourceVersion": "5"}}
 ADDED = {"type": "ADDED", "object": {**POD, "metadata": {**POD["metadata"], "name": "q", "resourceVersion": "8"}}}
@@ -76,13 +77,7 @@ class QuietApiServer:
         self.thread.start()
 
     def kubeconfig(self, tmp_path) -> str:
-        path = tmp_path / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "x",
-            "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{self.httpd.server_address[1]}"}}],
-            "users": [{"name": "u", "user": {"token": "t"}}],
-            "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}]}))
-        return str(path)
+        return loopback_kubeconfig(self.httpd.server_address[1], tmp_path)
 
     def close(self) -> None:
         self.headers.set()
