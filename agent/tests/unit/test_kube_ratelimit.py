@@ -8,7 +8,6 @@ import json
 import math
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -19,7 +18,7 @@ from gpu_agent.foundations.config import load
 from gpu_agent.foundations.kube import api_client, api_status, core_v1_list, wait_bound
 from gpu_agent.foundations.ratelimit import ApiLimit, RateLimited
 from gpu_agent.roles import cluster_agent, node_agent
-from tests.loopback_kubeconfig import loopback_kubeconfig
+from tests.loopback_kubeconfig import LoopbackApiServer, QuietHandler
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns", "resourceVersion": "5"}}
 EVENTS = [{"type": "ADDED", "object": {**POD, "metadata": {**POD["metadata"], "resourceVersion": "8"}}},
@@ -27,15 +26,15 @@ EVENTS = [{"type": "ADDED", "object": {**POD, "metadata": {**POD["metadata"], "r
           {"type": "BOOKMARK", "object": {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "10"}}}]
 
 
-class ApiServer:
+class ApiServer(LoopbackApiServer):
     """Answers a Pod read, a Pod list, and a Pod watch (three events, then the end); records each request."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, str, dict[str, list[str]]]] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
+        class Handler(QuietHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server calls it by this name
                 url = urlsplit(self.path)
                 query = parse_qs(url.query)
                 server.requests.append(("GET", url.path, query))
@@ -49,26 +48,9 @@ class ApiServer:
                 else:
                     self.send_error(404)
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(body)
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-        self.thread.start()
-
-    def kubeconfig(self, tmp_path) -> str:
-        return loopback_kubeconfig(self.httpd.server_address[1], tmp_path)
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture

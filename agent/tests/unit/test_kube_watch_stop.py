@@ -8,7 +8,6 @@ without reporting that deliberate end as an error."""
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -16,13 +15,13 @@ from kubernetes import client
 
 from gpu_agent.foundations.kube import api_client, core_v1_list, list_then_watch
 from gpu_agent.foundations.threads import StopEvent
-from tests.loopback_kubeconfig import loopback_kubeconfig
+from tests.loopback_kubeconfig import LoopbackApiServer, QuietHandler
 
 POD = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns", "resourceVersion": "5"}}
 ADDED = {"type": "ADDED", "object": {**POD, "metadata": {**POD["metadata"], "name": "q", "resourceVersion": "8"}}}
 
 
-class QuietApiServer:
+class QuietApiServer(LoopbackApiServer):
     """Answers a Pod list; a Pod watch gets its headers and `events`, then nothing more, its connection held open
     until `close` (as an API server's watch on a quiet collection between bookmarks). `headers`: cleared, the
     watch's headers wait until it is set (a stop set while the watch request is still in flight)."""
@@ -35,10 +34,10 @@ class QuietApiServer:
         self.released = threading.Event()  # set by close: the held watch responses end
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"  # chunked transfer, as the API server's watch responses
 
-            def do_GET(self) -> None:
+            def do_GET(self) -> None:  # noqa: N802 - http.server calls it by this name
                 url = urlsplit(self.path)
                 query = parse_qs(url.query)
                 if url.path != "/api/v1/namespaces/ns/pods":
@@ -60,30 +59,15 @@ class QuietApiServer:
                     self.close_connection = True
                     return
                 server.requests.append("list")
-                body = json.dumps({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"},
-                                   "items": [POD]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(json.dumps({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "7"},
+                                           "items": [POD]}).encode())
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True)
-        self.thread.start()
-
-    def kubeconfig(self, tmp_path) -> str:
-        return loopback_kubeconfig(self.httpd.server_address[1], tmp_path)
+        self.serve(Handler)
 
     def close(self) -> None:
         self.headers.set()
         self.released.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().close()
 
 
 @pytest.fixture
