@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 from kubernetes import client, watch
 
+from e2e.artifacts import dump, failing_test
 from e2e.cluster import host_paths, tool
 from e2e.helpers import drops, exec_python, pod_http_get, wait_until
 from gpu_agent.mechanisms.queues.pod_executor import never_started
@@ -87,6 +89,11 @@ class Release:
         return helm("uninstall", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, "--wait", "--timeout", "120s")
 
     def uninstall_if_installed(self):
+        """Uninstall, unless it is not installed. Called from a test's `finally` while its failure is on the way out,
+        it first keeps what the release's pods said (the namespace's dump after the test would find them gone)."""
+        if sys.exc_info()[0] is not None and failing_test():
+            folder = dump(self.core, self.namespace, failing_test(), into=f"before-uninstall-{self.name}")
+            print(f"\nwhat release {self.name} said before its uninstall is in {folder}")
         if helm("status", "--kubeconfig", self.kubeconfig, "-n", self.namespace, self.name, check=False).returncode == 0:
             self.uninstall()
 

@@ -396,3 +396,51 @@ async def test_a_new_term_proves_its_own_path_afresh_and_a_check_that_raises_or_
     consumer.new_term(LeaderToken("a", "uid", 3))  # the term changes while its check is out
     gate.set()
     assert not await stepping and not consumer.path_proven  # the answer about term 2 proves nothing for term 3
+
+
+async def test_a_release_that_got_no_answer_is_sent_again_so_the_item_does_not_wait_out_its_lease():
+    """The control plane closes a keep-alive connection idle for its timeout; a release sent on a pooled one as it
+    closes gets no answer. Sent again after RELEASE_RETRIES[0]: the item is back at once, not after leaseSeconds.
+    A try that landed although its answer was lost makes the next one answered 409: nothing more is sent."""
+    import asyncio
+
+    from gpu_agent.foundations.control_plane_client import Rejected
+    from gpu_agent.mechanisms.queues.executor import AttemptNotMade
+
+    class LostAnswers(ScriptedControlPlane):
+        def __init__(self, items, script):
+            super().__init__(items)
+            self.script, self.tries = list(script), []
+
+        def release(self, credential, item, error=None):
+            self.tries.append(item.idempotency_key)
+            what = self.script.pop(0) if self.script else "answered"
+            if what in ("landed", "answered"):
+                super().release(credential, item, error)
+            if what in ("lost", "landed"):
+                raise Unavailable("POST /v1/queue/items/1/release: connection failed (ConnectionError)")
+            if what == "stale":
+                raise Rejected("POST /v1/queue/items/1/release: 409 that lease is no longer the current lease", 409)
+
+    class Outage(Executor):
+        async def execute(self, item, leader=None):
+            raise AttemptNotMade("creating pod ns/p got no answer 3 times")
+
+    async def refused():
+        raise AssertionError("never refused here")
+
+    for script, released, tries in ((["lost", "answered"], [("a", None)], 2),  # the first never reached it
+                                    (["landed", "stale"], [("a", None)], 2)):  # the first landed: given back once
+        control_plane, clock = LostAnswers([item(1, "a")], script), ManualClock()
+        consumer = QueueConsumer(control_plane, lambda: Secret("credential-0123456789"), Outage(), clock=clock,
+                                 health=HealthRegistry(clock, ["queues"]), metrics=AgentMetrics(),
+                                 lease_seconds=30.0, poll_interval=1.0, on_refused=refused)
+        await consumer.set_open(True, "")
+        stepping = asyncio.ensure_future(consumer.step())
+        await clock.settle()
+        assert control_plane.tries == ["a"] and clock.sleepers[0] == consumer.RELEASE_RETRIES[0], script
+        await clock.advance(consumer.RELEASE_RETRIES[0])
+        assert (control_plane.released, len(control_plane.tries)) == (released, tries), script
+        await clock.advance(1.0)  # the poll after an attempt not made
+        assert await stepping
+        assert len(control_plane.tries) == tries, script  # nothing sent after the 409

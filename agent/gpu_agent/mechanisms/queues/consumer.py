@@ -338,7 +338,7 @@ class QueueConsumer:
         if not self.open.is_on:
             for item in items:
                 log.v(2, "queue paused while leasing item %d; releasing it", item.item_id)
-                await self._quietly(self.client.release, credential, item)
+                await self._release(credential, item)
             return credential, []
         return credential, items
 
@@ -383,7 +383,7 @@ class QueueConsumer:
                 continue
             log.info("item %d leased while the places in flight shrank to %d (%d held); releasing it", item.item_id,
                      self.in_flight.total, self.in_flight.held)
-            await self._quietly(self.client.release, credential, item)
+            await self._release(credential, item)
         return admitted
 
     def _place(self, item: WorkItem) -> int | None:
@@ -429,7 +429,7 @@ class QueueConsumer:
                 await self._give_gpus(gpus)
             log.v(2, "item %d was not started (%s); releasing it", item.item_id,
                   "the queue paused while it waited for GPUs" if gpus is None else "its term is over")
-            await self._quietly(self.client.release, credential, item)
+            await self._release(credential, item)
             return
         log.v(4, "executing item %d (key %s, delivery %d)", item.item_id, item.idempotency_key, item.deliveries)
         try:
@@ -442,7 +442,7 @@ class QueueConsumer:
             if isinstance(e, WorkPathRefused) and self.check_path is not None:
                 self._path_refused(str(e))
             self._report()
-            await self._quietly(self.client.release, credential, item)
+            await self._release(credential, item)
             await self.clock.sleep(self.poll_interval)
             return
         except Exception as e:  # noqa: BLE001 - a failing item must not stop the queue
@@ -452,7 +452,7 @@ class QueueConsumer:
                       item.item_id, item.idempotency_key, e)
             self.metrics.items.labels("failed").inc()
             self.failed_attempts += 1
-            answer = await self._quietly(self.client.release, credential, item, str(e) or type(e).__name__)
+            answer = await self._release(credential, item, str(e) or type(e).__name__)
             if answer == Released.FAILED:
                 log.error("item %d (key %s) failed for good: no attempt left (`gpu-agent queue list` shows why)",
                           item.item_id, item.idempotency_key)
@@ -489,6 +489,16 @@ class QueueConsumer:
     async def _ack(self, credential: Secret, item: WorkItem) -> bool:
         return bool(await self._quietly(self.client.ack, credential, item, retries=self.ACK_RETRIES))
 
+    # A release that got no answer is sent again: else the item stays leased, shown as such and given to no one,
+    # until its lease runs out (the leaseSeconds; longer than a refused work path waits to say NotReady). The
+    # control plane closes a keep-alive connection idle for its timeout, and a call sent on a pooled one just as
+    # it closes gets no answer. A try that had landed makes the next one answered 409 (no longer its lease):
+    # the item was given back, and the attempt, if one was counted, counted once.
+    RELEASE_RETRIES = (1.0, 2.0, 4.0)
+
+    async def _release(self, credential: Secret, item: WorkItem, *error: str) -> object:
+        return await self._quietly(self.client.release, credential, item, *error, retries=self.RELEASE_RETRIES)
+
     async def _keep_leased(self, credential: Secret, item: WorkItem) -> None:
         while True:
             await self.clock.sleep(self.lease_seconds / 3)
@@ -511,6 +521,7 @@ class QueueConsumer:
         """One call about a leased item; a call that got no answer is tried again after each of `retries`
         (seconds on the injected clock). Its answer (True when it has none), or False, logged, when it did
         not succeed."""
+        unanswered = False
         for wait in (*retries, None):
             try:
                 answer = await self.run_blocking(call, credential, item, *more)
@@ -520,6 +531,10 @@ class QueueConsumer:
                 self._fenced(e, item.fence)
                 return False
             except ControlPlaneError as e:
+                if unanswered and e.status == 409:  # the try that got no answer had landed: its lease is gone
+                    log.v(1, "%s of item %d: the try without an answer had landed (%s)", call.__name__, item.item_id, e)
+                    return False
+                unanswered = e.recoverable
                 if not e.recoverable or wait is None:
                     log.warning("%s failed: %s (the lease will expire and the item be redelivered)", call.__name__, e)
                     return False
