@@ -20,7 +20,8 @@ Xid (13, 31, 43, 45, 68, 109) or a single-bit ECC error changes nothing; Xid 79 
 Lost; any other Xid and a double-bit ECC error make it Unhealthy. `--clear` makes it Healthy again.
 
 Inside the cluster: `fake-gpu --release R daemon` (the DaemonSet; it labels its node as GPU feature
-discovery would; `daemon --no-device-plugin` where the node agent offers the GPUs through DRA),
+discovery would; `daemon --no-device-plugin` where the node agent offers the GPUs through DRA; on a real GPU
+node it refuses and idles unless `daemon --allow-real-gpu-nodes`; `--resource-name` advertises another name),
 `fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
 `fake-gpu smi -L` (in a workload).
 Bad input is refused with a message and changes nothing (exit code 2).
@@ -49,6 +50,7 @@ from fake_gpu.layout import (
     faults_of,
 )
 from fake_gpu.layout_source import LEGACY_CONFIGMAP
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, check_resource_name
 from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import GPU, HEALTHY, Inventory
 from gpu_agent.foundations.version import VersionAction
@@ -118,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig (cluster mode; default: $KUBECONFIG)")
     parser.add_argument("--release", default=os.environ.get("FAKE_GPU_RELEASE") or None,
                         help="the fake-gpu release to change, when the namespace holds several (cluster mode; env FAKE_GPU_RELEASE)")
+    parser.add_argument("--resource-name", default=DEFAULT_RESOURCE,
+                        help=f"the extended resource the daemon advertises and labels after, and unlabel-nodes takes off "
+                             f"(default {DEFAULT_RESOURCE!r})")
     sub = parser.add_subparsers(dest="command", required=True)
     p_set = sub.add_parser("set", help="set the number of fake GPUs")
     p_cycle = sub.add_parser("cycle", help="go back and forth between two counts")
@@ -163,6 +168,11 @@ def _parser() -> argparse.ArgumentParser:
                           help=f"the layout ConfigMap to watch in --namespace (default {LEGACY_CONFIGMAP!r}; the chart passes its own)")
     p_daemon.add_argument("--default-count", type=int, default=0,
                           help="fake GPUs on a node whose layout is not set yet (default 0)")
+    p_daemon.add_argument("--allow-real-gpu-nodes", action="store_true",
+                          help="advertise and label even on a node that looks like a real GPU node (its capacity has the "
+                               "resource from another plugin, or NVIDIA devices are on the host); default: refuse there")
+    p_daemon.add_argument("--refusal-file", type=Path, default=None,
+                          help="where a refusal is written, for the readiness probe to print (default: not written)")
     p_daemon.add_argument("-v", type=int, default=0, dest="verbosity", help="log verbosity 0..7 (default 0)")
     sub.add_parser("unlabel-nodes", help="(the chart's post-delete hook) remove the GPU labels release --release put on nodes")
     p_smi = sub.add_parser("smi", help="(in a workload) list the fake GPUs this container was given, like nvidia-smi -L")
@@ -179,18 +189,22 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(list_gpus()))
             return 0
+        if args.command in ("daemon", "unlabel-nodes") and (why := check_resource_name(args.resource_name)):
+            raise LayoutError(f"--resource-name: {why}")
         if args.command == "daemon":
             from fake_gpu.daemon import run
 
             klog.setup(args.verbosity)
             return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
-                       args.default_count, args.release or "", device_plugin=args.device_plugin)
+                       args.default_count, args.release or "", device_plugin=args.device_plugin,
+                       resource=args.resource_name, allow_real_gpu_nodes=args.allow_real_gpu_nodes,
+                       refusal_file=args.refusal_file)
         if args.command == "unlabel-nodes":
             from fake_gpu.cluster import unlabel_nodes
 
             if not args.release:
                 raise LayoutError("unlabel-nodes needs --release NAME (the fake-gpu release whose labels to remove)")
-            names = unlabel_nodes(args.kubeconfig, args.release)
+            names = unlabel_nodes(args.kubeconfig, args.release, args.resource_name)
             print(f"removed release {args.release}'s GPU labels from {len(names)} node(s)" + (f": {', '.join(names)}" if names else ""))
             return 0
         cluster = None

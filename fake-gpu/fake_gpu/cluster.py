@@ -29,6 +29,7 @@ from fake_gpu.layout_source import (
     validate,
     with_faults,
 )
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 
@@ -164,9 +165,9 @@ def _meta(obj: client.V1ConfigMap | client.V1Node) -> client.V1ObjectMeta:
     return obj.metadata or client.V1ObjectMeta()
 
 
-def unlabel_nodes(kubeconfig: str | None, release: str) -> list[str]:
+def unlabel_nodes(kubeconfig: str | None, release: str, resource: str = DEFAULT_RESOURCE) -> list[str]:
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config(config_file=kubeconfig)
-    return node_labels.unlabel_nodes(client.CoreV1Api(), release)
+    return node_labels.unlabel_nodes(client.CoreV1Api(), release, resource)

@@ -21,16 +21,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, OWNER_ANNOTATION
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
 log = get_logger("fake_gpu.node_labels")
 
-PRESENT = "nvidia.com/gpu.present"
-COUNT = "nvidia.com/gpu.count"
-PRODUCT = "nvidia.com/gpu.product"
-MEMORY = "nvidia.com/gpu.memory"
 RELEASE = "gpu-agent.io/fake-gpu-release"
+
+
+def gpu_labels(resource: str = DEFAULT_RESOURCE) -> tuple[str, str, str, str]:
+    """GFD's label names for `resource` (present, count, product, memory): `nvidia.com/gpu.present` and so on by
+    default; another resource name (chart value resourceName) gets its own, so a node's real labels stay untouched."""
+    return f"{resource}.present", f"{resource}.count", f"{resource}.product", f"{resource}.memory"
+
+
+PRESENT, COUNT, PRODUCT, MEMORY = gpu_labels()
 ALL = (PRESENT, COUNT, PRODUCT, MEMORY, RELEASE)
 
 _NOT_IN_A_LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
@@ -43,8 +49,10 @@ def product_label(product: str) -> str:
     return value.strip("-_.") or "unknown"
 
 
-def desired(count: int, product: str, memory_mib: int, release: str) -> dict[str, str]:
-    return {PRESENT: "true", COUNT: str(count), PRODUCT: product_label(product), MEMORY: str(memory_mib),
+def desired(count: int, product: str, memory_mib: int, release: str,
+            resource: str = DEFAULT_RESOURCE) -> dict[str, str]:
+    present, count_label, product_name, memory = gpu_labels(resource)
+    return {present: "true", count_label: str(count), product_name: product_label(product), memory: str(memory_mib),
             RELEASE: release}
 
 
@@ -97,10 +105,13 @@ class NodeLabeler:
             self.changed.wait(wait)
 
 
-def unlabel_nodes(core: Any, release: str) -> list[str]:
-    """The post-delete hook's work: take this release's labels off every node it marked."""
+def unlabel_nodes(core: Any, release: str, resource: str = DEFAULT_RESOURCE) -> list[str]:
+    """The post-delete hook's work: take this release's labels off every node it marked, and its claim on the node's
+    resource (real_gpu_guard.OWNER_ANNOTATION), so that a real device plugin there later is not taken for fake-gpu."""
     marked = core.list_node(label_selector=f"{RELEASE}={release}", _request_timeout=REQUEST_TIMEOUT).items
     names = [n.metadata.name for n in marked]
     for name in names:
-        core.patch_node(name, {"metadata": {"labels": {k: None for k in ALL}}}, _request_timeout=REQUEST_TIMEOUT)
+        core.patch_node(name, {"metadata": {"labels": {k: None for k in (*gpu_labels(resource), RELEASE)},
+                                            "annotations": {OWNER_ANNOTATION: None}}},
+                        _request_timeout=REQUEST_TIMEOUT)
     return names

@@ -1,4 +1,4 @@
-"""A kubelet device plugin advertising the node's fake GPUs as `nvidia.com/gpu`.
+"""A kubelet device plugin advertising the node's fake GPUs as `nvidia.com/gpu` (or the resource name it is given).
 
 One device per fake GPU, its UUID as the device ID. ListAndWatch streams the device list
 and sends a new one the moment the layout changes: a GPU arriving or leaving, or a GPU's health
@@ -25,12 +25,12 @@ import grpc
 from google.protobuf.message import Message
 
 from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE
 from gpu_agent.foundations.gpus import GPU, Inventory
 from gpu_agent.foundations.klog import get_logger
 
 log = get_logger("fake_gpu.plugin")
 
-RESOURCE = "nvidia.com/gpu"
 SOCKET_NAME = "fake-gpu.sock"
 STATE_IN_CONTAINER = "/run/fake-gpu/state.json"
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -132,8 +132,10 @@ class PluginRunner:
     """Serves the plugin on its socket, registers with kubelet, and does both again after a
     kubelet restart."""
 
-    def __init__(self, plugin_dir: Path, devices: Devices, host_state_file: str, watch_interval: float = 0.5) -> None:
+    def __init__(self, plugin_dir: Path, devices: Devices, host_state_file: str, watch_interval: float = 0.5,
+                 resource: str = DEFAULT_RESOURCE) -> None:
         self.plugin_dir = plugin_dir
+        self.resource = resource
         self.devices = devices
         self.host_state_file = host_state_file
         self.watch_interval = watch_interval
@@ -164,10 +166,10 @@ class PluginRunner:
         with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
             grpc.channel_ready_future(channel).result(timeout=5)
             api_pb2_grpc.RegistrationStub(channel).Register(api_pb2.RegisterRequest(
-                version="v1beta1", endpoint=SOCKET_NAME, resource_name=RESOURCE,
+                version="v1beta1", endpoint=SOCKET_NAME, resource_name=self.resource,
                 options=api_pb2.DevicePluginOptions()), timeout=5)
         self.registrations += 1
-        log.info("registered %s with kubelet (registration %d)", RESOURCE, self.registrations)
+        log.info("registered %s with kubelet (registration %d)", self.resource, self.registrations)
 
     def run(self) -> None:
         kubelet_inode = None
