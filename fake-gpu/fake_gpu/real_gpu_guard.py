@@ -68,10 +68,10 @@ class Refusal:
         return f"fake-gpu refuses node {self.node}: it looks like a real GPU node ({self.found}); {OVERRIDE}"
 
 
-def capacity_of(node: dict[str, Any], resource: str) -> int:
-    """The Node's capacity of `resource` (0 when absent). Extended resources are whole numbers; anything else the API
-    server might hold counts as present."""
-    value = str(((node.get("status") or {}).get("capacity") or {}).get(resource, "0"))
+def capacity_of(node: dict[str, Any], resource: str, field: str = "capacity") -> int:
+    """The Node's capacity (or allocatable) of `resource` (0 when absent). Extended resources are whole numbers;
+    anything else the API server might hold counts as present."""
+    value = str(((node.get("status") or {}).get(field) or {}).get(resource, "0"))
     try:
         return int(value)
     except ValueError:
@@ -101,8 +101,11 @@ def decide(node_name: str, node: dict[str, Any], resource: str, real_gpu_paths: 
            allow_real_gpu_nodes: bool) -> Refusal | None:
     """None: fake-gpu may advertise here. A Refusal says what it found."""
     found = []
-    capacity = capacity_of(node, resource)
-    if capacity > 0 and not owned(node, resource):
+    capacity, allocatable = capacity_of(node, resource), capacity_of(node, resource, "allocatable")
+    # A plugin that stopped leaves its devices in capacity, all unhealthy (allocatable 0), for kubelet's 5 minutes'
+    # grace: fake-gpu's own just uninstalled (claim taken off) must not refuse its reinstall. A live plugin's devices
+    # are allocatable; a real node whose plugin is down is still found by its devices on the host.
+    if capacity > 0 and allocatable > 0 and not owned(node, resource):
         found.append(f"its capacity already has {resource}: {capacity}, advertised by another device plugin "
                      f"(fake-gpu's own would carry the annotation {OWNER_ANNOTATION}={resource})")
     devices = real_devices(real_gpu_paths)

@@ -31,12 +31,13 @@ from gpu_agent.foundations.events import EventRecorder
 RESOURCE = "nvidia.com/gpu"
 
 
-def a_node(capacity: str | None = None, claimed_for: str | None = None) -> dict:
+def a_node(capacity: str | None = None, claimed_for: str | None = None, allocatable: str | None = None) -> dict:
     meta: dict = {"name": "n1", "uid": "uid-n1"}
     if claimed_for is not None:
         meta["annotations"] = {OWNER_ANNOTATION: claimed_for}
     return {"apiVersion": "v1", "kind": "Node", "metadata": meta,
-            "status": {"capacity": {"cpu": "8", **({RESOURCE: capacity} if capacity is not None else {})}}}
+            "status": {"capacity": {"cpu": "8", **({RESOURCE: capacity} if capacity is not None else {})},
+                       "allocatable": {"cpu": "8", **({RESOURCE: allocatable or capacity} if capacity is not None else {})}}}
 
 
 def no_host_devices(tmp_path):
@@ -60,7 +61,9 @@ def host_with(tmp_path, which: str):
     (a_node(capacity="8", claimed_for=RESOURCE), False, None),  # fake-gpu's own, before its restart
     (a_node(capacity="8", claimed_for="example.com/gpu"), False, "its capacity already has"),  # claimed, another name
     (a_node(capacity="8"), True, None),  # overridden deliberately
-], ids=["plain", "zero", "capacity unclaimed", "capacity claimed", "claimed for another resource", "override"])
+    (a_node(capacity="8", allocatable="0"), False, None),  # a stopped plugin's leftovers (kubelet's 5 min grace)
+], ids=["plain", "zero", "capacity unclaimed", "capacity claimed", "claimed for another resource", "override",
+        "stopped plugin"])
 def test_a_node_whose_capacity_has_the_resource_without_fake_gpus_claim_is_refused(tmp_path, node, allow, refused_for):
     refusal = decide("n1", node, RESOURCE, no_host_devices(tmp_path), allow_real_gpu_nodes=allow)
     if refused_for is None:
