@@ -15,16 +15,16 @@ from __future__ import annotations
 import time
 import uuid
 
-import pytest
 from kubernetes import client
 
 from e2e.cluster import host_paths
 from e2e.fake_gpu_release import CHART as FAKE_GPU_CHART
 from e2e.helpers import wait_until
 from e2e.release import helm
+from fake_gpu.real_gpu_guard import owner_annotation
 
 RESOURCE = "e2e.example.com/real-gpu"
-OWNER_ANNOTATION = "fake-gpu.gpu-agent.io/advertises"
+OWNER_ANNOTATION = owner_annotation(RESOURCE)  # per resource: the suite's own release claims nvidia.com/gpu here
 RELEASE = "fg-real"
 # The chart's liveness probe: 10 s initial delay, then 6 failures 10 s apart; a refused pod must outlive it.
 LIVENESS_WINDOW = 10 + 6 * 10 + 10
@@ -45,7 +45,6 @@ def ready(pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
 
 
-@pytest.mark.serial(reason="patches a node's status with an extended resource and labels the node")
 def test_fake_gpu_refuses_a_node_another_plugin_advertises_on_until_overridden(fake_gpus, core, kubeconfig):
     node = fake_gpus.node
     ns = f"e2e-fake-gpu-real-{uuid.uuid4().hex[:5]}"

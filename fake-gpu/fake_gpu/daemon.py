@@ -35,11 +35,11 @@ from fake_gpu.node_labels import NodeLabeler, desired
 from fake_gpu.plugin import Devices, PluginRunner
 from fake_gpu.real_gpu_guard import (
     DEFAULT_RESOURCE,
-    OWNER_ANNOTATION,
     REAL_GPU_PATHS,
     REFUSED_REASON,
     RealGpuGuard,
     Refusal,
+    owner_annotation,
 )
 from gpu_agent.foundations import fake_state
 from gpu_agent.foundations.events import EventRecorder
@@ -169,7 +169,7 @@ def node_guard(api: client.ApiClient, node: str, resource: str, *, allow_real_gp
         return node_json
 
     def claim(name: str, owned_resource: str) -> None:
-        core.patch_node(name, {"metadata": {"annotations": {OWNER_ANNOTATION: owned_resource}}},
+        core.patch_node(name, {"metadata": {"annotations": {owner_annotation(owned_resource): owned_resource}}},
                         _request_timeout=REQUEST_TIMEOUT)
 
     def warn(node_json: dict[str, Any], refusal: Refusal) -> None:

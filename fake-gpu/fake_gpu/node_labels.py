@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, OWNER_ANNOTATION
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, owner_annotation
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 
@@ -107,11 +107,11 @@ class NodeLabeler:
 
 def unlabel_nodes(core: Any, release: str, resource: str = DEFAULT_RESOURCE) -> list[str]:
     """The post-delete hook's work: take this release's labels off every node it marked, and its claim on the node's
-    resource (real_gpu_guard.OWNER_ANNOTATION), so that a real device plugin there later is not taken for fake-gpu."""
+    resource (real_gpu_guard.owner_annotation), so that a real device plugin there later is not taken for fake-gpu."""
     marked = core.list_node(label_selector=f"{RELEASE}={release}", _request_timeout=REQUEST_TIMEOUT).items
     names = [n.metadata.name for n in marked]
     for name in names:
         core.patch_node(name, {"metadata": {"labels": {k: None for k in (*gpu_labels(resource), RELEASE)},
-                                            "annotations": {OWNER_ANNOTATION: None}}},
+                                            "annotations": {owner_annotation(resource): None}}},
                         _request_timeout=REQUEST_TIMEOUT)
     return names

@@ -9,7 +9,7 @@ name: the last to register wins, so a fake-gpu pod on a node with the real NVIDI
 GPUs with fake ones, and its GPU feature discovery labels would overwrite the real ones. Two signs of a real GPU node:
 
 - the Node's capacity already holds the resource while fake-gpu never claimed the node. The claim is the annotation
-  OWNER_ANNOTATION (its value the resource name), set before the first registration and taken off by the chart's
+  owner_annotation(resource) (its value the resource name), set before the first registration and taken off by the chart's
   post-delete hook (`fake-gpu unlabel-nodes`), so fake-gpu's own restart (capacity still there: its own) proceeds;
 - NVIDIA devices visible on the host: /dev/nvidia0, or a GPU under /proc/driver/nvidia/gpus (the driver's procfs
   folder is host-wide, also inside a container).
@@ -21,6 +21,7 @@ a crash loop would say less, and the refusal holds until the node or the values 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -34,7 +35,17 @@ from gpu_agent.foundations.klog import get_logger
 log = get_logger("fake_gpu.real_gpu_guard")
 
 DEFAULT_RESOURCE = "nvidia.com/gpu"
-OWNER_ANNOTATION = "fake-gpu.gpu-agent.io/advertises"
+OWNER_PREFIX = "fake-gpu.gpu-agent.io/advertises."
+
+
+def owner_annotation(resource: str) -> str:
+    """The annotation by which fake-gpu claims `resource` on a node, its value the resource name: one key per
+    resource, so that two releases advertising different resources on one node (the e2e suite's own, a test's) never
+    overwrite each other's claim. The key's name part holds 63 characters: a longer resource is named by its hash."""
+    name = OWNER_PREFIX.split("/", 1)[1] + resource.replace("/", "_")
+    if len(name) > 63:
+        name = OWNER_PREFIX.split("/", 1)[1] + hashlib.sha256(resource.encode()).hexdigest()[:20]
+    return f"{OWNER_PREFIX.split('/', 1)[0]}/{name}"
 REFUSED_REASON = "FakeGpuRefused"
 # Where a real NVIDIA GPU shows on a host: the first device node, or the driver's folder of GPUs (one entry each).
 REAL_GPU_PATHS = (Path("/dev/nvidia0"), Path("/proc/driver/nvidia/gpus"))
@@ -79,7 +90,7 @@ def capacity_of(node: dict[str, Any], resource: str, field: str = "capacity") ->
 
 
 def owned(node: dict[str, Any], resource: str) -> bool:
-    return ((node.get("metadata") or {}).get("annotations") or {}).get(OWNER_ANNOTATION) == resource
+    return ((node.get("metadata") or {}).get("annotations") or {}).get(owner_annotation(resource)) == resource
 
 
 def real_devices(paths: Iterable[Path]) -> list[str]:
@@ -107,7 +118,7 @@ def decide(node_name: str, node: dict[str, Any], resource: str, real_gpu_paths: 
     # are allocatable; a real node whose plugin is down is still found by its devices on the host.
     if capacity > 0 and allocatable > 0 and not owned(node, resource):
         found.append(f"its capacity already has {resource}: {capacity}, advertised by another device plugin "
-                     f"(fake-gpu's own would carry the annotation {OWNER_ANNOTATION}={resource})")
+                     f"(fake-gpu's own would carry the annotation {owner_annotation(resource)}={resource})")
     devices = real_devices(real_gpu_paths)
     if devices:
         found.append(f"NVIDIA devices on the host: {', '.join(devices)}")
@@ -123,7 +134,7 @@ def decide(node_name: str, node: dict[str, Any], resource: str, real_gpu_paths: 
 
 class RealGpuGuard:
     """The check as the daemon runs it, once, before anything is advertised. `read_node(name)` returns the Node as
-    JSON; `claim(name, resource)` writes OWNER_ANNOTATION; `warn(node, refusal)` posts the Warning Event; each is the
+    JSON; `claim(name, resource)` writes owner_annotation(resource); `warn(node, refusal)` posts the Warning Event; each is the
     API's (with its request timeout), or a fake in unit tests. `refusal_file`: where the refusal is written for the
     readiness probe to print (None: not written). `clock` paces the retries (tests hand in one that does not wait)."""
 
@@ -166,7 +177,7 @@ class RealGpuGuard:
         if owned(node, self.resource):
             return True
         # Claimed before the first registration: a restart after it finds the claim and its own capacity.
-        claimed, _ = self._retried(f"annotating {OWNER_ANNOTATION}", lambda: self.claim(self.node, self.resource),
+        claimed, _ = self._retried(f"annotating {owner_annotation(self.resource)}", lambda: self.claim(self.node, self.resource),
                                    stopping)
         return bool(claimed)
 

@@ -8,7 +8,7 @@ from fake_gpu import node_labels
 from fake_gpu.daemon import LayoutApplier
 from fake_gpu.node_labels import COUNT, MEMORY, PRESENT, PRODUCT, RELEASE, NodeLabeler, desired, product_label
 from fake_gpu.plugin import Devices
-from fake_gpu.real_gpu_guard import OWNER_ANNOTATION
+from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, owner_annotation
 
 
 class FlakyPatch:
@@ -95,5 +95,5 @@ def test_unlabel_removes_every_label_of_the_release_from_exactly_the_nodes_it_ma
     assert node_labels.unlabel_nodes(core, "fg") == ["a", "c"]
     assert core.selectors == [f"{RELEASE}=fg"]
     removal = {"metadata": {"labels": {PRESENT: None, COUNT: None, PRODUCT: None, MEMORY: None, RELEASE: None},
-                            "annotations": {OWNER_ANNOTATION: None}}}
+                            "annotations": {owner_annotation(DEFAULT_RESOURCE): None}}}
     assert core.patched == [("a", removal), ("c", removal)]

@@ -18,12 +18,13 @@ from fake_gpu.daemon import Daemon, post_refusal_event
 from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
 from fake_gpu.node_labels import RELEASE, NodeLabeler
 from fake_gpu.real_gpu_guard import (
-    OWNER_ANNOTATION,
     REFUSED_REASON,
     RealGpuGuard,
     Refusal,
     check_resource_name,
     decide,
+    owned,
+    owner_annotation,
 )
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.events import EventRecorder
@@ -34,7 +35,7 @@ RESOURCE = "nvidia.com/gpu"
 def a_node(capacity: str | None = None, claimed_for: str | None = None, allocatable: str | None = None) -> dict:
     meta: dict = {"name": "n1", "uid": "uid-n1"}
     if claimed_for is not None:
-        meta["annotations"] = {OWNER_ANNOTATION: claimed_for}
+        meta["annotations"] = {owner_annotation(claimed_for): claimed_for}
     return {"apiVersion": "v1", "kind": "Node", "metadata": meta,
             "status": {"capacity": {"cpu": "8", **({RESOURCE: capacity} if capacity is not None else {})},
                        "allocatable": {"cpu": "8", **({RESOURCE: allocatable or capacity} if capacity is not None else {})}}}
@@ -244,7 +245,7 @@ def test_the_labels_follow_the_resource_name_and_unlabel_takes_them_and_the_clai
     ((_, body),) = core.patched
     assert set(body["metadata"]["labels"]) == {"example.com/gpu.present", "example.com/gpu.count",
                                                "example.com/gpu.product", "example.com/gpu.memory", RELEASE}
-    assert body["metadata"]["annotations"] == {OWNER_ANNOTATION: None}
+    assert body["metadata"]["annotations"] == {owner_annotation("example.com/gpu"): None}
 
 
 @pytest.mark.parametrize("name,ok", [("nvidia.com/gpu", True), ("example.com/fake-gpu", True), ("gpu", False),
@@ -268,3 +269,15 @@ def test_the_daemon_command_passes_the_override_resource_and_refusal_file_and_re
     seen.clear()
     assert cli.main(["--resource-name", "kubernetes.io/gpu", "daemon", "--node-name", "n1"]) == 2 and seen == {}
     assert "kubernetes.io domain" in capsys.readouterr().err
+
+
+def test_each_resource_has_its_own_claim_so_two_releases_on_one_node_keep_theirs():
+    """The e2e suite's release claims nvidia.com/gpu on every node; a test's release of another resource on one of
+    them must neither overwrite that claim (the suite's pod, restarted, would refuse its own node) nor count on it."""
+    ours, theirs = owner_annotation("nvidia.com/gpu"), owner_annotation("e2e.example.com/real-gpu")
+    assert ours == "fake-gpu.gpu-agent.io/advertises.nvidia.com_gpu" and ours != theirs
+    long_name = "a" * 60 + ".example.com/" + "g" * 55
+    key = owner_annotation(long_name)
+    assert len(key.split("/", 1)[1]) <= 63 and key != owner_annotation(long_name[:-1] + "h")
+    node = a_node(capacity="4", claimed_for="nvidia.com/gpu")
+    assert owned(node, "nvidia.com/gpu") and not owned(node, "e2e.example.com/real-gpu")
