@@ -6,6 +6,7 @@
     gpu-agent control-plane   the reference control plane alone
     gpu-agent inventory       read the GPU source once and print the inventory as JSON
     gpu-agent queue list|add  the control plane's work queue (admin token), e.g. beside `make run`
+    gpu-agent chart-test      what `helm test` runs in the chart's test Pod: the release's endpoints answer (roles/chart_test.py)
     gpu-agent completion      print a bash or zsh completion script, made from this parser (foundations/completion.py)
     gpu-agent version         (or `gpu-agent --version`)
 
@@ -36,6 +37,7 @@ from typing import Any, NoReturn
 import yaml
 
 from gpu_agent.foundations import completion, klog
+from gpu_agent.foundations.clock import SystemClock
 from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting, add_arguments, load
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
 from gpu_agent.foundations.http import ListenError
@@ -44,7 +46,7 @@ from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.foundations.version import VersionAction, version_info
 from gpu_agent.mechanisms.inventory.nvml import NVMLSource, describe_events
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
-from gpu_agent.roles import cluster_agent, local, node_agent
+from gpu_agent.roles import chart_test, cluster_agent, local, node_agent
 from gpu_agent.roles.control_plane import main as control_plane
 
 ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
@@ -82,7 +84,8 @@ EXIT_CODES: dict[int, str] = {
        "stopped by SIGTERM or SIGINT",
     1: "the command ran and failed: `queue` could not reach the control plane or the control plane refused the call "
        "(the message says which); `inventory`'s GPU source answered with an error (the inventory is printed all "
-       "the same, its error set); also an unexpected error, its traceback on stderr",
+       "the same, its error set); a `chart-test` check failed (its line names it "
+       "and the fix); also an unexpected error, its traceback on stderr",
     2: "usage: an unknown command, flag or choice, a bad setting value (the message names the setting and where it "
        "came from), no admin token for `queue`, a listen address that cannot be bound",
     3: "`cluster-agent`, or `local` with --graceful-no-gpu=false, started with no GPUs and gracefulNoGPU is off "
@@ -94,7 +97,7 @@ EXIT_CODES: dict[int, str] = {
 COMMAND_EXIT_CODES: dict[str, tuple[int, ...]] = {
     "local": (0, 2, 3, 130), "cluster-agent": (0, 2, 3, 130), "node-agent": (0, 2, 130), "control-plane": (0, 2, 130),
     "inventory": (0, 1, 2, 130), "queue": (0, 1, 2, 130), "queue list": (0, 1, 2, 130), "queue add": (0, 1, 2, 130),
-    "completion": (0, 2), "version": (0, 2),
+    "chart-test": (0, 1, 2, 130), "completion": (0, 2), "version": (0, 2),
 }
 OUTPUTS = ("json", "yaml", "wide")
 QUEUE_LIST_KIND = {"apiVersion": "gpu-agent/v1", "kind": "QueueList"}
@@ -166,6 +169,27 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("key", help="the item's idempotency key, e.g. demo-9 (adding the same key twice adds it once)")
     add.add_argument("--payload", default="{}", metavar="JSON", help="the item's payload, a JSON object (default: {})")
     _with_settings(add, QUEUE_SETTINGS)
+    test = _command(sub, "chart-test", "what `helm test <release>` runs in the chart's test Pod: the control "
+                    "plane's /healthz, the cluster agent's /livez and /healthz (why it is or is not Ready) and each node "
+                    "agent's /livez, one line each; exit 1 naming what failed and the fix")
+    test.add_argument("--namespace", default="default", help="the release's namespace (default: %(default)s)")
+    test.add_argument("--fullname", default="gpu-agent", help="the prefix of the chart's object names, for the fixes "
+                      "the lines name (default: %(default)s)")
+    test.add_argument("--control-plane-url", default="", metavar="URL", help="the chart's own control plane; empty: "
+                      "not checked, as where the chart runs none (default: empty)")
+    test.add_argument("--cluster-agent-url", default="http://127.0.0.1:8080", metavar="URL",
+                      help="the cluster agent's Service (default: %(default)s)")
+    test.add_argument("--node-agent-service", default="", metavar="NAME", help="the node agents' Service, whose "
+                      "EndpointSlices name each node agent; empty: not checked (default: empty)")
+    test.add_argument("--graceful-no-gpu", default="false", choices=("true", "false"), help="the release's "
+                      "gracefulNoGPU: on, a cluster agent NotReady only for want of GPUs passes with a note "
+                      "(default: %(default)s)")
+    test.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS", help="the bound of the whole run "
+                      "(default: %(default)s)")
+    test.add_argument("--request-timeout", type=float, default=5.0, metavar="SECONDS", help="the bound of each HTTP "
+                      "call (default: %(default)s)")
+    test.add_argument("--kubeconfig", default="", metavar="PATH", help="the API server to list EndpointSlices at; "
+                      "empty: in-cluster, then ~/.kube/config (default: empty)")
     shells = _command(sub, "completion", "print a shell completion script for gpu-agent, made from this command's "
                       "own parser: `source <(gpu-agent completion bash)`; for zsh, after compinit, "
                       "`source <(gpu-agent completion zsh)`")
@@ -301,6 +325,22 @@ def _print_inventory(cfg: InventoryConfig, output: str | None) -> int:
     return 1 if reading.error else 0
 
 
+def _chart_test(args: argparse.Namespace) -> int:
+    if args.timeout <= 0 or args.request_timeout <= 0:
+        raise ConfigError(f"--timeout and --request-timeout must be above 0; got {args.timeout:g} and "
+                          f"{args.request_timeout:g}")
+    cfg = chart_test.ChartTestConfig(
+        namespace=args.namespace, fullname=args.fullname, controlPlaneUrl=args.control_plane_url,
+        clusterAgentUrl=args.cluster_agent_url, nodeAgentService=args.node_agent_service,
+        gracefulNoGPU=args.graceful_no_gpu == "true", timeout=args.timeout, requestTimeout=args.request_timeout)
+    lister = None
+    if cfg.nodeAgentService:
+        from gpu_agent.foundations.kube import api_client  # the Kubernetes client, only where it is used (its RSS)
+        lister = chart_test.endpoint_slices(api_client(args.kubeconfig, limit=None))
+    return chart_test.ChartTest(cfg, SystemClock(), list_endpoints=lister,
+                                out=lambda line: print(line, flush=True)).run()
+
+
 def dump_stacks_on_sigusr2() -> None:
     """`kill -USR2 <pid>` writes every thread's stack to stderr (the log) and the process goes on:
     the first thing to ask of an agent that looks stuck."""
@@ -323,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             inventory = load([*LOGGING, *GPU_SOURCE_SETTINGS], args, as_=InventoryConfig)
             klog.setup(inventory.verbosity, log_format=inventory.logFormat)
             return _print_inventory(inventory, args.output)
+        if args.role == "chart-test":
+            return _chart_test(args)
         if args.role == "queue":
             queue = load(QUEUE_SETTINGS, args, as_=QueueConfig)
             klog.setup(queue.verbosity, log_format=queue.logFormat)

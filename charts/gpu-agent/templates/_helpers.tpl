@@ -221,6 +221,8 @@ its reason (the test command runs checkov and allows no other finding); call wit
   "CKV_K8S_23" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
   "CKV_K8S_38" "this component talks to the API server"
   "CKV_K8S_40" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
+  "CKV_K8S_8" "a one-shot test Pod (helm test): it serves nothing a kubelet could probe, and it ends by itself"
+  "CKV_K8S_9" "a one-shot test Pod (helm test): it serves nothing a kubelet could probe, and it ends by itself"
   "CKV_K8S_43" "the digest is a value (image.digest); locally built images have none" -}}
 {{- $lines := list -}}
 {{- range $i, $id := . -}}
