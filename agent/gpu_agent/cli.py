@@ -178,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--control-plane-url", default="", metavar="URL", help="the chart's own control plane; empty: "
                       "not checked, as where the chart runs none (default: empty)")
     test.add_argument("--cluster-agent-url", default="http://127.0.0.1:8080", metavar="URL",
-                      help="the cluster agent's Service (default: %(default)s)")
+                      help="the cluster agent, where no --cluster-agent-service is named (default: %(default)s)")
+    test.add_argument("--cluster-agent-service", default="", metavar="NAME", help="the cluster agents' Service, whose "
+                      "EndpointSlices name each cluster agent, ready or not (a NotReady one is out of the Service); "
+                      "empty: --cluster-agent-url is asked (default: empty)")
     test.add_argument("--node-agent-service", default="", metavar="NAME", help="the node agents' Service, whose "
                       "EndpointSlices name each node agent; empty: not checked (default: empty)")
     test.add_argument("--graceful-no-gpu", default="false", choices=("true", "false"), help="the release's "
@@ -331,10 +334,11 @@ def _chart_test(args: argparse.Namespace) -> int:
                           f"{args.request_timeout:g}")
     cfg = chart_test.ChartTestConfig(
         namespace=args.namespace, fullname=args.fullname, controlPlaneUrl=args.control_plane_url,
-        clusterAgentUrl=args.cluster_agent_url, nodeAgentService=args.node_agent_service,
+        clusterAgentUrl=args.cluster_agent_url, clusterAgentService=args.cluster_agent_service,
+        nodeAgentService=args.node_agent_service,
         gracefulNoGPU=args.graceful_no_gpu == "true", timeout=args.timeout, requestTimeout=args.request_timeout)
     lister = None
-    if cfg.nodeAgentService:
+    if cfg.nodeAgentService or cfg.clusterAgentService:
         from gpu_agent.foundations.kube import api_client  # the Kubernetes client, only where it is used (its RSS)
         lister = chart_test.endpoint_slices(api_client(args.kubeconfig, limit=None))
     return chart_test.ChartTest(cfg, SystemClock(), list_endpoints=lister,

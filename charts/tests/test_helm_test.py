@@ -73,14 +73,14 @@ def test_with_the_defaults_the_test_pod_runs_chart_test_against_the_releases_ser
     assert c["command"] == ["gpu-agent"]
     assert c["args"] == ["chart-test", "--namespace=ns", "--fullname=t-gpu-agent",
                          "--control-plane-url=http://t-gpu-agent-control-plane.ns.svc:8700",
-                         "--cluster-agent-url=http://t-gpu-agent-cluster-agent.ns.svc:8080",
+                         "--cluster-agent-service=t-gpu-agent-cluster-agent",
                          "--node-agent-service=t-gpu-agent-node-agent", "--graceful-no-gpu=false", "--timeout=60"]
     deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-gpu-agent-cluster-agent")
     assert c["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]  # the release's own image
     assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 90
     assert spec["serviceAccountName"] == "t-gpu-agent-test" and spec["automountServiceAccountToken"] is True
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
-    # The Role lists EndpointSlices (the node agents behind their Service) and nothing else.
+    # The Role lists EndpointSlices (the agents behind their Services) and nothing else.
     assert objects["Role"]["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
     assert objects["RoleBinding"]["subjects"][0]["name"] == "t-gpu-agent-test"
 
@@ -129,15 +129,15 @@ def test_placement_image_values_and_the_timeout_reach_the_test_pod():
     assert "--timeout=120" in c["args"] and "--graceful-no-gpu=true" in c["args"]
 
 
-def test_without_the_charts_control_plane_or_node_agents_the_test_skips_them_and_needs_no_token():
+def test_without_the_charts_control_plane_or_node_agents_the_test_skips_them_and_still_lists_the_cluster_agents():
     docs = render("--set", "controlPlane.enabled=false", "--set", "controlPlane.url=https://cp.example:8700",
                   "--set", "controlPlane.existingSecret=cp", "--set", "nodeAgent.enabled=false")
     objects = objects_of(docs)
-    assert set(objects) == {"Pod", "ServiceAccount", "NetworkPolicy"}  # no Role: nothing to list
+    assert set(objects) == TEST_KINDS  # the Role lists the cluster agents' endpoints
     spec = objects["Pod"]["spec"]
     args = spec["containers"][0]["args"]
     assert not any(a.startswith(("--control-plane-url", "--node-agent-service")) for a in args)
-    assert spec["automountServiceAccountToken"] is False
+    assert "--cluster-agent-service=t-gpu-agent-cluster-agent" in args and spec["automountServiceAccountToken"] is True
 
 
 def policy(docs, component):

@@ -5,7 +5,9 @@ did (its line names what failed and what to do about it):
 
 - the control plane's /healthz answers 200 (only where the chart runs the embedded control plane: an external one is
   the platform's own to watch);
-- the cluster agent's /livez answers 200, and its /healthz says why it is Ready or not: NotReady only because it
+- each cluster agent (each endpoint of its Service's EndpointSlices, ready or not: a NotReady agent is out of the
+  Service, which then refuses every connection; or the one URL given) answers /livez with 200, and its /healthz says
+  why it is Ready or not: NotReady only because it
   counts no GPU, with gracefulNoGPU on, is a pass with a note (the graceful no-GPU mode: live but NotReady until GPUs
   come); any other NotReady fails, naming each component that is not ready and its reason;
 - each node agent behind the node agents' Service (each endpoint of its EndpointSlices, ready or not) answers /livez.
@@ -35,11 +37,12 @@ class ChartTestConfig:
     namespace: str
     fullname: str  # the chart's object names' prefix, for the fixes the lines name
     controlPlaneUrl: str  # "" when the chart runs no control plane of its own: not checked
-    clusterAgentUrl: str
+    clusterAgentUrl: str  # used when clusterAgentService is empty (outside a cluster)
     nodeAgentService: str  # "" when the chart runs no node agents: not checked
     gracefulNoGPU: bool
     timeout: float
     requestTimeout: float = 5.0
+    clusterAgentService: str = ""  # the cluster agents' Service: each of its endpoints is checked
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,12 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class NodeAgentEndpoint:
+class Endpoint:
     address: str
     port: int
     node: str = ""
     ready: bool | None = None
+    pod: str = ""
 
     def url(self, path: str) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
@@ -61,7 +65,7 @@ class NodeAgentEndpoint:
 
 
 Fetch = Callable[[str, float], Answer]  # (url, timeout) -> the answer; raises OSError when none came
-ListEndpoints = Callable[[str, str, float], list[NodeAgentEndpoint]]  # (namespace, service, timeout)
+ListEndpoints = Callable[[str, str, float], list[Endpoint]]  # (namespace, service, timeout)
 
 
 def http_get(url: str, timeout: float) -> Answer:
@@ -78,7 +82,7 @@ def endpoint_slices(api: Any) -> ListEndpoints:
     """Lists the endpoints of a Service through its EndpointSlices with the Kubernetes client `api`."""
     from kubernetes import client
 
-    def listed(namespace: str, service: str, timeout: float) -> list[NodeAgentEndpoint]:
+    def listed(namespace: str, service: str, timeout: float) -> list[Endpoint]:
         slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
             namespace, label_selector=f"kubernetes.io/service-name={service}", _request_timeout=timeout)
         found = []
@@ -86,7 +90,8 @@ def endpoint_slices(api: Any) -> ListEndpoints:
             ports = [p.port for p in (s.ports or []) if p.port]
             for e in s.endpoints or []:
                 ready = e.conditions.ready if e.conditions is not None else None
-                found += [NodeAgentEndpoint(a, port, e.node_name or "", ready) for a in e.addresses for port in ports[:1]]
+                pod = e.target_ref.name if e.target_ref is not None else ""
+                found += [Endpoint(a, port, e.node_name or "", ready, pod or "") for a in e.addresses for port in ports[:1]]
         return sorted(found, key=lambda e: (e.node, e.address))
     return listed
 
@@ -105,7 +110,7 @@ class ChartTest:
         self.deadline = self.clock.monotonic() + self.cfg.timeout
         if self.cfg.controlPlaneUrl:
             self.control_plane()
-        self.cluster_agent()
+        self.cluster_agents()
         if self.cfg.nodeAgentService:
             self.node_agents()
         if self.failed:
@@ -165,15 +170,29 @@ class ChartTest:
         else:
             self.fail(what, f"{url} answered {answer.status}: {_text(answer.body)}", fix)
 
-    def cluster_agent(self) -> None:
-        base, fix = self.cfg.clusterAgentUrl.rstrip("/"), self._fix("cluster-agent")
-        live = self.get("cluster agent /livez", f"{base}/livez", fix)
+    def cluster_agents(self) -> None:
+        if not self.cfg.clusterAgentService:
+            self.cluster_agent(self.cfg.clusterAgentUrl.rstrip("/"), "cluster agent")
+            return
+        service, fix = self.cfg.clusterAgentService, self._fix("cluster-agent")
+        endpoints = self._endpoints("cluster agent", service)
+        if endpoints is None:
+            return
+        if not endpoints:
+            self.fail("cluster agent", f"Service {service} has no endpoints: no cluster agent pod runs", fix)
+            return
+        for e in endpoints:
+            self.cluster_agent(e.url(""), f"cluster agent {e.pod or e.address}")
+
+    def cluster_agent(self, base: str, who: str) -> None:
+        fix = self._fix("cluster-agent")
+        live = self.get(f"{who} /livez", f"{base}/livez", fix)
         if live is not None:
             if live.status == 200:
-                self.ok("cluster agent /livez", f"{base}/livez answered 200 (live)")
+                self.ok(f"{who} /livez", f"{base}/livez answered 200 (live)")
             else:
-                self.fail("cluster agent /livez", f"{base}/livez answered {live.status}: {_text(live.body)}", fix)
-        what = "cluster agent /healthz"
+                self.fail(f"{who} /livez", f"{base}/livez answered {live.status}: {_text(live.body)}", fix)
+        what = f"{who} /healthz"
         answer = self.get(what, f"{base}/healthz", fix)
         if answer is None:
             return
@@ -199,20 +218,26 @@ class ChartTest:
         else:
             self.fail(what, f"NotReady: {why}", f"the reasons above say what it waits for; {fix}")
 
-    def node_agents(self) -> None:
-        service, ds_fix = self.cfg.nodeAgentService, self._fix("node-agent", "ds")
+    def _endpoints(self, what: str, service: str) -> list[Endpoint] | None:
+        """The endpoints of `service`, or None with the check `what` failed (no time left, or the list refused)."""
         timeout = self._timeout()
         if timeout is None:
-            self.fail("node agents", f"no time left to list Service {service}'s endpoints (test.timeoutSeconds is "
-                                     f"{self.cfg.timeout:g} s)", "raise test.timeoutSeconds")
-            return
-        assert self.list_endpoints is not None, "node agents checked without a way to list their endpoints"
+            self.fail(what, f"no time left to list Service {service}'s endpoints (test.timeoutSeconds is "
+                            f"{self.cfg.timeout:g} s)", "raise test.timeoutSeconds")
+            return None
+        assert self.list_endpoints is not None, f"{what} checked without a way to list their endpoints"
         try:
-            endpoints = self.list_endpoints(self.cfg.namespace, service, timeout)
+            return self.list_endpoints(self.cfg.namespace, service, timeout)
         except Exception as error:  # noqa: BLE001 - the API server's refusal or silence is this check's failure, named
-            self.fail("node agents", f"could not list the endpoints of Service {service}: {error}",
+            self.fail(what, f"could not list the endpoints of Service {service}: {error}",
                       "the test Pod's ServiceAccount needs list on endpointslices (the chart's test Role) and the API "
                       "server must answer")
+            return None
+
+    def node_agents(self) -> None:
+        service, ds_fix = self.cfg.nodeAgentService, self._fix("node-agent", "ds")
+        endpoints = self._endpoints("node agents", service)
+        if endpoints is None:
             return
         if not endpoints:
             self.note("node agents", f"Service {service} has no endpoints: no node agent runs (no node matches its "

@@ -242,3 +242,30 @@ def test_the_command_line_runs_the_checks_and_exits_1_when_one_fails(servers, tm
 def test_a_bad_timeout_is_a_usage_error(capfd):
     assert cli.main(["chart-test", "--timeout=0"]) == 2
     assert "--timeout and --request-timeout must be above 0" in capfd.readouterr().err
+
+
+def test_each_cluster_agent_behind_its_service_is_asked_ready_or_not_and_none_at_all_fails(servers, tmp_path):
+    """A NotReady cluster agent (no GPUs yet) is out of its Service, which then refuses every connection: the test
+    asks each pod of the Service's EndpointSlices instead, ready or not, and names it by its pod."""
+    cp = servers({"/healthz": (200, {"status": "ok"})}).url
+    agents = [servers({"/livez": (200, {"status": "live"}), "/healthz": (503, NO_GPUS)}) for _ in range(2)]
+    listed = slices(*(a.port for a in agents), service="t-gpu-agent-cluster-agent", ready=False)
+    for i, item in enumerate(listed["items"]):
+        item["endpoints"][0]["targetRef"] = {"kind": "Pod", "name": f"t-gpu-agent-cluster-agent-{i}", "namespace": "ns"}
+    empty = {**slices(service="t-gpu-agent-cluster-agent"), "items": []}
+    for answer, want in ((listed, 0), (empty, 1)):
+        api = servers({"/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices": (200, answer)})
+        lines: list[str] = []
+        cfg = ChartTestConfig(namespace="ns", fullname="t-gpu-agent", controlPlaneUrl=cp, clusterAgentUrl="",
+                              clusterAgentService="t-gpu-agent-cluster-agent", nodeAgentService="",
+                              gracefulNoGPU=True, timeout=30.0, requestTimeout=2.0)
+        code = ChartTest(cfg, SteppingClock(), list_endpoints=chart_test.endpoint_slices(
+            api_client(str(api.server.kubeconfig(tmp_path)), limit=None)), out=lines.append).run()
+        assert code == want, lines
+        if want == 0:
+            assert [line.split(":")[0] for line in lines[1:-1]] == [
+                "ok   cluster agent t-gpu-agent-cluster-agent-0 /livez", "note cluster agent t-gpu-agent-cluster-agent-0 /healthz",
+                "ok   cluster agent t-gpu-agent-cluster-agent-1 /livez", "note cluster agent t-gpu-agent-cluster-agent-1 /healthz"]
+            assert all(a.asked == ["/livez", "/healthz"] for a in agents)
+        else:
+            assert lines[1].startswith("FAIL cluster agent: Service t-gpu-agent-cluster-agent has no endpoints"), lines
