@@ -12,6 +12,7 @@ Not covered here: /dev/nvidia0 or /proc/driver/nvidia/gpus on a real GPU node (n
 
 from __future__ import annotations
 
+import datetime
 import time
 import uuid
 
@@ -63,12 +64,18 @@ def test_fake_gpu_refuses_a_node_another_plugin_advertises_on_until_overridden(f
     # hook takes it off; the suite's own is put back after, or the next test's fake_gpus check finds the node unlabelled.
     suite_release = (core.read_node(node).metadata.labels or {}).get(RELEASE_LABEL)
     set_other_plugins_resource(core, node, 2)
+    started = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     try:
         install(allow=False)
         pod = wait_until(lambda: release_pod(core, ns, node), 60, "the refusing release's pod")
+        def seen(e) -> datetime.datetime:
+            return max(t for t in (e.event_time, e.series.last_observed_time if e.series else None,
+                                   e.metadata.creation_timestamp) if t is not None)
+
+        # Posted (or its series counted again) by this release's pod: one from an earlier run may still be there.
         event = wait_until(lambda: next((e for e in client.EventsV1Api(core.api_client).list_namespaced_event(
-            "default", field_selector=f"regarding.name={node},reason=FakeGpuRefused").items), None), 60,
-            "a FakeGpuRefused Event on the node")
+            "default", field_selector=f"regarding.name={node},reason=FakeGpuRefused").items if seen(e) >= started),
+            None), 60, "a FakeGpuRefused Event on the node")
         assert event.type == "Warning" and event.regarding.kind == "Node"
         assert f"node {node}" in event.note and RESOURCE in event.note and "allowRealGpuNodes" in event.note
         probe = wait_until(lambda: next((e.message for e in core.list_namespaced_event(

@@ -47,6 +47,7 @@ def owner_annotation(resource: str) -> str:
         name = OWNER_PREFIX.split("/", 1)[1] + hashlib.sha256(resource.encode()).hexdigest()[:20]
     return f"{OWNER_PREFIX.split('/', 1)[0]}/{name}"
 REFUSED_REASON = "FakeGpuRefused"
+ADMITTED_FILE = "admitted"  # written beside the refusal file once the check passed
 # Where a real NVIDIA GPU shows on a host: the first device node, or the driver's folder of GPUs (one entry each).
 REAL_GPU_PATHS = (Path("/dev/nvidia0"), Path("/proc/driver/nvidia/gpus"))
 OVERRIDE = "set the chart value allowRealGpuNodes=true (fake-gpu daemon --allow-real-gpu-nodes) to advertise anyway"
@@ -174,12 +175,24 @@ class RealGpuGuard:
         if refusal is not None:
             self.refuse(node, refusal)
             return False
-        if owned(node, self.resource):
-            return True
-        # Claimed before the first registration: a restart after it finds the claim and its own capacity.
-        claimed, _ = self._retried(f"annotating {owner_annotation(self.resource)}", lambda: self.claim(self.node, self.resource),
-                                   stopping)
-        return bool(claimed)
+        if not owned(node, self.resource):
+            # Claimed before the first registration: a restart after it finds the claim and its own capacity.
+            claimed, _ = self._retried(f"annotating {owner_annotation(self.resource)}",
+                                       lambda: self.claim(self.node, self.resource), stopping)
+            if not claimed:
+                return False
+        self._admitted()
+        return True
+
+    def _admitted(self) -> None:
+        """Beside the refusal file, a file saying the check passed: the readiness probe waits for one or the other,
+        so that a pod is never Ready before it knows (a state file a former pod left on the host would say so)."""
+        if self.refusal_file is None:
+            return
+        try:
+            (self.refusal_file.parent / ADMITTED_FILE).write_text(f"fake-gpu may advertise on node {self.node}\n")
+        except OSError as e:
+            log.warning("cannot write %s: %s", self.refusal_file.parent / ADMITTED_FILE, e.strerror or e)
 
     def refuse(self, node: dict[str, Any], refusal: Refusal) -> None:
         self.refusal = refusal

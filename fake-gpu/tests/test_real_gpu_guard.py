@@ -18,6 +18,7 @@ from fake_gpu.daemon import Daemon, post_refusal_event
 from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
 from fake_gpu.node_labels import RELEASE, NodeLabeler
 from fake_gpu.real_gpu_guard import (
+    ADMITTED_FILE,
     REFUSED_REASON,
     RealGpuGuard,
     Refusal,
@@ -123,6 +124,21 @@ def test_a_refused_node_is_not_claimed_and_is_told_by_log_event_and_refusal_file
     # One line naming the node, what it found and the fix.
     assert "node n1" in line and "nvidia.com/gpu: 4" in line and "allowRealGpuNodes=true" in line
     assert refusal_file.read_text().strip() == line
+    assert not (tmp_path / ADMITTED_FILE).exists()  # the readiness probe waits for this one
+
+
+def test_the_readiness_probe_file_says_admitted_only_once_the_check_passed(tmp_path):
+    """A state file a former pod left on the host made a refused pod Ready for one probe, before it had decided: the
+    probe now also needs this file, written only when the node is admitted (claimed now, or already)."""
+    for node in (a_node(), a_node(capacity="4", claimed_for=RESOURCE)):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        api = FakeApi(node)
+        guard = RealGpuGuard("n1", RESOURCE, read_node=api.read_node, claim=api.claim, warn=api.warn,
+                             real_gpu_paths=no_host_devices(tmp_path / "none"), refusal_file=folder / "refused")
+        assert not (folder / ADMITTED_FILE).exists()
+        assert guard.admit(threading.Event())
+        assert (folder / ADMITTED_FILE).exists() and not (folder / "refused").exists()
 
 
 def test_an_admitted_node_is_claimed_once_and_a_claimed_one_is_not_written_again(tmp_path):
