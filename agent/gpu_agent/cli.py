@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "empty: --cluster-agent-url is asked (default: empty)")
     test.add_argument("--node-agent-service", default="", metavar="NAME", help="the node agents' Service, whose "
                       "EndpointSlices name each node agent; empty: not checked (default: empty)")
+    test.add_argument("--admin-token-file", default="", metavar="PATH", help="the control plane's admin token: one "
+                      "work item is enqueued and must be done (with a cluster agent Ready); empty: no work item "
+                      "(default: empty)")
     test.add_argument("--graceful-no-gpu", default="false", choices=("true", "false"), help="the release's "
                       "gracefulNoGPU: on, a cluster agent NotReady only for want of GPUs passes with a note "
                       "(default: %(default)s)")
@@ -335,6 +338,7 @@ def _chart_test(args: argparse.Namespace) -> int:
     cfg = chart_test.ChartTestConfig(
         namespace=args.namespace, fullname=args.fullname, controlPlaneUrl=args.control_plane_url,
         clusterAgentUrl=args.cluster_agent_url, clusterAgentService=args.cluster_agent_service,
+        adminTokenFile=args.admin_token_file,
         nodeAgentService=args.node_agent_service,
         gracefulNoGPU=args.graceful_no_gpu == "true", timeout=args.timeout, requestTimeout=args.request_timeout)
     lister = None

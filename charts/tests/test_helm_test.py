@@ -73,11 +73,16 @@ def test_with_the_defaults_the_test_pod_runs_chart_test_against_the_releases_ser
     assert c["command"] == ["gpu-agent"]
     assert c["args"] == ["chart-test", "--namespace=ns", "--fullname=t-gpu-agent",
                          "--control-plane-url=http://t-gpu-agent-control-plane.ns.svc:8700",
+                         "--admin-token-file=/var/run/secrets/gpu-agent/adminToken",
                          "--cluster-agent-service=t-gpu-agent-cluster-agent",
                          "--node-agent-service=t-gpu-agent-node-agent", "--graceful-no-gpu=false", "--timeout=60"]
     deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-gpu-agent-cluster-agent")
     assert c["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]  # the release's own image
     assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 90
+    # The admin token alone, read-only, 0440: one work item end to end.
+    (tokens,) = spec["volumes"]
+    assert tokens["secret"]["items"] == [{"key": "adminToken", "path": "adminToken"}]
+    assert tokens["secret"]["defaultMode"] == 0o440 and c["volumeMounts"][0]["readOnly"] is True
     assert spec["serviceAccountName"] == "t-gpu-agent-test" and spec["automountServiceAccountToken"] is True
     assert c["resources"]["requests"] and c["resources"]["limits"]["memory"]
     # The Role lists EndpointSlices (the agents behind their Services) and nothing else.
@@ -136,7 +141,8 @@ def test_without_the_charts_control_plane_or_node_agents_the_test_skips_them_and
     assert set(objects) == TEST_KINDS  # the Role lists the cluster agents' endpoints
     spec = objects["Pod"]["spec"]
     args = spec["containers"][0]["args"]
-    assert not any(a.startswith(("--control-plane-url", "--node-agent-service")) for a in args)
+    assert not any(a.startswith(("--control-plane-url", "--node-agent-service", "--admin-token-file")) for a in args)
+    assert "volumes" not in spec  # no admin token of an external control plane
     assert "--cluster-agent-service=t-gpu-agent-cluster-agent" in args and spec["automountServiceAccountToken"] is True
 
 

@@ -10,7 +10,10 @@ did (its line names what failed and what to do about it):
   why it is Ready or not: NotReady only because it
   counts no GPU, with gracefulNoGPU on, is a pass with a note (the graceful no-GPU mode: live but NotReady until GPUs
   come); any other NotReady fails, naming each component that is not ready and its reason;
-- each node agent behind the node agents' Service (each endpoint of its EndpointSlices, ready or not) answers /livez.
+- each node agent behind the node agents' Service (each endpoint of its EndpointSlices, ready or not) answers /livez;
+- one work item end to end, where the test is given the control plane's admin token (the chart's own control plane):
+  enqueued with a key of its own and done within the time left; with no cluster agent Ready (no GPUs, graceful) it
+  is not enqueued, and a note says why (an item enqueued there would wait for GPUs, and outlive the test).
 
 Every HTTP call (and the EndpointSlice list) has a timeout: the smaller of `requestTimeout` and what is left of
 `timeout`, the whole run's bound (the chart's test.timeoutSeconds); a check with no time left fails saying so.
@@ -19,13 +22,17 @@ Time is read from the `Clock` it is given, so the unit tests drive it."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.secrets import Secret
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -43,6 +50,7 @@ class ChartTestConfig:
     timeout: float
     requestTimeout: float = 5.0
     clusterAgentService: str = ""  # the cluster agents' Service: each of its endpoints is checked
+    adminTokenFile: str = ""  # the control plane's admin token: one work item is run end to end
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,11 @@ class ChartTest:
     fetch: Fetch = http_get
     list_endpoints: ListEndpoints | None = None
     out: Callable[[str], None] = print
+    sleep: Callable[[float], None] = time.sleep
     failed: list[str] = field(default_factory=list)
     checks: int = 0
+    agents_ready: int = 0
+    new_key: Callable[[], str] = lambda: f"helm-test-{uuid.uuid4().hex[:12]}"
 
     def run(self) -> int:
         self.deadline = self.clock.monotonic() + self.cfg.timeout
@@ -113,6 +124,8 @@ class ChartTest:
         self.cluster_agents()
         if self.cfg.nodeAgentService:
             self.node_agents()
+        if self.cfg.adminTokenFile and self.cfg.controlPlaneUrl:
+            self.work_item()
         if self.failed:
             self.out(f"chart-test: {len(self.failed)} of {self.checks} checks failed: {', '.join(self.failed)}")
             return EXIT_FAILED
@@ -203,6 +216,7 @@ class ChartTest:
             self.fail(what, f"{base}/healthz answered {answer.status} without its JSON: {_text(answer.body)}", fix)
             return
         if answer.status == 200:
+            self.agents_ready += 1
             self.ok(what, "Ready: " + "; ".join(f"{n}: {c.get('reason', '')}" for n, c in components.items()))
             return
         not_ready = {n: c.get("reason", "") for n, c in components.items() if not c.get("ready")}
@@ -253,6 +267,49 @@ class ChartTest:
                 self.ok(what, f"{e.url('/livez')} answered 200 (live{ready})")
             else:
                 self.fail(what, f"{e.url('/livez')} answered {answer.status}: {_text(answer.body)}", ds_fix)
+
+
+    WORK_POLL_SECONDS = 1.0
+
+    def work_item(self) -> None:
+        what = "work item"
+        if not self.agents_ready:
+            self.note(what, "not run: no cluster agent is Ready (it would wait for GPUs, and outlive the test)")
+            return
+        fix = (f"`kubectl -n {self.cfg.namespace} logs deploy/{self.cfg.fullname}-cluster-agent` says why it is not "
+               "done; `gpu-agent queue list` shows the item's state and last error")
+        try:
+            with open(self.cfg.adminTokenFile, encoding="utf-8") as f:
+                token = Secret(f.read().strip())
+        except OSError as e:
+            self.fail(what, f"cannot read the admin token {self.cfg.adminTokenFile}: {e.strerror or e}",
+                      "the test Pod mounts it from the chart's tokens Secret (key adminToken)")
+            return
+        key, started = self.new_key(), self.clock.monotonic()
+        state, error = "", ""
+        try:
+            timeout = self._timeout()
+            if timeout is None:
+                self.fail(what, "no time left to enqueue one", "raise test.timeoutSeconds")
+                return
+            ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=timeout).enqueue(token, key, {"gpus": 1})
+            while (timeout := self._timeout()) is not None:
+                items = ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=timeout).list_items(token)
+                item = next((i for i in items if i.get("idempotencyKey") == key), {})
+                state, error = str(item.get("state", "")), str(item.get("lastError", ""))
+                if state in ("done", "failed"):
+                    break
+                self.sleep(min(self.WORK_POLL_SECONDS, max(0.0, self.deadline - self.clock.monotonic())))
+        except ControlPlaneError as e:
+            self.fail(what, f"{key}: the control plane refused or did not answer: {e}", fix)
+            return
+        took = self.clock.monotonic() - started
+        if state == "done":
+            self.ok(what, f"{key} enqueued and done in {took:.1f} s")
+        elif state == "failed":
+            self.fail(what, f"{key} failed: {error}", fix)
+        else:
+            self.fail(what, f"{key} not done within the test's bound ({state or 'not listed'} after {took:.1f} s)", fix)
 
 
 def _text(body: bytes, limit: int = 300) -> str:

@@ -269,3 +269,69 @@ def test_each_cluster_agent_behind_its_service_is_asked_ready_or_not_and_none_at
             assert all(a.asked == ["/livez", "/healthz"] for a in agents)
         else:
             assert lines[1].startswith("FAIL cluster agent: Service t-gpu-agent-cluster-agent has no endpoints"), lines
+
+
+class ScriptedQueue:
+    """A control plane's queue API on loopback: POST /v1/queue/items records the item, each GET of the list answers
+    the next state of `states` for it (the last one from then on)."""
+
+    def __init__(self, states: list[dict]) -> None:
+        self.states, self.enqueued, self.auth = list(states), [], []
+        queue = self
+
+        class Handler(QuietHandler):
+            def _answer(self, status: int, doc: object) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                queue.auth.append(self.headers.get("Authorization"))
+                queue.enqueued.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self._answer(201, {"id": 7, "created": True})
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path == "/healthz":
+                    return self._answer(200, {"status": "ok"})
+                state = queue.states.pop(0) if len(queue.states) > 1 else queue.states[0]
+                key = queue.enqueued[-1]["idempotencyKey"] if queue.enqueued else ""
+                self._answer(200, {"items": [{"id": 7, "idempotencyKey": key, "deliveries": 1, "createdAt": 1.0,
+                                              "failedAttempts": 0, **state}]})
+
+        self.server = LoopbackApiServer()
+        self.server.serve(Handler)
+        self.url = f"http://127.0.0.1:{self.server.httpd.server_address[1]}"
+
+
+def test_one_work_item_runs_end_to_end_when_an_agent_is_ready_and_is_not_enqueued_when_none_is(servers, tmp_path):
+    token = tmp_path / "adminToken"
+    token.write_text("admin-token-0123456789\n")
+    ready_agent = servers({"/livez": (200, {"status": "live"}), "/healthz": (200, READY)}).url
+    no_gpu_agent = servers({"/livez": (200, {"status": "live"}), "/healthz": (503, NO_GPUS)}).url
+    cases = (  # (the list's answers for the item, the agent, exit code, the work item's line)
+        ([{"state": "queued"}, {"state": "leased"}, {"state": "done"}], ready_agent, 0, "ok   work item: helm-test-1 "
+         "enqueued and done in"),
+        ([{"state": "queued"}, {"state": "failed", "lastError": "creating pod refused"}], ready_agent, 1,
+         "FAIL work item: helm-test-1 failed: creating pod refused; fix:"),
+        ([{"state": "queued"}], ready_agent, 1, "FAIL work item: helm-test-1 not done within the test's bound (queued"),
+        ([{"state": "queued"}], no_gpu_agent, 0, "note work item: not run: no cluster agent is Ready"))
+    for states, agent, code, line in cases:
+        queue = ScriptedQueue(states)
+        lines, slept = [], []
+        cfg = ChartTestConfig(namespace="ns", fullname="t-gpu-agent", controlPlaneUrl=queue.url, clusterAgentUrl=agent,
+                              nodeAgentService="", gracefulNoGPU=True, timeout=10.0, requestTimeout=2.0,
+                              adminTokenFile=str(token))
+        test = ChartTest(cfg, SteppingClock(0.5), out=lines.append, sleep=slept.append, new_key=lambda: "helm-test-1")
+        try:
+            assert test.run() == code, lines
+        finally:
+            queue.server.close()
+        assert [x for x in lines if "work item" in x][0].startswith(line), lines
+        if agent is no_gpu_agent:
+            assert queue.enqueued == [], "nothing enqueued while no agent is Ready"
+            continue
+        assert queue.enqueued == [{"idempotencyKey": "helm-test-1", "payload": {"gpus": 1}}]
+        assert queue.auth == ["Bearer admin-token-0123456789"] and slept and max(slept) <= ChartTest.WORK_POLL_SECONDS
