@@ -42,11 +42,13 @@ e2e-split: setup
 	$(MAKE) -C ci kind-stage PYTEST=$(abspath $(BIN)/pytest)
 
 ## lint: the layers (import-linter), ruff over every Python file and mypy --strict over the three packages (both
-## configured in pyproject.toml)
+## configured in pyproject.toml), and every relative link of the Markdown files landing inside the repository
+## (scripts/check-doc-links.py: a file, a heading for #anchor; no citation of a file the repository lacks)
 lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/check-doc-links.py
 
 ## test-unit / test-integration: on TEST_JOBS workers (pytest-xdist; default auto, one per core; 0 runs in-process)
 TEST_JOBS ?= auto
