@@ -329,7 +329,7 @@ def test_one_work_item_runs_end_to_end_when_an_agent_is_ready_and_is_not_enqueue
             assert test.run() == code, lines
         finally:
             queue.server.close()
-        assert [x for x in lines if "work item" in x][0].startswith(line), lines
+        assert next(x for x in lines if "work item" in x).startswith(line), lines
         if agent is no_gpu_agent:
             assert queue.enqueued == [], "nothing enqueued while no agent is Ready"
             continue
