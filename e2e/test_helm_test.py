@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from e2e.helpers import wait_until
-from e2e.release import Release, helm
+from e2e.release import WAIT, Release, helm, items
 
 
 @pytest.fixture
@@ -85,7 +85,10 @@ def test_helm_test_passes_on_a_healthy_install_and_its_log_says_what_it_checked(
                                                               "app.kubernetes.io/component=node-agent").items
     assert len(node_lines) == len(node_agents) and all(line.startswith("ok   node agent ") for line in node_lines), lines
     assert {p.spec.node_name for p in node_agents} == {line.split()[3].rstrip(":") for line in node_lines}
-    assert lines[-1] == f"chart-test: all {3 + len(node_agents)} checks passed"
+    # No cluster agent Ready: no work item enqueued (it would wait for GPUs and outlive the test).
+    assert "note work item: not run: no cluster agent is Ready" in lines[-2], lines
+    assert not [k for k in items(release) if k.startswith("helm-test-")]
+    assert lines[-1] == f"chart-test: all {4 + len(node_agents)} checks passed"
     # hook-succeeded: nothing of the test is left.
     assert not core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=test").items
 
@@ -108,3 +111,19 @@ def test_helm_test_fails_naming_the_control_plane_when_it_is_scaled_to_zero(rele
     apps.patch_namespaced_deployment_scale(name, ns, {"spec": {"replicas": 1}})
     wait_until(lambda: release.control_plane_pod(), 90, "the control plane back")
     assert helm_test(release).returncode == 0
+
+
+def test_helm_test_runs_one_work_item_end_to_end_where_the_agent_is_ready(release, core, fake_gpus):
+    fake_gpus.set(2)
+    release.install(*WAIT)
+    pod = f"{release.fullname}-test"
+    follower, lines = follow_test_log(core, release.namespace, pod)
+    r = helm_test(release)
+    follower.join(160)
+    assert r.returncode == 0, (r.stdout, r.stderr, lines)
+    assert any(line.startswith("ok   cluster agent ") and "/healthz: Ready: " in line for line in lines), lines
+    (done,) = [line for line in lines if line.startswith("ok   work item: helm-test-")]
+    key = done.split()[3]
+    # The control plane's own record of it (not the test's word): enqueued once, done.
+    assert items(release).get(key) == "done", items(release)
+    print(f"helm test's work item: {done[len('ok   work item: '):]}")
