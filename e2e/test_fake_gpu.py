@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -233,3 +234,48 @@ def test_notes_warn_when_no_node_matches_the_node_agents_placement_and_say_how_t
         assert "now on 1 of 1 node(s)" in notes("--set", "nodeAgent.tolerations[0].operator=Exists")
     finally:
         core.patch_node(node, {"spec": {"taints": taints or None}})
+
+
+def test_the_daemons_token_patches_only_its_own_nodes_fake_gpu_labels_and_claim(fake_gpus, api, core):
+    """The daemon's RBAC may patch any Node; the chart's policy (nodePatchPolicy) holds a token bound to its pod to its
+    own Node and to what fake-gpu owns there. Each attempt is made with such a token, as the pod would make it."""
+    pod = fake_gpus.plugin_pod()
+    bound = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+        audiences=[], expiration_seconds=600,
+        bound_object_ref=client.V1BoundObjectReference(kind="Pod", name=pod.metadata.name, uid=pod.metadata.uid)))
+    token = core.create_namespaced_service_account_token(pod.spec.service_account_name, fake_gpus.namespace, bound).status.token
+    config = copy.copy(api.configuration)
+    config.api_key, config.api_key_prefix = {"authorization": token}, {"authorization": "Bearer"}
+    config.cert_file = config.key_file = None
+    as_daemon = client.CoreV1Api(client.ApiClient(config))
+    own, other = fake_gpus.node, next(n.metadata.name for n in core.list_node().items if n.metadata.name != fake_gpus.node)
+
+    def refused(node: str, patch: dict) -> str:
+        try:
+            as_daemon.patch_node(node, patch)
+            return ""
+        except client.ApiException as e:
+            assert e.status in (403, 422), (e.status, e.body)
+            return json.loads(e.body)["message"]
+
+    probe = "nvidia.com/gpu.e2e-probe"
+    try:
+        assert refused(own, {"metadata": {"labels": {probe: "yes"}}}) == ""  # its own label on its own Node
+        assert core.read_node(own).metadata.labels.get(probe) == "yes"
+        rows = {
+            "another Node": (other, {"metadata": {"labels": {probe: "yes"}}}, "only the Node its pod runs on"),
+            "a taint": (own, {"spec": {"taints": [{"key": "e2e-taint", "effect": "NoSchedule"}]}}, "spec"),
+            "unschedulable": (own, {"spec": {"unschedulable": True}}, "spec"),
+            "a label not its own": (own, {"metadata": {"labels": {"e2e-foreign": "x"}}}, "not e2e-foreign"),
+            "an annotation not its own": (own, {"metadata": {"annotations": {"e2e-foreign": "x"}}}, "not e2e-foreign"),
+        }
+        for what, (node, patch, says) in rows.items():
+            message = refused(node, patch)
+            assert says in message, (what, message)
+            print(f"{what}: refused: {message.split('denied request: ')[-1][:160]}")
+        after = core.read_node(own)
+        assert not after.spec.taints and not after.spec.unschedulable and "e2e-foreign" not in after.metadata.labels
+        assert probe not in (core.read_node(other).metadata.labels or {})
+    finally:
+        for node in (own, other):  # the other too: a broken policy let the patch land there
+            core.patch_node(node, {"metadata": {"labels": {probe: None}}})

@@ -89,3 +89,22 @@ def test_a_resource_name_that_is_no_extended_resource_name_is_refused_naming_the
 def test_allow_real_gpu_nodes_is_a_boolean():
     r = helm("template", "t", str(FAKE_GPU_CHART), "--set-string", "allowRealGpuNodes=yes", check=False)
     assert r.returncode != 0 and "/allowRealGpuNodes" in r.stderr, r.stderr
+
+
+VAP = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
+
+
+def test_the_node_patch_policy_binds_the_daemons_account_to_its_own_node_and_its_own_keys():
+    docs = render("--api-versions", VAP, "--set", "resourceName=example.com/fake")
+    (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConditions"][0]["expression"] == 'request.userInfo.username == "system:serviceaccount:ns:t-fake-gpu"'
+    rules = " ".join(v["expression"] for v in spec["validations"])
+    assert "authentication.kubernetes.io/node-name" in rules and "object.spec == oldObject.spec" in rules
+    assert '"example.com/fake."' in rules and '"fake-gpu.gpu-agent.io/advertises.example.com_fake"' in rules
+    # Off, or on a cluster without the API (before 1.30): not rendered.
+    for sets in (("--api-versions", VAP, "--set", "nodePatchPolicy.enabled=false"), ()):
+        assert not [d for d in render(*sets) if d["kind"].startswith("ValidatingAdmissionPolicy")]
