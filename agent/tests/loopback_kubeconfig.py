@@ -22,8 +22,8 @@ def loopback_kubeconfig(port: int, folder: Path) -> str:
 class QuietHandler(BaseHTTPRequestHandler):
     """A request handler that logs nothing and answers JSON bodies whole."""
 
-    def send_json(self, body: bytes) -> None:
-        self.send_response(200)
+    def send_json(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

@@ -5,30 +5,13 @@ must not advertise them as nvidia.com/gpu as well)."""
 import queue
 import threading
 import time
-from concurrent import futures
 
-import grpc
 import pytest
+from fake_kubelet import Kubelet
 
 from fake_gpu.daemon import Daemon
-from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
 from fake_gpu.plugin import SOCKET_NAME
 from gpu_agent.foundations import fake_state
-
-
-class Kubelet(api_pb2_grpc.RegistrationServicer):
-    """kubelet's registration socket in the device-plugin folder, recording each plugin that registers."""
-
-    def __init__(self, folder):
-        self.requests = []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        api_pb2_grpc.add_RegistrationServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{folder / 'kubelet.sock'}")
-        self.server.start()
-
-    def Register(self, request, context):  # noqa: N802 - kubelet's gRPC method name
-        self.requests.append(request)
-        return api_pb2.Empty()
 
 
 def wait_for(pred, timeout=15.0):

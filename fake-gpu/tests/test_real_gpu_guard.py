@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent import futures
 
-import grpc
 import pytest
+from fake_kubelet import Kubelet
 
 from fake_gpu import cli, node_labels
 from fake_gpu.daemon import Daemon, post_refusal_event
-from fake_gpu.deviceplugin import api_pb2, api_pb2_grpc
 from fake_gpu.node_labels import RELEASE, NodeLabeler
 from fake_gpu.real_gpu_guard import (
     ADMITTED_FILE,
@@ -184,21 +182,6 @@ def test_the_refusal_is_a_warning_event_on_the_node_in_namespace_default():
     assert namespace == "default"
     assert body["type"] == "Warning" and body["reason"] == REFUSED_REASON and body["note"] == refusal.message
     assert body["regarding"] == {"apiVersion": "v1", "kind": "Node", "name": "n1", "namespace": "", "uid": "uid-n1"}
-
-
-class Kubelet(api_pb2_grpc.RegistrationServicer):
-    def __init__(self, folder):
-        self.requests = []
-        self.registered = threading.Event()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        api_pb2_grpc.add_RegistrationServicer_to_server(self, self.server)
-        self.server.add_insecure_port(f"unix://{folder / 'kubelet.sock'}")
-        self.server.start()
-
-    def Register(self, request, context):  # noqa: N802 - kubelet's gRPC method name
-        self.requests.append(request)
-        self.registered.set()
-        return api_pb2.Empty()
 
 
 @pytest.mark.parametrize("allow", [False, True], ids=["refused", "overridden"])

@@ -42,12 +42,7 @@ class Served:
                 if served.hang:
                     threading.Event().wait(served.hang)
                 status, doc = served.answers.get(self.path.split("?")[0], (404, {"error": "no such path"}))
-                body = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(json.dumps(doc).encode(), status)
 
         self.server = LoopbackApiServer()
         self.server.serve(Handler)
@@ -281,12 +276,7 @@ class ScriptedQueue:
 
         class Handler(QuietHandler):
             def _answer(self, status: int, doc: object) -> None:
-                body = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_json(json.dumps(doc).encode(), status)
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 queue.auth.append(self.headers.get("Authorization"))
