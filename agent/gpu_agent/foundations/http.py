@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import struct
 import threading
@@ -153,6 +154,18 @@ class _Channel(_HTTPChannel):  # type: ignore[misc]  # untyped base, above
         if self._arriving is not None:
             self.arriving_since = time.time()
 
+    def handle_read(self) -> None:
+        # The loop reads a connection its poll found readable; at the cap the listener may have read it first in the
+        # same turn (_Server._read_pending). Nothing to read then is not an error (waitress closes the connection on
+        # any error of its read, EAGAIN included).
+        try:
+            self.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass  # waitress's own read meets it and closes the connection
+        super().handle_read()
+
     def progress_since(self) -> float:
         """When this connection last moved towards an answer: its request began arriving, else its last activity."""
         return self.arriving_since or self.last_activity
@@ -256,16 +269,18 @@ class _Server(_TcpWSGIServer):  # type: ignore[misc]  # untyped base, above
         if len(self.active_channels) <= self.adj.connection_limit:
             return
         # Over the cap: close one, accepted first and closed after, so that the closed socket's number is not
-        # reused within this loop iteration. Which one: the first of
+        # reused within this loop iteration. What each has sent is read first (the loop would read it next): a
+        # probe's request that arrived with its connection makes it one being answered, not a silent newcomer.
+        self._read_pending(before)
+        # Which one: the first of
         #   1. a connection NEWCOMER_SECONDS old or more, not being answered, the longest without progress (a
         #      slow request, an idle keep-alive);
         #   2. one as old, being answered, the oldest (a client that pipelines faster than it is answered);
         #   3. a younger one not being answered but older than FRESH_SECONDS, the oldest (a burst of new
         #      connections);
-        #   4. a younger one being answered, the oldest;
-        #   5. one not being answered younger than FRESH_SECONDS, the oldest.
-        # A probe's request comes right after its connection: it is closed only if it has sent nothing for
-        # FRESH_SECONDS while every other connection is younger than it or its request is being answered.
+        #   4. one not being answered younger than FRESH_SECONDS, the oldest (it has sent nothing yet);
+        #   5. a younger one being answered, the oldest: last of all, since its request is in and its answer on
+        #      its way (a probe made during a burst of new connections, when everything else is younger still).
         now = time.time()
 
         def rank(c: Any) -> tuple[int, float]:
@@ -273,13 +288,28 @@ class _Server(_TcpWSGIServer):  # type: ignore[misc]  # untyped base, above
             if age >= NEWCOMER_SECONDS:
                 return (1, c.creation_time) if busy else (0, c.progress_since())
             if busy:
-                return 3, c.creation_time
-            return (2 if age >= FRESH_SECONDS else 4), c.creation_time
+                return 4, c.creation_time
+            return (2 if age >= FRESH_SECONDS else 3), c.creation_time
 
-        victim = min((c for fd, c in self.active_channels.items() if fd in before), key=rank)
+        candidates = [c for fd, c in self.active_channels.items() if fd in before]
+        if not candidates:  # every earlier one closed while its data was read: room made
+            return
+        victim = min(candidates, key=rank)
         _reset_on_close(victim)
         victim.handle_close()
         self.closed_evicted += 1
+
+    def _read_pending(self, fds: set[int]) -> None:
+        """Read what the connections `fds` have waiting, as the event loop would on its next turn (poll, not select:
+        no limit on descriptor numbers)."""
+        poller = select.poll()
+        for fd in fds:
+            if fd in self.active_channels:
+                poller.register(fd, select.POLLIN)
+        for fd, _ in poller.poll(0):
+            channel = self.active_channels.get(fd)
+            if channel is not None and channel.readable():  # as the loop asks before it reads
+                channel.handle_read()
 
 
 class Listener:

@@ -117,6 +117,33 @@ def test_at_the_cap_a_new_connection_is_served_and_the_stalest_slow_one_makes_ro
     assert took < BOUND / 2, took
 
 
+def test_a_probe_sent_during_a_burst_of_new_connections_is_answered_not_closed_to_make_room():
+    """At the cap, a burst of new connections: everything is younger than FRESH_SECONDS, and the probe's request is
+    in (its answer takes a while). The burst's silent connections make room, oldest first; the probe, being
+    answered, is closed last of all (CI once saw a probe reset 2 ms after it connected, in the 200-connection
+    flood)."""
+    def slowly(environ, start_response):
+        time.sleep(0.5)  # the probe's answer is on its way while the burst arrives
+        return http.json_response(start_response, 200, {"ok": True})
+
+    listener = http.Listener(slowly, "127.0.0.1", 0, "burst", timeout=30.0, connection_limit=8)
+    listener.start()
+    host, port = listener.address.split(":")
+    held = []
+    try:
+        held += [socket.create_connection((host, int(port)), timeout=5) for _ in range(7)]  # silent, and fresh
+        probe = socket.create_connection((host, int(port)), timeout=5)
+        probe.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        held += [socket.create_connection((host, int(port)), timeout=5) for _ in range(12)]  # the burst: 12 over
+        answer = probe.recv(1024)
+        probe.close()
+    finally:
+        for s in held:
+            s.close()
+        listener.stop()
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
 def big_answers(environ, start_response):
     path = environ["PATH_INFO"]
     if path == "/big":
