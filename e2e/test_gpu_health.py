@@ -244,6 +244,8 @@ def test_an_xid_79_takes_one_gpu_out_of_allocatable_and_registration_within_2s_a
     assert max(to_allocatable, to_registered, back_allocatable, back_registered) <= GOAL
 
 
+@pytest.mark.serial(reason="measures a 2 s goal of /healthz through the API server's proxy: beside another worker's "
+                           "installs (CI, 2026-12-06) the first 200 after the clear was sampled 6.0 s late")
 def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_within_2s_with_nothing_restarted(
         health_release, fake_gpus, api, core):
     r, faults = health_release
