@@ -91,8 +91,8 @@ def endpoint_slices(api: Any) -> ListEndpoints:
     from kubernetes import client
 
     def listed(namespace: str, service: str, timeout: float) -> list[Endpoint]:
-        slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
-            namespace, label_selector=f"kubernetes.io/service-name={service}", _request_timeout=timeout)
+        selector = f"kubernetes.io/service-name={service}"
+        slices = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(namespace, label_selector=selector, _request_timeout=timeout)
         found = []
         for s in slices.items:
             ports = [p.port for p in (s.ports or []) if p.port]
@@ -287,14 +287,18 @@ class ChartTest:
             return
         key, started = self.new_key(), self.clock.monotonic()
         state, error = "", ""
+        # One client (one connection) for the enqueue and every poll; each call bounded by the time left.
+        control_plane = ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=self.cfg.requestTimeout)
         try:
             timeout = self._timeout()
             if timeout is None:
                 self.fail(what, "no time left to enqueue one", "raise test.timeoutSeconds")
                 return
-            ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=timeout).enqueue(token, key, {"gpus": 1})
+            control_plane.timeout = timeout
+            control_plane.enqueue(token, key, {"gpus": 1})
             while (timeout := self._timeout()) is not None:
-                items = ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=timeout).list_items(token)
+                control_plane.timeout = timeout
+                items = control_plane.list_items(token)
                 item = next((i for i in items if i.get("idempotencyKey") == key), {})
                 state, error = str(item.get("state", "")), str(item.get("lastError", ""))
                 if state in ("done", "failed"):
@@ -303,6 +307,8 @@ class ChartTest:
         except ControlPlaneError as e:
             self.fail(what, f"{key}: the control plane refused or did not answer: {e}", fix)
             return
+        finally:
+            control_plane.close()
         took = self.clock.monotonic() - started
         if state == "done":
             self.ok(what, f"{key} enqueued and done in {took:.1f} s")
