@@ -10,7 +10,10 @@ be read makes it NotReady, with the reason. With `domainName` set it also keeps 
 in that shared GPUDomain (mechanisms/domain) and removes it on shutdown, bounded by
 `shutdownTimeout`; with `joinMatchingDomains` it also joins every GPUDomain of `domainNamespace`
 whose nodeSelector matches this node's labels, and leaves one that stops matching
-(mechanisms/domain/membership.py).
+(mechanisms/domain/membership.py). As a DRA driver with `draDomainChannels` it offers a GPUDomain
+channel device too, and preparing a channel claim joins that claim's domain: the membership is the
+DRA driver's gate (mechanisms/dra/channels.py), wired here, as the two mechanisms know nothing of
+each other.
 """
 
 from __future__ import annotations
@@ -68,6 +71,17 @@ SETTINGS = [
             "(prepared claims, kept across restarts)"),
     Setting("draCdiDir", "path", "/var/run/cdi", "folder the DRA driver writes the CDI spec of each prepared claim into "
             "(one the container runtime reads)"),
+    Setting("draDomainChannels", "bool", False, "offer a GPUDomain channel device (channel-0) in this node's "
+            "ResourceSlice; preparing a claim of it joins its GPUDomain (of domainNamespace) and completes once this "
+            "node is Ready there (the DRA driver's; mechanisms/dra/channels.py)"),
+    Setting("draChannelCount", "int", 2048, "channels a claim with allocationMode All gets "
+            "(/dev/nvidia-caps-imex-channels/channel0 .. channel<count-1>)", 1, 2048),
+    Setting("draChannelReadyWait", "seconds", 30.0, "how long one prepare call of a channel claim waits for this node "
+            "to be Ready in its domain before it answers the kubelet with the reason (the kubelet retries about "
+            "10 s later)", 0, 40),
+    Setting("draChannelHostDevice", "str", "", "host device behind each channel, {n} the channel's number; empty: "
+            "/dev/null on the fake source (a harmless stand-in), /dev/nvidia-caps-imex-channels/channel{n} on nvml",
+            optional=True),
     Setting("draCleanupInterval", "seconds", 600.0, "how often the DRA driver unprepares claims it left half-prepared "
             "whose object is gone or replaced (also at start)", 1, 86400),
     # Each API client's own limit (foundations/ratelimit.py): the domain's and the DRA driver's. Steady, a node
@@ -102,6 +116,10 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     draPluginDir: str
     draCdiDir: str
     draCleanupInterval: float
+    draDomainChannels: bool
+    draChannelCount: int
+    draChannelReadyWait: float
+    draChannelHostDevice: str
     kubeApiQps: float
     kubeApiBurst: int
 
@@ -134,7 +152,8 @@ class NodeAgent:
         # Each API client this agent builds gets a bucket of its own from this (foundations/ratelimit.py).
         self.api_limit = ApiLimit(cfg.kubeApiQps, cfg.kubeApiBurst, clock=self.clock, observer=self.metrics)
         self.domain: Any = None
-        if cfg.domainName or cfg.joinMatchingDomains:
+        channels = bool(cfg.draDriverName and cfg.draDomainChannels)
+        if cfg.domainName or cfg.joinMatchingDomains or channels:
             # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.domain.aggregate import MemberWriter
@@ -163,16 +182,22 @@ class NodeAgent:
 
             self.domain = DomainMembership(api, cfg.domainNamespace, cfg.nodeName, named=cfg.domainName,
                                            join_matching=cfg.joinMatchingDomains, make_reconciler=reconciler_for, leave_timeout=cfg.shutdownTimeout,
-                                           writes_members=cfg.domainWriteStrategy == "aggregate")
+                                           writes_members=cfg.domainWriteStrategy == "aggregate",
+                                           view_root=Path(cfg.draPluginDir) / cfg.draDriverName / "domains" if channels else None)
         self.dra: Any = None
         if cfg.draDriverName:
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.dra.driver import DRADriver
+            from gpu_agent.mechanisms.dra.prepare import Channels
 
+            host_device = cfg.draChannelHostDevice or (
+                "/dev/null" if cfg.gpuSource == "fake" else "/dev/nvidia-caps-imex-channels/channel{n}")
             self.dra = DRADriver(api_client(cfg.kubeconfig, limit=self.api_limit.named("dra")), driver=cfg.draDriverName,
                                  node=cfg.nodeName, registry_dir=Path(cfg.draRegistryDir), plugin_dir=Path(cfg.draPluginDir),
                                  cdi_dir=Path(cfg.draCdiDir), health=self.health, clock=self.clock,
-                                 cleanup_interval=cfg.draCleanupInterval)
+                                 cleanup_interval=cfg.draCleanupInterval,
+                                 channels=Channels(self.domain if channels else None, cfg.draChannelReadyWait,
+                                                   cfg.draChannelCount, host_device))
         self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),
                                         clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
                                         on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),

@@ -482,7 +482,7 @@ def test_an_unhealthy_gpu_stays_listed_with_a_noschedule_taint_and_loses_it_on_r
 def test_attributes_a_user_selects_on():
     (d,) = NodeDevices.of(Inventory(gpus(1).gpus, clique="cluster-uuid.7"), DRIVER).devices
     assert d["name"] == "gpu-0"
-    assert d["attributes"] == {"uuid": {"string": "GPU-00000000-aaaa"}, "index": {"int": 0},
+    assert d["attributes"] == {"type": {"string": "gpu"}, "uuid": {"string": "GPU-00000000-aaaa"}, "index": {"int": 0},
                                "productName": {"string": "NVIDIA H200"}, "migMode": {"bool": False},
                                "cliqueId": {"string": "cluster-uuid.7"}}
     assert d["capacity"] == {"memory": {"value": str(141 * 2**30)}}

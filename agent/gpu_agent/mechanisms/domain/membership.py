@@ -16,20 +16,34 @@ would not be unique, and the chart's admission policy refuses them. It says so o
 
 Each reconciler is what one domain always had (reconciler.py): its own writer, its own peers file
 (the named domain's at `peersFile`, another's at `peersFile.<domain>`), its own retry loop.
+
+The third way in is a channel claim (the DRA driver's, mechanisms/dra/channels.py; the ComputeDomain way):
+preparing it joins the claim's domain (`join`), and the node stays a member while any prepared claim holds
+it (`release` at unprepare). `wait_ready` blocks the prepare until the domain's folded status shows this
+node Ready (the cluster agent folds it), and names what is missing otherwise. Each joined domain's peer list
+is also kept at `<view_root>/<domain>/peers`, the host folder a channel's CDI spec mounts into the workload.
+
+    claims (join/release, prepare threads) ──> domains wanted ──> reconciler ──watch──> views (Condition)
+                                                                                          └──> wait_ready
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import shutil
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
+from gpu_agent.foundations.domain_view import DomainNotReady, MemberView
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
 from gpu_agent.foundations.threads import StopEvent, start_thread
+from gpu_agent.mechanisms.domain.entries import GPUDomain, nodes_of, status_of
 from gpu_agent.mechanisms.domain.members import domain_name_problem
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION
@@ -44,18 +58,43 @@ def selector_matches(selector: Any, labels: dict[str, str]) -> bool:
     return all(labels.get(str(k)) == str(v) for k, v in selector.items())
 
 
-def wanted_domains(named: str, join_matching: bool, domains: dict[str, Any], labels: dict[str, str] | None) -> set[str]:
-    """The domains this node belongs to: the named one, and those whose selector matches (once its labels are known)."""
+def wanted_domains(named: str, join_matching: bool, domains: dict[str, Any], labels: dict[str, str] | None,
+                   claimed: Any = ()) -> set[str]:
+    """The domains this node belongs to: the named one, those whose selector matches (once its labels are known),
+    and those a prepared channel claim holds."""
     out = {named} if named else set()
     if join_matching and labels is not None:
         out |= {name for name, selector in domains.items() if selector_matches(selector, labels)}
-    return out
+    return out | set(claimed)
+
+
+def why_not_ready(namespace: str, domain: str, node: str, obj: GPUDomain | None) -> str | None:
+    """None when `obj`'s folded status shows `node` Ready; else what a waiting pod's event should say."""
+    where = f"GPUDomain {namespace}/{domain}"
+    if obj is None:
+        return f"node {node} not Ready in {where}: the domain is not there (yet); create it, or fix the claim's template"
+    for n in nodes_of(obj):
+        if n.get("name") == node:
+            if n.get("status") == "Ready":
+                return None
+            return f"node {node} not Ready in {where}: its member is NotReady (does it have a healthy GPU?)"
+    for clique in status_of(obj).get("cliques") or []:
+        if node in (clique.get("waiting") or []):
+            return (f"node {node} not Ready in {where}: clique {clique.get('id')!r} is full (spec.maxNodesPerClique); "
+                    f"it waits for a place")
+    return f"node {node} not Ready in {where}: waiting for its member to be folded into the domain's status"
+
+
+def view_of(namespace: str, domain: str, node: str, obj: GPUDomain) -> tuple[str, int, str]:
+    """(uid, index, clique) of this node in a domain that shows it Ready."""
+    entry = next(n for n in nodes_of(obj) if n.get("name") == node)
+    return (str((obj.get("metadata") or {}).get("uid") or ""), int(entry.get("index") or 0), entry.get("clique") or "")
 
 
 class DomainMembership:
     def __init__(self, api: client.ApiClient | None, namespace: str, node: str, *, named: str, join_matching: bool,
                  make_reconciler: Callable[[str], DomainReconciler], leave_timeout: float = 10.0,
-                 writes_members: bool = True) -> None:
+                 writes_members: bool = True, view_root: Path | None = None) -> None:
         self.api = api
         self.namespace = namespace
         self.node = node
@@ -73,6 +112,46 @@ class DomainMembership:
         self._changed = asyncio.Event()
         self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
         self._lock = threading.Lock()
+        self.view_root = view_root
+        self.claims: dict[str, set[str]] = {}  # domain -> the channel claims (UIDs) that hold it, under _lock
+        # domain -> its object as its reconciler last saw it (None: seen absent); wait_ready waits on the condition
+        self.views: dict[str, GPUDomain | None] = {}
+        self._views = threading.Condition()
+
+    # ---- channel claims (the DRA driver's prepare threads) -----------------------------------------
+    def join(self, domain: str, claim: str) -> None:
+        with self._lock:
+            self.claims.setdefault(domain, set()).add(claim)
+        self._poke()
+
+    def release(self, domain: str, claim: str) -> None:
+        with self._lock:
+            holders = self.claims.get(domain, set())
+            holders.discard(claim)
+            if not holders:
+                self.claims.pop(domain, None)
+        self._poke()
+
+    def view_dir(self, domain: str) -> Path:
+        assert self.view_root is not None
+        return self.view_root / domain
+
+    def wait_ready(self, domain: str, timeout: float) -> MemberView:
+        """This node's MemberView once the domain shows it Ready; DomainNotReady naming what is missing after `timeout`."""
+        with self._views:
+            ready = self._views.wait_for(
+                lambda: why_not_ready(self.namespace, domain, self.node, self.views.get(domain)) is None, timeout=timeout)
+            obj = self.views.get(domain)
+            if not ready or obj is None:
+                raise DomainNotReady(why_not_ready(self.namespace, domain, self.node, obj) or "not Ready")
+            uid, index, clique = view_of(self.namespace, domain, self.node, obj)
+        return MemberView(self.namespace, domain, uid, index, clique, self.view_dir(domain))
+
+    def _observed(self, domain: str, obj: GPUDomain | None) -> None:
+        """A reconciler's watch saw its domain (its thread)."""
+        with self._views:
+            self.views[domain] = obj
+            self._views.notify_all()
 
     # ---- what the watches see (their threads) ----------------------------------------------------
     def _poke(self) -> None:
@@ -133,14 +212,18 @@ class DomainMembership:
                 await self._changed.wait()
                 self._changed.clear()
                 with self._lock:
-                    wanted = wanted_domains(self.named, self.join_matching, self.domains, self.labels)
+                    wanted = wanted_domains(self.named, self.join_matching, self.domains, self.labels, self.claims)
                 wanted = {name for name in wanted if self._joinable(name)}
                 for name in sorted(wanted - set(self.joined)):
                     reconciler = self.make_reconciler(name)
+                    reconciler.on_observed = functools.partial(self._observed, name)
+                    if self.view_root is not None:
+                        reconciler.view_file = self.view_dir(name) / "peers"
                     reconciler.set_gpus(*self.gpus)
                     self.joined[name] = (reconciler, asyncio.create_task(reconciler.run(), name=f"domain-{name}"))
                     log.info("joined GPUDomain %s/%s%s", self.namespace, name,
-                             "" if name == self.named else " (its nodeSelector matches this node)")
+                             "" if name == self.named else " (a channel claim prepared here holds it)"
+                             if name in self.claims else " (its nodeSelector matches this node)")
                 for name in sorted(set(self.joined) - wanted):
                     await self._leave(name, "it no longer matches this node")
         finally:
@@ -162,6 +245,10 @@ class DomainMembership:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         removed = await asyncio.to_thread(reconciler.remove_entry, reconciler.clock.monotonic() + self.leave_timeout)
+        with self._views:
+            self.views.pop(name, None)
+        if self.view_root is not None:
+            shutil.rmtree(self.view_dir(name), ignore_errors=True)  # no claim mounts it any more
         log.info("left GPUDomain %s/%s (%s)%s", self.namespace, name, why, "" if removed else ": entry NOT removed")
 
     async def remove_entries(self, seconds: float) -> None:

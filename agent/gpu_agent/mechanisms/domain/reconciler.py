@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,10 @@ class DomainReconciler:
         self._writes = threading.Lock()
         self._peers_text = ""
         self._peer_count = -1
+        # Set by the membership before run: the domain's view folder's peer list (channel claims mount it) and who
+        # hears of each domain object the watch sees (None: the domain is not there)
+        self.view_file: Path | None = None
+        self.on_observed: Callable[[GPUDomain | None], None] = lambda obj: None
         self._health(False, f"joining {writer.where}")
 
     def _entry_shown(self, entry: Entry) -> str:
@@ -104,6 +109,7 @@ class DomainReconciler:
             self._health(True, self._entry_shown(self.entry), **self.writer.stats.__dict__)
         if self.writer.needs_reapply(obj, self.entry) and self._loop is not None:
             self._loop.call_soon_threadsafe(self.trigger, "entry missing or stale in the domain")
+        self.on_observed(obj)  # after the peer list is written: a channel prepared on this news finds it
 
     # ---- peers file ----------------------------------------------------------------------------
     def _write_peers(self, obj: GPUDomain) -> None:
@@ -115,11 +121,13 @@ class DomainReconciler:
         if log.enabled(3):
             log.v(3, "domain peers: %s", ", ".join(f"{n.get('index')}={n.get('name')}"
                                                    for n in sorted(nodes, key=lambda n: n.get("index", 0))))
-        if self.peers_file is None:
+        if self.peers_file is None and self.view_file is None:
             return
         text = render_peers(self.writer.namespace, self.writer.name, obj, self.entry.clique)
         if text != self._peers_text:
-            write_atomic(self.peers_file, text)
+            for path in (self.peers_file, self.view_file):
+                if path is not None:
+                    write_atomic(path, text)
             self._peers_text = text
 
     # ---- loops ---------------------------------------------------------------------------------
@@ -129,12 +137,14 @@ class DomainReconciler:
             self._observed(items[0])
         else:  # the watch reports it when it is created
             self._health(False, f"{self.writer.where} does not exist")
+            self.on_observed(None)
 
     def _watch(self) -> None:
         list_then_watch(
             client.CustomObjectsApi(self.writer.api).list_namespaced_custom_object, GROUP, VERSION, self.writer.namespace,
             PLURAL, field_selector=f"metadata.name={self.writer.name}", on_list=self._listed_domain,
-            on_event=lambda kind, obj: self._observed(obj) if kind in ("ADDED", "MODIFIED") else None,
+            on_event=lambda kind, obj: self._observed(obj) if kind in ("ADDED", "MODIFIED") else
+            self.on_observed(None) if kind == "DELETED" else None,
             on_error=lambda e: self._health(False, f"cannot watch {self.writer.where}: {str(e)[:160]}"),
             stop=self._stop, retry_seconds=2.0, clock=self.clock)
 

@@ -9,6 +9,8 @@ a device name, so a runtime that caches specs cannot hand out an old one). Each 
   instead of the last one winning;
 - the sharing configuration (`GPU_AGENT_SHARING_STRATEGY`, ...) and `GPU_AGENT_CLAIM_<n>=<claimUID>`;
 - optional extra edits (a mount of the fake GPUs' state file, on fake nodes).
+A channel device (a GPUDomain's channel claim, channels.py) brings its own edits instead: the channel
+device nodes, the domain's environment and a read-only mount of the domain's view (its peer list).
 The spec names the lowest `cdiVersion` its contents need (`minimum_version`, the CDI library's own rules), so an
 older runtime parses it too (a CDI library refuses a spec newer than it knows), and a newer one does not refuse it
 as too old: a device name that starts with a digit (a claim UID may) needs 0.5.0, and containerd 2.x drops the
@@ -59,11 +61,16 @@ def minimum_version(spec: dict[str, Any]) -> str:
 
 def write_spec(cdi_dir: Path, driver: str, claim_uid: str, devices: list[dict[str, Any]],
                mounts: list[dict[str, Any]] | None = None) -> Path:
-    """`devices`: [{"device": "gpu-0", "env": ["K=V", ...]}, ...]. Returns the file written."""
+    """`devices`: [{"device": "gpu-0", "env": ["K=V", ...]}, ...], a device with its own edits also carrying
+    "deviceNodes" and "mounts" (then `mounts` is not added to it). Returns the file written."""
+    def edits(d: dict[str, Any]) -> dict[str, Any]:
+        own = "deviceNodes" in d or "mounts" in d
+        extra = d.get("mounts") if own else mounts
+        return {"env": list(d["env"]), **({"deviceNodes": d["deviceNodes"]} if d.get("deviceNodes") else {}),
+                **({"mounts": extra} if extra else {})}
+
     spec: dict[str, Any] = {"kind": kind(driver),
-                            "devices": [{"name": f"{claim_uid}-{d['device']}",
-                                         "containerEdits": {"env": list(d["env"]), **({"mounts": mounts} if mounts else {})}}
-                                        for d in devices]}
+                            "devices": [{"name": f"{claim_uid}-{d['device']}", "containerEdits": edits(d)} for d in devices]}
     if not spec["devices"]:
         # a spec needs at least one device; a claim of ours with no device of ours has nothing to inject
         spec["devices"] = [{"name": f"{claim_uid}-none", "containerEdits": {"env": [f"GPU_AGENT_CLAIM_EMPTY={claim_uid}"]}}]

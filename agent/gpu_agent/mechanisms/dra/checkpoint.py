@@ -45,6 +45,7 @@ class Entry:
     devices: list[dict[str, Any]] = field(default_factory=list)  # what prepare returned (PrepareCompleted)
     cdi_spec: str = ""  # the CDI spec file written for it
     since: float = 0.0  # wall-clock time of the last state change
+    domain: str = ""  # a channel claim's GPUDomain: the node stays its member while the entry holds it
 
 
 class Checkpoint:

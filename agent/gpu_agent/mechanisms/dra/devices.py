@@ -6,6 +6,12 @@ not one. Attributes are what a user selects on in CEL (`device.attributes["<driv
 capacity `memory`. A GPU that is not healthy stays in the slice (so a user sees it) with a
 NoSchedule taint `<driver>/unhealthy` whose value is its state (Unhealthy or Lost): no new claim
 is allocated to it, a running pod keeps it, and the taint goes when the GPU recovers.
+
+Beside its GPUs a node offers one channel device, `channel-0` (`type: channel`, `id: 0`), as NVIDIA's
+ComputeDomain driver does: a GPUDomain's channel claim is allocated it, and preparing it brings the node
+into the domain (prepare.py). The scheduler hands a device to one claim at a time, so a node serves one
+channel claim, of one domain, at once. Every device says its `type` (gpu or channel); the GPU DeviceClass
+selects `type == gpu` (or no type: slices published before channels existed).
 """
 
 from __future__ import annotations
@@ -22,8 +28,15 @@ STRING_ATTRIBUTE_LIMIT = 64
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]")
 
 
+CHANNEL_DEVICE = "channel-0"
+
+
 def device_name(gpu: GPU) -> str:
     return f"gpu-{gpu.index}"
+
+
+def channel_device() -> dict[str, Any]:
+    return {"name": CHANNEL_DEVICE, "attributes": {"type": {"string": "channel"}, "id": {"int": 0}}}
 
 
 def taint_key(driver: str) -> str:
@@ -36,6 +49,7 @@ def _string(value: str) -> dict[str, str]:
 
 def device(gpu: GPU, driver: str, clique: str) -> dict[str, Any]:
     attributes: dict[str, Any] = {
+        "type": {"string": "gpu"},
         "uuid": _string(gpu.uuid),
         "index": {"int": gpu.index},
         "productName": _string(gpu.name),
@@ -53,18 +67,23 @@ def device(gpu: GPU, driver: str, clique: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NodeDevices:
-    """What this node offers: the slice's devices, and each device's GPU (for prepare)."""
+    """What this node offers: the slice's devices, each device's GPU (for prepare), whether it offers a channel
+    and its NVLink clique."""
     devices: tuple[dict[str, Any], ...]
     gpus: dict[str, GPU]  # device name -> GPU
+    channel: bool = False
+    clique: str = ""
 
     @classmethod
-    def of(cls, inventory: Inventory, driver: str) -> NodeDevices:
+    def of(cls, inventory: Inventory, driver: str, *, channel: bool = False) -> NodeDevices:
         gpus = sorted(inventory.gpus, key=lambda g: (g.index, g.uuid))
         seen: dict[str, GPU] = {}
         for gpu in gpus:
             seen.setdefault(device_name(gpu), gpu)  # two GPUs claiming one index: the first keeps the name
-        devices = tuple(device(g, driver, inventory.clique) for g in seen.values())
-        return cls(devices[:MAX_DEVICES_WITH_TAINTS], {device_name(g): g for g in list(seen.values())[:MAX_DEVICES_WITH_TAINTS]})
+        room = MAX_DEVICES_WITH_TAINTS - (1 if channel else 0)  # the channel is always offered, GPUs fill the rest
+        kept = list(seen.values())[:room]
+        devices = tuple(device(g, driver, inventory.clique) for g in kept) + ((channel_device(),) if channel else ())
+        return cls(devices, {device_name(g): g for g in kept}, channel, inventory.clique)
 
 
 def slice_body(*, name: str | None, node: str, driver: str, generation: int, devices: tuple[dict[str, Any], ...],

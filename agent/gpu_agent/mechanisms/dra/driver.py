@@ -32,7 +32,7 @@ from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.dra.checkpoint import Checkpoint
 from gpu_agent.mechanisms.dra.devices import NodeDevices
 from gpu_agent.mechanisms.dra.plugin import KubeletPlugin
-from gpu_agent.mechanisms.dra.prepare import ClaimPreparer, api_claim_getter
+from gpu_agent.mechanisms.dra.prepare import Channels, ClaimPreparer, api_claim_getter
 from gpu_agent.mechanisms.dra.slices import SlicePublisher
 
 log = get_logger(__name__)
@@ -47,7 +47,7 @@ FIRST_CLEANUP_BOUND = 15.0
 class DRADriver:
     def __init__(self, api: client.ApiClient, *, driver: str, node: str, registry_dir: Path, plugin_dir: Path,
                  cdi_dir: Path, health: HealthRegistry, clock: Clock | None = None, cleanup_interval: float = 600.0,
-                 mounts: list[dict[str, Any]] | None = None) -> None:
+                 mounts: list[dict[str, Any]] | None = None, channels: Channels | None = None) -> None:
         self.driver, self.node = driver, node
         self.clock = clock or SystemClock()
         self.health = health
@@ -57,8 +57,13 @@ class DRADriver:
         self._published: tuple[int, int] | None = None
         self._publish_error = ""
         self.checkpoint = Checkpoint(plugin_dir / driver / "checkpoint.json")
+        self.channels = channels or Channels()
         self.preparer = ClaimPreparer(api_claim_getter(api), driver=driver, node=node, checkpoint=self.checkpoint,
-                                      cdi_dir=cdi_dir, devices=lambda: self._devices, clock=self.clock, mounts=mounts)
+                                      cdi_dir=cdi_dir, devices=lambda: self._devices, clock=self.clock, mounts=mounts,
+                                      channels=self.channels)
+        # a channel claim prepared before a restart holds its domain again (its pod runs on)
+        if rejoined := self.preparer.rejoin():
+            log.info("rejoined the GPUDomains of %d channel claim(s) from the checkpoint", rejoined)
         self.plugin = KubeletPlugin(self.preparer, driver=driver, registry_dir=registry_dir, clock=self.clock,
                                     on_registered=self._on_registered)
         self.publisher = SlicePublisher(api, node=node, driver=driver, clock=self.clock,
@@ -66,7 +71,7 @@ class DRADriver:
         self._report()
 
     def set_inventory(self, inventory: Inventory) -> None:
-        self._devices = NodeDevices.of(inventory, self.driver)
+        self._devices = NodeDevices.of(inventory, self.driver, channel=self.channels.gate is not None)
         self.publisher.set_devices(self._devices.devices)
         self.plugin.set_health([
             (self.node, name, "HEALTHY" if gpu.is_healthy else "UNHEALTHY",

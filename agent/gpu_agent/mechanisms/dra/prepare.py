@@ -6,6 +6,9 @@ after its last one ends.
         checkpoint says Aborted   ─> permanent error (a late retry must not prepare a claim already unprepared)
         GET the claim (its UID must match; it must be allocated) ─> PrepareStarted ─> configs decoded strictly
         ─> our results only, each GPU on this node and healthy ─> CDI spec ─> PrepareCompleted ─> CDI IDs
+        a channel claim (channels.py): after PrepareStarted, join its GPUDomain and let go of the lock while
+        waiting (up to `channel_wait`) for this node to be Ready in it; then, the lock taken again, a claim
+        unprepared meanwhile (PrepareAborted) fails for good, and the rest goes on as above
 
 Errors: a `PermanentError` (the claim's own content is wrong: an unknown config field, a replaced
 claim) is logged as one and reported to the kubelet at once; anything else is reported as it is and
@@ -35,6 +38,7 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.dra import cdi
+from gpu_agent.mechanisms.dra.channels import DEFAULT_CHANNEL_COUNT, DomainGate, MemberView, channel_edits
 from gpu_agent.mechanisms.dra.checkpoint import (
     PREPARE_ABORTED,
     PREPARE_COMPLETED,
@@ -42,8 +46,8 @@ from gpu_agent.mechanisms.dra.checkpoint import (
     Checkpoint,
     Entry,
 )
-from gpu_agent.mechanisms.dra.config import PermanentError, configs_for
-from gpu_agent.mechanisms.dra.devices import NodeDevices
+from gpu_agent.mechanisms.dra.config import ChannelConfig, Config, GpuConfig, PermanentError, configs_for
+from gpu_agent.mechanisms.dra.devices import CHANNEL_DEVICE, NodeDevices
 
 log = get_logger(__name__)
 
@@ -70,6 +74,22 @@ class DeadlineExceeded(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class ChannelRequest:
+    request: str
+    config: ChannelConfig
+
+
+@dataclass(frozen=True)
+class Channels:
+    """How this node serves channel claims: the domains it joins for them, how long one prepare call waits for the
+    node to be Ready in a domain, how many channels `All` gives and the host device behind each."""
+    gate: DomainGate | None = None
+    wait: float = 30.0
+    count: int = DEFAULT_CHANNEL_COUNT
+    host_device: str = "/dev/null"
+
+
 def api_claim_getter(api: client.ApiClient) -> ClaimGetter:
     resource = client.ResourceV1Api(api)
 
@@ -89,7 +109,7 @@ def api_claim_getter(api: client.ApiClient) -> ClaimGetter:
 class ClaimPreparer:
     def __init__(self, get_claim: ClaimGetter, *, driver: str, node: str, checkpoint: Checkpoint, cdi_dir: Path,
                  devices: Callable[[], NodeDevices], clock: Clock | None = None,
-                 mounts: list[dict[str, Any]] | None = None) -> None:
+                 mounts: list[dict[str, Any]] | None = None, channels: Channels | None = None) -> None:
         self.get_claim = get_claim
         self.driver, self.node = driver, node
         self.checkpoint = checkpoint
@@ -97,6 +117,7 @@ class ClaimPreparer:
         self.devices = devices
         self.clock = clock or SystemClock()
         self.mounts = mounts or []
+        self.channels = channels or Channels()
         self._serial = threading.Lock()  # one prepare or unprepare at a time, as the kubelet plugin helper does
 
     # -- the two calls ----------------------------------------------------------------------------------------------
@@ -106,8 +127,7 @@ class ClaimPreparer:
         out: dict[str, Outcome] = {}
         for ref in claims:
             try:
-                with self._locked(deadline):
-                    out[ref.uid] = Outcome(self._prepare(ref, deadline))
+                out[ref.uid] = Outcome(self._prepare(ref, deadline))  # it takes the lock itself, twice for a channel
             except PermanentError as e:
                 log.error("Permanent error preparing devices for claim %s: %s", ref, e)
                 out[ref.uid] = Outcome([], f"permanent error: error preparing devices for claim {ref}: {e}")
@@ -141,33 +161,94 @@ class ClaimPreparer:
     # -- prepare ----------------------------------------------------------------------------------------------------
 
     def _prepare(self, ref: ClaimRef, deadline: float) -> list[dict[str, Any]]:
-        entry = self.checkpoint.get(ref.uid)
-        if entry is not None and entry.state == PREPARE_COMPLETED:
-            log.info("claim %s already prepared: returning its devices again", ref)
-            return entry.devices
-        if entry is not None and entry.state == PREPARE_ABORTED:
-            raise PermanentError(f"stale prepare for claim {ref}: claim prepare was already aborted")
-        left = deadline - self.clock.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("no time left to read the claim")
-        claim = self.get_claim(ref.namespace, ref.name, min(left, REQUEST_TIMEOUT))
-        if claim is None:
-            raise LookupError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
-        uid = (claim.get("metadata") or {}).get("uid")
-        if uid != ref.uid:
-            raise PermanentError(f"ResourceClaim {ref.namespace}/{ref.name} got replaced: its UID is {uid}, the kubelet asked for {ref.uid}")
-        allocation = (claim.get("status") or {}).get("allocation")
-        if not allocation:
-            raise LookupError(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
-        # before any work: a claim that fails from here on is known, and can be undone
-        self.checkpoint.put(Entry(ref.uid, ref.namespace, ref.name, PREPARE_STARTED, since=self.clock.wall()))
-        configs = configs_for(allocation, self.driver)
-        results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == self.driver]
+        with self._locked(deadline):
+            entry = self.checkpoint.get(ref.uid)
+            if entry is not None and entry.state == PREPARE_COMPLETED:
+                log.info("claim %s already prepared: returning its devices again", ref)
+                return entry.devices
+            if entry is not None and entry.state == PREPARE_ABORTED:
+                raise PermanentError(f"stale prepare for claim {ref}: claim prepare was already aborted")
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded("no time left to read the claim")
+            claim = self.get_claim(ref.namespace, ref.name, min(left, REQUEST_TIMEOUT))
+            if claim is None:
+                raise LookupError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
+            uid = (claim.get("metadata") or {}).get("uid")
+            if uid != ref.uid:
+                raise PermanentError(f"ResourceClaim {ref.namespace}/{ref.name} got replaced: its UID is {uid}, the kubelet asked for {ref.uid}")
+            allocation = (claim.get("status") or {}).get("allocation")
+            if not allocation:
+                raise LookupError(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
+            # before any work: a claim that fails from here on is known, and can be undone
+            self.checkpoint.put(Entry(ref.uid, ref.namespace, ref.name, PREPARE_STARTED, since=self.clock.wall(),
+                                      domain=entry.domain if entry is not None else ""))
+            configs = configs_for(allocation, self.driver)
+            results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == self.driver]
+            channel = self._channel_request(ref, results, configs)
+            if channel is None:
+                return self._complete(ref, results, configs, None, deadline)
+            gate = self.channels.gate
+            assert gate is not None  # _channel_request refuses a channel without one
+            # joined under the lock, with the domain in the checkpoint: an unprepare (or the stale cleanup) that
+            # comes while this call waits below finds both, and releases the domain it took
+            self.checkpoint.put(Entry(ref.uid, ref.namespace, ref.name, PREPARE_STARTED, since=self.clock.wall(),
+                                      domain=channel.config.domain))
+            gate.join(channel.config.domain, ref.uid)
+        # the wait holds no lock: other claims of this node prepare and unprepare meanwhile
+        view = gate.wait_ready(channel.config.domain, max(0.0, min(self.channels.wait, deadline - self.clock.monotonic())))
+        if channel.config.domain_uid and view.uid != channel.config.domain_uid:
+            raise PermanentError(f"GPUDomain {view.namespace}/{view.domain} was replaced: this claim was made for UID "
+                                 f"{channel.config.domain_uid}, the domain's is {view.uid}; delete the claim's pod so that "
+                                 f"a new claim is made from the domain's current template")
+        with self._locked(deadline):
+            entry = self.checkpoint.get(ref.uid)
+            if entry is None or entry.state == PREPARE_ABORTED:
+                raise PermanentError(f"stale prepare for claim {ref}: claim prepare was already aborted")
+            if entry.state == PREPARE_COMPLETED:
+                return entry.devices
+            return self._complete(ref, results, configs, (channel, view), deadline)
+
+    def _channel_request(self, ref: ClaimRef, results: list[dict[str, Any]], configs: dict[str, Config]) -> ChannelRequest | None:
+        """The claim's channel request, checked: at most one, with a ChannelConfig, for a domain of the claim's namespace."""
+        requests = [r.get("request", "").split("/")[0] for r in results if r.get("device") == CHANNEL_DEVICE]
+        if not requests:
+            return None
+        if len(requests) > 1:
+            raise PermanentError(f"claim {ref} asks for {len(requests)} channels; a node has one channel device, "
+                                 f"ask for it once (count: 1), with allocationMode All for every channel")
+        config = configs.get(requests[0], configs[""])
+        if not isinstance(config, ChannelConfig):
+            raise PermanentError(f"request {requests[0]!r} of claim {ref} was allocated the channel device without a "
+                                 f"ChannelConfig naming its GPUDomain: use the ResourceClaimTemplate the domain's "
+                                 f"spec.channel names (the cluster agent makes it)")
+        gate = self.channels.gate
+        if gate is None:
+            raise PermanentError(f"claim {ref} asks for GPUDomain {config.domain}'s channel, but this node agent "
+                                 f"serves no domain channels (the chart's dra.domainChannels is off)")
+        if ref.namespace != gate.namespace:
+            raise PermanentError(f"claim {ref} is in namespace {ref.namespace}, GPUDomain {config.domain} is in "
+                                 f"{gate.namespace}: a domain's channel serves only claims of its own namespace; run "
+                                 f"the workload in {gate.namespace}")
+        for other in self.checkpoint.entries():
+            if other.uid != ref.uid and other.state == PREPARE_COMPLETED and \
+                    any(d.get("device_name") == CHANNEL_DEVICE for d in other.devices):
+                raise RuntimeError(f"requested device {CHANNEL_DEVICE} is already allocated to different claim "
+                                   f"{other.namespace}/{other.name}")
+        return ChannelRequest(requests[0], config)
+
+    def _complete(self, ref: ClaimRef, results: list[dict[str, Any]], configs: dict[str, Config],
+                  channel: tuple[ChannelRequest, MemberView] | None, deadline: float) -> list[dict[str, Any]]:
+        """The rest of a prepare, under the lock: each GPU checked, the CDI spec written, PrepareCompleted."""
         offered = self.devices()
         by_request: dict[str, list[tuple[str, Any]]] = {}
         for r in results:
             if r.get("pool") != self.node:
                 raise LookupError(f"device {r.get('pool')}/{r.get('device')} is not in this node's pool {self.node}")
+            if r.get("device") == CHANNEL_DEVICE:
+                if not offered.channel:
+                    raise LookupError(f"device {CHANNEL_DEVICE} is not offered on node {self.node} now")
+                continue
             gpu = offered.gpus.get(r.get("device", ""))
             if gpu is None:
                 raise LookupError(f"device {r.get('device')} is not on node {self.node} now (its GPU left)")
@@ -179,25 +260,48 @@ class ClaimPreparer:
         specs, devices = [], []
         for request, pairs in sorted(by_request.items()):
             config = configs.get(request, configs[""])
+            if not isinstance(config, GpuConfig):
+                raise PermanentError(f"request {request!r} of claim {ref} was allocated GPUs with a ChannelConfig: "
+                                     f"a ChannelConfig is for the channel device only")
             visible = ",".join(g.uuid for _, g in pairs)
             for name, gpu in pairs:
                 specs.append({"device": name, "env": [f"NVIDIA_VISIBLE_DEVICES={visible}", f"GPU_AGENT_GPU_{gpu.index}={gpu.uuid}",
                                                       f"GPU_AGENT_CLAIM={ref.uid}", *config.env()]})
                 devices.append({"request_names": [request], "pool_name": self.node, "device_name": name,
                                 "cdi_device_ids": [cdi.device_id(self.driver, ref.uid, name)]})
+        if channel is not None:
+            request, view = channel
+            specs.append({"device": CHANNEL_DEVICE, **channel_edits(
+                view, mode=request.config.allocation_mode, count=self.channels.count,
+                host_device=self.channels.host_device, claim=ref.uid)})
+            devices.append({"request_names": [request.request], "pool_name": self.node, "device_name": CHANNEL_DEVICE,
+                            "cdi_device_ids": [cdi.device_id(self.driver, ref.uid, CHANNEL_DEVICE)]})
         path = cdi.write_spec(self.cdi_dir, self.driver, ref.uid, specs, self.mounts)
         if self.clock.monotonic() > deadline:
             # the kubelet has given up on this call: leave PrepareStarted (undone at unprepare), commit nothing
             raise DeadlineExceeded("the call's deadline passed while preparing")
+        domain = channel[0].config.domain if channel is not None else ""
         self.checkpoint.put(Entry(ref.uid, ref.namespace, ref.name, PREPARE_COMPLETED, devices=devices, cdi_spec=str(path),
-                                  since=self.clock.wall()))
-        log.info("prepared claim %s: %s", ref, ", ".join(f"{d['device_name']} ({d['request_names'][0]})" for d in devices) or "no device of ours")
+                                  since=self.clock.wall(), domain=domain))
+        log.info("prepared claim %s: %s%s", ref, ", ".join(f"{d['device_name']} ({d['request_names'][0]})" for d in devices) or "no device of ours",
+                 f" (GPUDomain {channel[1].namespace}/{domain}, node index {channel[1].index})" if channel is not None else "")
         return devices
+
+    def rejoin(self) -> int:
+        """After a restart: the domains the checkpoint's channel claims hold are joined again. Returns how many claims."""
+        joined = 0
+        for entry in self.checkpoint.entries():
+            if entry.domain and entry.state in (PREPARE_STARTED, PREPARE_COMPLETED) and self.channels.gate is not None:
+                self.channels.gate.join(entry.domain, entry.uid)
+                joined += 1
+        return joined
 
     # -- unprepare --------------------------------------------------------------------------------------------------
 
     def _undo(self, entry: Entry) -> None:
         cdi.remove_spec(Path(entry.cdi_spec) if entry.cdi_spec else cdi.spec_path(self.cdi_dir, self.driver, entry.uid))
+        if entry.domain and self.channels.gate is not None:
+            self.channels.gate.release(entry.domain, entry.uid)
 
     def _unprepare(self, ref: ClaimRef) -> None:
         entry = self.checkpoint.get(ref.uid)
