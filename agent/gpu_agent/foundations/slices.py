@@ -67,6 +67,8 @@ def pool_slice(obj: Any) -> PoolSlice | None:
         return None
     devices = []
     for d in field(obj, "spec", "devices") or []:
+        if field(d, "attributes", "type", "string") == "channel":
+            continue  # a GPUDomain's channel (the node agent's channel-0), not a GPU
         taint = next((t for t in (field(d, "taints") or []) if field(t, "effect") in BLOCKING_EFFECTS), None)
         devices.append(SliceDevice(
             name=str(field(d, "name") or ""), uuid=str(field(d, "attributes", "uuid", "string") or ""),

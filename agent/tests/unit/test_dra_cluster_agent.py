@@ -313,6 +313,21 @@ def test_a_template_that_cannot_be_made_fails_the_attempt_naming_it():
     assert api.body is None  # no Pod made without its template
 
 
+def test_a_gpudomain_channel_device_is_not_a_gpu_from_a_dict_or_the_clients_model():
+    from kubernetes import client
+
+    channel = {"name": "channel-0", "attributes": {"type": {"string": "channel"}, "id": {"int": 0}}}
+    typed = dict(gpu_device(1), attributes={**gpu_device(1)["attributes"], "type": {"string": "gpu"}})
+    inv = inventory_of_slices({"n1"}, kept(slice_of("n1", "n1", [gpu_device(0), typed, channel])), DRIVER)
+    assert [g.name for g in inv.gpus] == ["gpu-0 on n1", "gpu-1 on n1"]
+    model = client.V1ResourceSlice(
+        metadata=client.V1ObjectMeta(name="s1"),
+        spec=client.V1ResourceSliceSpec(driver=DRIVER, node_name="n1", pool=client.V1ResourcePool(
+            name="n1", generation=1, resource_slice_count=1), devices=[
+            client.V1Device(name="channel-0", attributes={"type": client.V1DeviceAttribute(string="channel")})]))
+    assert pool_slice(model).devices == ()
+
+
 def test_a_slice_reads_the_same_from_the_clients_model_as_from_a_dict():
     from kubernetes import client
 
