@@ -68,9 +68,15 @@ def slices(resource, node):
     return json.loads(listed.data)["items"]
 
 
+def gpu_devices(found):
+    """A slice's GPUs: every device but the GPUDomain channel (`type: channel`) the chart's default dra.domainChannels
+    adds; an empty pool has no "devices"."""
+    return [d for d in found["spec"].get("devices") or [] if (d.get("attributes") or {}).get("type") != {"string": "channel"}]
+
+
 def device_count(resource, node):
     found = slices(resource, node)
-    return len(found[0]["spec"].get("devices") or []) if len(found) == 1 else None  # an empty pool has no "devices"
+    return len(gpu_devices(found[0])) if len(found) == 1 else None
 
 
 def claim_of(resource, ns, name):
@@ -133,7 +139,10 @@ def test_the_slice_of_every_node_holds_as_many_devices_as_the_node_has_gpus(dra,
     print(kubectl(kubeconfig, "get", "resourceslices", "-o", "wide"))
     (only,) = slices(resource, fake_gpus.node)
     device = only["spec"]["devices"][0]
-    assert set(device["attributes"]) >= {"uuid", "index", "productName"}
+    assert set(device["attributes"]) >= {"type", "uuid", "index", "productName"}
+    # beside its GPUs, each node offers its GPUDomain channel (the chart's default dra.domainChannels)
+    channel = only["spec"]["devices"][-1]
+    assert (channel["name"], channel["attributes"]) == ("channel-0", {"type": {"string": "channel"}, "id": {"int": 0}})
     assert only["spec"]["pool"]["name"] == fake_gpus.node
     assert only["metadata"]["ownerReferences"][0]["kind"] == "Node"
     for node in others:
@@ -244,7 +253,7 @@ def gpus_when(release, status):
 
 
 def slice_uuids(resource, node):
-    return sorted(d["attributes"]["uuid"]["string"] for s in slices(resource, node) for d in s["spec"].get("devices") or [])
+    return sorted(d["attributes"]["uuid"]["string"] for s in slices(resource, node) for d in gpu_devices(s))
 
 
 def test_the_cluster_agent_counts_the_slices_devices_ready_within_2s_of_the_first_and_not_ready_when_the_last_goes(
