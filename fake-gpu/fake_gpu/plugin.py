@@ -153,7 +153,9 @@ class PluginRunner:
 
     def _serve(self) -> None:
         if self._server is not None:
-            self._server.stop(grace=0)
+            # waited for: the old server's shutdown unlinks its socket path, and done after the new one bound it, the
+            # kubelet would find no socket (seen once in the unit stage: registered again, no socket)
+            self._server.stop(grace=0).wait(5)
         if self.socket.exists():
             self.socket.unlink()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
