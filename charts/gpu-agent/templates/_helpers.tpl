@@ -271,7 +271,13 @@ the fencing policy's param, has the same name. */}}
 {{/* Whether node agents publish into GPUDomains at all: the chart's own (domain.name) or those
      users create (domain.joinMatching). "true" or "". */}}
 {{- define "gpu-agent.domainsOn" -}}
-{{- if or .Values.domain.name .Values.domain.joinMatching }}true{{ end }}
+{{- if or .Values.domain.name .Values.domain.joinMatching (include "gpu-agent.channelsOn" .) }}true{{ end }}
+{{- end }}
+
+{{- /* GPUDomain channels through DRA: node agents offer a channel device and join a domain where its channel claims
+land; the cluster agent folds every domain of the namespace and makes each one's channel ResourceClaimTemplate. */ -}}
+{{- define "gpu-agent.channelsOn" -}}
+{{- if and (include "gpu-agent.draOn" .) .Values.dra.domainChannels }}true{{ end }}
 {{- end }}
 
 {{- /* The cluster agent Deployment's strategy type (deployment-cluster-agent.yaml renders the strategy;
@@ -460,7 +466,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
 {{- with $v.domain.name }}
 {{ $_ := set $wiring "domainName" . }}{{ end -}}
-{{- if $v.domain.joinMatching }}{{ $_ := set $wiring "foldAllDomains" true }}{{ end -}}
+{{- if or $v.domain.joinMatching (include "gpu-agent.channelsOn" .) }}{{ $_ := set $wiring "foldAllDomains" true }}{{ end -}}
 {{- $_ := set $wiring "domainNamespace" .Release.Namespace -}}
 {{- end -}}
 {{- if $v.clusterAgent.leaderElection.enabled -}}
@@ -520,6 +526,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- $_ := set $wiring "draRegistryDir" $v.dra.kubeletRegistryDir -}}
 {{- $_ := set $wiring "draPluginDir" $v.dra.kubeletPluginsDir -}}
 {{- $_ := set $wiring "draCdiDir" $v.dra.cdiDir -}}
+{{- if include "gpu-agent.channelsOn" . }}{{ $_ := set $wiring "draDomainChannels" true }}{{ end -}}
 {{- end -}}
 {{- include "gpu-agent.agentConfig" (dict "wiring" $wiring "named" $named "config" ($v.nodeAgent.config | default dict)
   "key" "nodeAgent" "role" "node-agent") -}}
