@@ -20,7 +20,7 @@ WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
                       "gpuNodeSelector", "workPods",
-                      "draDriverName", "draDeviceClassName",
+                      "draDriverName", "draDeviceClassName", "channelDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},
     "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",
