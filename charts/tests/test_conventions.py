@@ -65,7 +65,8 @@ def test_dra_is_refused_below_kubernetes_1_34_naming_the_value_and_the_fix(sets)
     assert "--kube-version" in r.stderr  # what a `helm template` user passes
     docs = docs_of(CHART, *BASE, "--set", "dra.enabled=true", *sets, "--kube-version", "1.34.0")
     device_classes = [d for d in docs if d["kind"] == "DeviceClass" and d["apiVersion"] == "resource.k8s.io/v1"]
-    assert len(device_classes) == (0 if sets else 1)  # the node agents' DeviceClass; the cluster agent's templates
+    assert len(device_classes) == (0 if sets else 2)  # the node agents' DeviceClasses (GPUs, channels); the cluster
+    # agent's templates
     assert template(CHART, *BASE, "--kube-version", "1.33.0").returncode == 0  # without DRA 1.33 is fine
 
 

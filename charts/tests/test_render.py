@@ -56,6 +56,10 @@ BAD_VALUES = [
     (["--set", "dra.enabled=true", "--set", "dra.driverName="], "/dra/driverName"),
     (["--set", "dra.driverName=" + "g" * 61 + ".io"], "/dra/driverName"),  # over 63: refused even while DRA is off
     (["--set", "dra.deviceClassName=Class"], "/dra/deviceClassName"),
+    (["--set", "dra.channelDeviceClassName=Channel_Class"], "/dra/channelDeviceClassName"),
+    (["--set", "dra.enabled=true", "--set", "dra.channelDeviceClassName=gpu.gpu-agent.io"],
+     "dra.channelDeviceClassName and dra.deviceClassName are both"),  # two DeviceClasses, one name
+    (["--set", "clusterAgent.config.channelDeviceClassName=x"], "channelDeviceClassName"),  # wired: set dra.*
     (["--set", "dra.extendedResourceName=gpu"], "/dra/extendedResourceName"),  # an extended resource has a domain
     (["--set", "dra.kubeletRegistryDir=var/lib/kubelet/plugins_registry"], "/dra/kubeletRegistryDir"),
     (["--set", "dra.kubeletPluginsDir=plugins"], "/dra/kubeletPluginsDir"),
@@ -551,10 +555,8 @@ def test_dra_renders_the_device_class_the_rbac_the_slice_policy_the_kubelets_fol
     objects = dra_objects(docs)
     assert sorted(objects) == ["ClusterRole", "ClusterRoleBinding", "DeviceClass", "ValidatingAdmissionPolicy",
                                "ValidatingAdmissionPolicyBinding"]
+    assert len(objects.pop("DeviceClass")) == 2  # the GPUs' and the channels' (test_the_device_classes_...)
     assert all(len(v) == 1 for v in objects.values()), objects
-    (device_class,) = objects["DeviceClass"]
-    assert device_class["apiVersion"] == "resource.k8s.io/v1" and device_class["metadata"]["name"] == "gpu.gpu-agent.io"
-    assert device_class["spec"] == {"selectors": [{"cel": {"expression": "device.driver == 'gpu.gpu-agent.io'"}}]}
 
     (role,) = objects["ClusterRole"]
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): r for r in role["rules"]}
@@ -608,9 +610,44 @@ def test_dra_renders_the_device_class_the_rbac_the_slice_policy_the_kubelets_fol
     config = agent_config(docs, "node-agent")
     assert {k: v for k, v in config.items() if k.startswith("dra")} == {
         "draDriverName": "gpu.gpu-agent.io", "draRegistryDir": DRA_PATHS["dra-registry"],
-        "draPluginDir": DRA_PATHS["dra-plugins"], "draCdiDir": DRA_PATHS["dra-cdi"]}
+        "draPluginDir": DRA_PATHS["dra-plugins"], "draCdiDir": DRA_PATHS["dra-cdi"], "draDomainChannels": True}
     (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "t-gpu-agent-node-agent"]
     assert sa["automountServiceAccountToken"] is True
+
+
+def gpu_selector(driver: str) -> str:
+    return (f"device.driver == '{driver}' && (!('type' in device.attributes['{driver}']) || "
+            f"device.attributes['{driver}'].type == 'gpu')")
+
+
+def channel_selector(driver: str) -> str:
+    return (f"device.driver == '{driver}' && 'type' in device.attributes['{driver}'] && "
+            f"device.attributes['{driver}'].type == 'channel'")
+
+
+def test_the_device_classes_split_the_drivers_devices_by_type_gpus_and_untyped_ones_in_one_channels_in_the_other():
+    """Node agents publish a channel-0 device (type channel) beside their GPUs (type gpu); slices published before
+    that have no type. The GPU class must never hand out a channel, nor the channel class a GPU."""
+    docs = render("--set", "dra.enabled=true")
+    classes = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DeviceClass"}
+    assert sorted(classes) == ["channel.gpu-agent.io", "gpu.gpu-agent.io"]
+    for d in classes.values():
+        assert d["apiVersion"] == "resource.k8s.io/v1"
+        assert d["metadata"]["labels"]["app.kubernetes.io/component"] == "node-agent"
+    assert classes["gpu.gpu-agent.io"]["spec"] == {"selectors": [{"cel": {"expression": gpu_selector("gpu.gpu-agent.io")}}]}
+    assert classes["channel.gpu-agent.io"]["spec"] == {
+        "selectors": [{"cel": {"expression": channel_selector("gpu.gpu-agent.io")}}]}
+
+    # Each class in a template of its own (one resource per template), both only where node agents serve DRA.
+    for template in ("templates/deviceclass.yaml", "templates/deviceclass-channel.yaml"):
+        shown = helm("template", "t", str(CHART), "--namespace", "ns", *BASE, "--set", "dra.enabled=true",
+                     "--show-only", template).stdout
+        assert [d["kind"] for d in yaml.safe_load_all(shown) if d] == ["DeviceClass"], template
+    named = render("--set", "dra.enabled=true", "--set", "dra.channelDeviceClassName=imex.example.com")
+    assert sorted(d["metadata"]["name"] for d in named if d["kind"] == "DeviceClass") == [
+        "gpu.gpu-agent.io", "imex.example.com"]
+    for sets in ([], ["--set", "dra.enabled=true", "--set", "nodeAgent.enabled=false"]):
+        assert not [d for d in render(*sets) if d["kind"] == "DeviceClass"], sets
 
 
 def test_dra_values_reach_every_object_that_names_them_and_fake_gpus_run_as_root_too():
@@ -619,10 +656,10 @@ def test_dra_values_reach_every_object_that_names_them_and_fake_gpus_run_as_root
                   "--set", "dra.kubeletRegistryDir=/k/registry", "--set", "dra.kubeletPluginsDir=/k/plugins",
                   "--set", "dra.cdiDir=/etc/cdi")
     objects = dra_objects(docs)
-    (device_class,) = objects["DeviceClass"]
-    assert device_class["metadata"]["name"] == "fast-gpus"
-    assert device_class["spec"] == {"selectors": [{"cel": {"expression": "device.driver == 'gpu.example.com'"}}],
-                                    "extendedResourceName": "nvidia.com/gpu"}
+    classes = {d["metadata"]["name"]: d["spec"] for d in objects["DeviceClass"]}
+    assert classes == {"fast-gpus": {"selectors": [{"cel": {"expression": gpu_selector("gpu.example.com")}}],
+                                     "extendedResourceName": "nvidia.com/gpu"},
+                       "channel.gpu-agent.io": {"selectors": [{"cel": {"expression": channel_selector("gpu.example.com")}}]}}
     (role,) = objects["ClusterRole"]
     assert [r["resourceNames"] for r in role["rules"] if "resourceNames" in r] == [["gpu.example.com"]]
     (policy,) = objects["ValidatingAdmissionPolicy"]
@@ -650,14 +687,15 @@ def test_with_dra_the_cluster_agent_counts_slices_claims_work_gpus_through_templ
         in cluster_role["rules"]
     roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Role"}
     templates = {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"]}
-    assert {**templates, "verbs": ["create", "get", "delete"]} in roles["t-gpu-agent-cluster-agent"]["rules"]
+    # the work Pods' templates and (dra.domainChannels, on by default) the GPUDomains' channel templates: one rule
+    assert {**templates, "verbs": ["get", "list", "watch", "create", "delete"]} in roles["t-gpu-agent-cluster-agent"]["rules"]
     assert {**templates, "verbs": ["list", "delete"]} in roles["t-gpu-agent-hooks"]["rules"]
     (cleanup,) = [d for d in docs if d["kind"] == "Job" and d["metadata"]["name"].endswith("-cleanup")]
     assert "--work-claim-templates=true" in cleanup["spec"]["template"]["spec"]["containers"][0]["args"]
 
     # without DRA, or with a source or executor that has no use for them: neither setting nor right
     for sets in ([], ["--set", "dra.enabled=true", "--set", "clusterAgent.gpuSource=fake",
-                      "--set", "clusterAgent.executor=record"]):
+                      "--set", "clusterAgent.executor=record", "--set", "dra.domainChannels=false"]):
         docs = render(*sets)
         assert not [k for k in agent_config(docs, "cluster-agent") if k.startswith("dra")], sets
         rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") and "cluster-agent" in d["metadata"]["name"]
@@ -665,6 +703,43 @@ def test_with_dra_the_cluster_agent_counts_slices_claims_work_gpus_through_templ
         assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]], sets
     (cleanup,) = [d for d in render() if d["kind"] == "Job" and d["metadata"]["name"].endswith("-cleanup")]
     assert "--work-claim-templates=false" in cleanup["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def cluster_agent_template_rules(docs):
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "t-gpu-agent-cluster-agent"]
+    return [r for r in role["rules"] if "resourceclaimtemplates" in r["resources"]]
+
+
+def test_where_it_folds_domains_with_dra_the_cluster_agent_gets_the_channel_settings_and_the_rights_to_its_templates():
+    """The cluster agent makes each folded GPUDomain's channel ResourceClaimTemplate: it watches the ones it made
+    (list, watch), reads one of a domain's name (get), makes (create) and replaces or cleans up (delete) them. One
+    rule, merged with the work Pods' templates' one, no verb twice."""
+    templates = {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"]}
+    channel_verbs = ["get", "list", "watch", "create", "delete"]
+    for sets in ([], ["--set", "domain.name=d1"], ["--set", "domain.joinMatching=true"],
+                 ["--set", "domain.name=d1", "--set", "clusterAgent.executor=record"]):
+        docs = render("--set", "dra.enabled=true", "--set", "dra.driverName=gpus.example.com",
+                      "--set", "dra.channelDeviceClassName=imex.example.com", *sets)
+        config = agent_config(docs, "cluster-agent")
+        assert (config["draDriverName"], config["channelDeviceClassName"]) == ("gpus.example.com", "imex.example.com")
+        assert cluster_agent_template_rules(docs) == [{**templates, "verbs": channel_verbs}], sets
+
+    # no DRA, no node agents (no channel class), no folded domain or another write strategy: no setting, no right
+    # beyond the work Pods' templates
+    for sets, rules in (
+            (["--set", "domain.name=d1"], []),
+            (["--set", "dra.enabled=true", "--set", "nodeAgent.enabled=false", "--set", "domain.name=d1",
+              "--set", "clusterAgent.gpuSource=fake"], [{**templates, "verbs": ["create", "get", "delete"]}]),
+            (["--set", "dra.enabled=true", "--set", "clusterAgent.gpuSource=fake", "--set", "clusterAgent.executor=record",
+              "--set", "dra.domainChannels=false"], []),
+            (["--set", "dra.enabled=true", "--set", "domain.name=d1", "--set", "dra.domainChannels=false",
+              "--set", "clusterAgent.gpuSource=fake"], [{**templates, "verbs": ["create", "get", "delete"]}]),
+            (["--set", "dra.enabled=true", "--set", "domain.name=d1", "--set", "domain.writeStrategy=fulljitter",
+              "--set", "clusterAgent.gpuSource=fake"], [{**templates, "verbs": ["create", "get", "delete"]}])):
+        docs = render(*sets)
+        assert "channelDeviceClassName" not in agent_config(docs, "cluster-agent"), sets
+        assert "draDriverName" not in agent_config(docs, "cluster-agent"), sets
+        assert cluster_agent_template_rules(docs) == rules, sets
 
 
 WORK_PODS = {

@@ -3,8 +3,10 @@
 Both the cluster source (how many GPUs the cluster has) and the work Pods' claims (how many one node has)
 read slices this way. The rules are the scheduler's: per node pool only the slices of its newest generation
 count (an older one is being replaced); a device with a NoSchedule or NoExecute taint gets no new claim; a
-slice bound to no node (a network-attached pool) is no node's GPU. Objects may come as the client's models or
-as dicts (a custom-object call or a scripted answer): `field` reads either.
+slice bound to no node (a network-attached pool) is no node's GPU. A device whose `type` attribute names
+something else than a GPU (the `channel-0` device each node agent publishes for GPUDomain channels) is no GPU
+either; one without `type` (slices published before node agents set it) is. Objects may come as the client's
+models or as dicts (a custom-object call or a scripted answer): `field` reads either.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def _snake(name: str) -> str:
 
 
 BLOCKING_EFFECTS = ("NoSchedule", "NoExecute")
+GPU_TYPE = "gpu"  # a GPU device's `type` attribute; a channel device's is "channel"
 
 
 def node_usable(node: Any) -> bool:
@@ -67,8 +70,8 @@ def pool_slice(obj: Any) -> PoolSlice | None:
         return None
     devices = []
     for d in field(obj, "spec", "devices") or []:
-        if field(d, "attributes", "type", "string") == "channel":
-            continue  # a GPUDomain's channel (the node agent's channel-0), not a GPU
+        if field(d, "attributes", "type", "string") not in (None, "", GPU_TYPE):
+            continue  # a channel device: no GPU to count, nor to claim for work
         taint = next((t for t in (field(d, "taints") or []) if field(t, "effect") in BLOCKING_EFFECTS), None)
         devices.append(SliceDevice(
             name=str(field(d, "name") or ""), uuid=str(field(d, "attributes", "uuid", "string") or ""),

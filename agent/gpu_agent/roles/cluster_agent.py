@@ -3,15 +3,17 @@
     GPU source -> InventoryMonitor -> RegistrationManager -> (credentials) --+
                                                                              +--> QueueConsumer -> Executor
     LeaderElector (a Lease, when leaderElection is on) -> (leading) ---------+--> Aggregator (domain status)
+                                                                             +--> ChannelTemplates (each domain's
+                                                                                  channel ResourceClaimTemplate)
 
 It is live from the first moment (`/livez` 200). Ready (`/healthz` 200) means "this replica does
 its job": the cluster has healthy GPUs (an unhealthy one, Xid or ECC or lost, counts for nothing;
 when none is healthy the reason names each and why), registration for the current GPU generation
 has succeeded and a valid credential is installed (NVCA's definition), and it either leads or is a
 hot standby. Only the leader is *active*: its queues are open and it leases work (`active` in
-/healthz, the metric `gpu_agent_active`). A standby registers too (it takes over with its
-credential in hand) but leases no work and folds no domain; it reports "standby: the leader is
-<identity>".
+/healthz, the metric `gpu_agent_active`), folds the domains and makes their channel templates. A standby
+registers too (it takes over with its credential in hand) but leases no work, folds no domain and makes no
+template; it reports "standby: the leader is <identity>".
 
 Why a standby is Ready: Kubernetes, Helm (`--wait`), Argo CD and Flux read Pod readiness as "this
 replica does its job". A NotReady standby could never let a rolling update replace the leader,
@@ -68,6 +70,7 @@ from gpu_agent.roles.endpoints import EndpointServer
 if TYPE_CHECKING:  # loaded when folding starts: the Kubernetes client costs memory (see make_executor)
     from gpu_agent.foundations.events import EventRecorder
     from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator
+    from gpu_agent.mechanisms.domain.channels import ChannelTemplates
     from gpu_agent.mechanisms.leadership.kube_fence import KubeWorkFence
 
 log = get_logger(__name__)
@@ -85,9 +88,10 @@ SETTINGS = [
     Setting("gpuNodeSelector", "labels", "", "node labels (key=value,...): with gpuSource=cluster only the GPUs of the "
             "nodes that carry them count, and work Pods are placed on those nodes (their nodeSelector); empty: every "
             "node", optional=True),
-    Setting("draDriverName", "str", "", "with gpuSource=cluster, count the devices of this DRA driver's ResourceSlices "
-            "(healthy: untainted, on Ready nodes) instead of allocatable nvidia.com/gpu; empty: device plugins",
-            optional=True),
+    Setting("draDriverName", "str", "", "the DRA driver that offers the GPUs: with gpuSource=cluster, count the GPU "
+            "devices of its ResourceSlices (healthy: untainted, on Ready nodes) instead of allocatable nvidia.com/gpu; "
+            "where GPUDomains are folded, make each domain's channel ResourceClaimTemplate (spec.channel) for its "
+            "channel devices; empty: device plugins, and no channel templates", optional=True),
     Setting("draDeviceClassName", "str", "", "work Pods (executor=pod) get their GPUs through a ResourceClaimTemplate "
             "asking this DeviceClass (one template per GPU count, made on first use); empty: nvidia.com/gpu limits",
             optional=True),
@@ -125,6 +129,9 @@ SETTINGS = [
     Setting("domainNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of that GPUDomain"),
     Setting("foldAllDomains", "bool", False, "fold the members of every GPUDomain of domainNamespace, those users create "
             "at run time included (node agents with joinMatchingDomains; aggregate strategy only)"),
+    Setting("channelDeviceClassName", "str", "channel.gpu-agent.io", "DeviceClass of the DRA driver's channel "
+            "devices (the chart's dra.channelDeviceClassName): what a GPUDomain's channel ResourceClaimTemplate asks "
+            "for (with draDriverName)"),
     Setting("domainHeartbeatTtl", "number", 3.0, "heartbeat intervals a member may stay silent before it is marked "
             "NotReady in the domain", 1.5, 100),
     Setting("featureGates", "featureGates", "", "feature gates, e.g. LongPollLeases=false", optional=True),
@@ -193,6 +200,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     domainName: str
     domainNamespace: str
     foldAllDomains: bool
+    channelDeviceClassName: str
     domainHeartbeatTtl: float
     featureGates: dict[str, bool]
     kubeconfig: str
@@ -287,6 +295,7 @@ class ClusterAgent:
         self.path_events: EventRecorder | None = None  # the Events of the work path's refusals
         self.aggregator: Aggregator | EveryDomainAggregator | None = None
         self.recorder: EventRecorder | None = None  # the Events of what the aggregator writes
+        self.channels: ChannelTemplates | None = None  # the domains' channel templates, made while folding
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
         # Their state as this agent sees it.
@@ -453,6 +462,22 @@ class ClusterAgent:
                                          rng=self.random.for_("domains"), recorder=self.recorder)
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         start_thread("domain-aggregator", self.aggregator.run)
+        self._start_channels(api)
+
+    def _start_channels(self, api: Any) -> None:
+        """The domains' channel ResourceClaimTemplates, by the agent that folds them (with a DRA driver)."""
+        if not self.cfg.draDriverName or self.channels is not None:
+            return
+        from gpu_agent.mechanisms.domain.channels import ChannelSettings, ChannelTemplates
+
+        self.channels = ChannelTemplates(api, self.cfg.domainNamespace,
+                                         ChannelSettings(self.cfg.draDriverName, self.cfg.channelDeviceClassName),
+                                         domain="" if self.cfg.foldAllDomains else self.cfg.domainName,
+                                         clock=self.clock, rng=self.random.for_("channels"), recorder=self.recorder)
+        start_thread("domain-channels", self.channels.run, self.channels.stop_event)
+        log.info("making the channel ResourceClaimTemplates of %s of %s (class %s, driver %s)",
+                 "every GPUDomain" if self.cfg.foldAllDomains else f"GPUDomain {self.cfg.domainName}",
+                 self.cfg.domainNamespace, self.cfg.channelDeviceClassName, self.cfg.draDriverName)
 
     def _close_executor(self) -> None:
         close = getattr(self.executor, "close", None)  # the Pod executor's; the recording one has none
@@ -460,7 +485,9 @@ class ClusterAgent:
             close()
 
     def _stop_folding(self) -> None:
-
+        if self.channels is not None:
+            self.channels.stop()
+            self.channels = None
         if self.recorder is not None:
             self.recorder.stop()  # what it has queued is dropped: the next leader tells what it writes
             self.recorder = None

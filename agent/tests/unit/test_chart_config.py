@@ -20,12 +20,12 @@ WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
                       "gpuNodeSelector", "workPods",
-                      "draDriverName", "draDeviceClassName",
+                      "draDriverName", "draDeviceClassName", "channelDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},
     "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",
                    "domainNamespace", "domainWriteStrategy", "peersFile", "kubeconfig", "nodeName", "nodeIp",
-                   "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir"},
+                   "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir", "draDomainChannels"},
 }
 ROLES = {"cluster-agent": (cluster_agent.SETTINGS, "clusterAgent"), "node-agent": (node_agent.SETTINGS, "nodeAgent")}
 

@@ -73,6 +73,17 @@ def test_a_node_not_usable_a_slice_bound_to_no_node_and_a_taint_that_keeps_nothi
     assert all(g.is_healthy for g in inv.gpus)
 
 
+def test_a_channel_device_is_no_gpu_and_a_device_without_a_type_still_is():
+    """Node agents publish a `channel-0` device (type channel) beside their GPUs (type gpu) for GPUDomain channels;
+    slices published before they set `type` have none. Only GPUs count, for the source and for work claims."""
+    typed = [{**gpu_device(i), "attributes": {**gpu_device(i)["attributes"], "type": {"string": "gpu"}}} for i in range(2)]
+    channel = {"name": "channel-0", "attributes": {"type": {"string": "channel"}, "id": {"int": 0}}}
+    slices = kept(slice_of("n1", "n1", [*typed, channel]), slice_of("n2", "n2", [gpu_device(0, uuid="GPU-n2")]))
+    inv = inventory_of_slices({"n1", "n2"}, slices, DRIVER)
+    assert [g.name for g in inv.gpus] == ["gpu-0 on n1", "gpu-1 on n1", "gpu-0 on n2"]
+    assert untainted_per_node({"n1", "n2"}, slices) == {"n1": 2, "n2": 1}
+
+
 def test_a_uuid_missing_or_repeated_across_nodes_gets_a_stable_one_of_its_own():
     slices = kept(slice_of("a", "a", [gpu_device(0, uuid="GPU-same")]), slice_of("b", "b", [gpu_device(0, uuid="GPU-same")]))
     first, second = inventory_of_slices({"a", "b"}, slices, DRIVER), inventory_of_slices({"a", "b"}, slices, DRIVER)

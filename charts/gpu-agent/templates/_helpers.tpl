@@ -280,6 +280,12 @@ land; the cluster agent folds every domain of the namespace and makes each one's
 {{- if and (include "gpu-agent.draOn" .) .Values.dra.domainChannels }}true{{ end }}
 {{- end }}
 
+{{- /* Whether the cluster agent makes the GPUDomains' channel ResourceClaimTemplates: where it folds domains (the
+aggregate strategy) and node agents serve channels (dra.domainChannels; the channel DeviceClass is there). */ -}}
+{{- define "gpu-agent.channelTemplatesOn" -}}
+{{- if and (include "gpu-agent.channelsOn" .) (eq .Values.domain.writeStrategy "aggregate") }}true{{ end }}
+{{- end }}
+
 {{- /* The cluster agent Deployment's strategy type (deployment-cluster-agent.yaml renders the strategy;
 the crds hook needs the type to know whether the rollout itself replaces a 0.1.x agent). */ -}}
 {{- define "gpu-agent.clusterAgentStrategyType" -}}
@@ -462,6 +468,11 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
      theirs through ResourceClaimTemplates of the chart's DeviceClass. */ -}}
 {{- if eq $v.clusterAgent.gpuSource "cluster" }}{{ $_ := set $wiring "draDriverName" $v.dra.driverName }}{{ end -}}
 {{- if eq $v.clusterAgent.executor "pod" }}{{ $_ := set $wiring "draDeviceClassName" $v.dra.deviceClassName }}{{ end -}}
+{{- end -}}
+{{- if include "gpu-agent.channelTemplatesOn" . -}}
+{{- /* Each folded GPUDomain with a spec.channel gets its channel ResourceClaimTemplate (the driver's channel class). */ -}}
+{{- $_ := set $wiring "draDriverName" $v.dra.driverName -}}
+{{- $_ := set $wiring "channelDeviceClassName" $v.dra.channelDeviceClassName -}}
 {{- end -}}
 {{- if and (include "gpu-agent.domainsOn" .) (eq $v.domain.writeStrategy "aggregate") -}}
 {{- with $v.domain.name }}
