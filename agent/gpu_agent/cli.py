@@ -7,6 +7,7 @@
     gpu-agent inventory       read the GPU source once and print the inventory as JSON
     gpu-agent queue list|add  the control plane's work queue (admin token), e.g. beside `make run`
     gpu-agent chart-test      what `helm test` runs in the chart's test Pod: the release's endpoints answer (roles/chart_test.py)
+    gpu-agent workload        a multi-node workload (nickelpie, nvbandwidth) in the Pods of a GPUDomain (roles/workload.py)
     gpu-agent completion      print a bash or zsh completion script, made from this parser (foundations/completion.py)
     gpu-agent version         (or `gpu-agent --version`)
 
@@ -46,7 +47,7 @@ from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.foundations.version import VersionAction, version_info
 from gpu_agent.mechanisms.inventory.nvml import NVMLSource, describe_events
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, make_source
-from gpu_agent.roles import chart_test, cluster_agent, local, node_agent
+from gpu_agent.roles import chart_test, cluster_agent, local, node_agent, workload
 from gpu_agent.roles.control_plane import main as control_plane
 
 ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
@@ -85,9 +86,11 @@ EXIT_CODES: dict[int, str] = {
     1: "the command ran and failed: `queue` could not reach the control plane or the control plane refused the call "
        "(the message says which); `inventory`'s GPU source answered with an error (the inventory is printed all "
        "the same, its error set); a `chart-test` check failed (its line names it "
-       "and the fix); also an unexpected error, its traceback on stderr",
+       "and the fix); a `workload` run FAILED (its last line says why); also an unexpected error, its traceback "
+       "on stderr",
     2: "usage: an unknown command, flag or choice, a bad setting value (the message names the setting and where it "
-       "came from), no admin token for `queue`, a listen address that cannot be bound",
+       "came from), no admin token for `queue`, a listen address that cannot be bound, a `workload` peer list that "
+       "cannot be read or parsed",
     3: "`cluster-agent`, or `local` with --graceful-no-gpu=false, started with no GPUs and gracefulNoGPU is off "
        "(its last log line says why and what to set)",
     130: "interrupted (Ctrl-C) in a one-shot command such as `queue` or `inventory`, or before a serving role "
@@ -97,7 +100,7 @@ EXIT_CODES: dict[int, str] = {
 COMMAND_EXIT_CODES: dict[str, tuple[int, ...]] = {
     "local": (0, 2, 3, 130), "cluster-agent": (0, 2, 3, 130), "node-agent": (0, 2, 130), "control-plane": (0, 2, 130),
     "inventory": (0, 1, 2, 130), "queue": (0, 1, 2, 130), "queue list": (0, 1, 2, 130), "queue add": (0, 1, 2, 130),
-    "chart-test": (0, 1, 2, 130), "completion": (0, 2), "version": (0, 2),
+    "chart-test": (0, 1, 2, 130), "workload": (0, 1, 2, 130), "completion": (0, 2), "version": (0, 2),
 }
 OUTPUTS = ("json", "yaml", "wide")
 QUEUE_LIST_KIND = {"apiVersion": "gpu-agent/v1", "kind": "QueueList"}
@@ -150,6 +153,37 @@ def _add_output(parser: argparse.ArgumentParser, default: str) -> None:
                              f"column (default: {default})")
 
 
+def _add_workload(sub: Any) -> None:
+    work = _command(sub, "workload", "a multi-node workload of ours, one Pod per node of a GPUDomain (an indexed "
+                    "Job: e2e/manifests/domain-workload.yaml.j2), over TCP: each rank finds the others in the "
+                    "domain's peer list; the last line says PASSED (exit 0) or FAILED and why (exit 1)")
+    work.add_argument("pattern", choices=workload.PATTERNS, help="nickelpie: send/recv around the ring and a "
+                      "broadcast from rank 0, each checksum verified; nvbandwidth: the bandwidth between every pair "
+                      "of nodes (node/GPU pairs with --gpus-per-node), printed by rank 0 as a table")
+    work.add_argument("--world", type=int, required=True, metavar="N", help="how many ranks (Pods, one per node): "
+                      "the run starts once the peer list holds N Ready peers (default: none, required)")
+    work.add_argument("--peers", metavar="PATH", help="the peer list (default: $GPU_AGENT_DOMAIN_PEERS, else "
+                      f"{workload.DEFAULT_PEERS})")
+    work.add_argument("--node-index", type=int, metavar="N", help="this node's index in the peer list "
+                      "(default: $GPU_AGENT_DOMAIN_NODE_INDEX; where that is empty, --node-name finds it)")
+    work.add_argument("--node-name", metavar="NAME", help="this node's name in the peer list, used while the "
+                      "index is unknown (default: $NODE_NAME)")
+    work.add_argument("--port", type=int, default=workload.DEFAULT_PORT, help="the TCP port every rank listens on, "
+                      "on all addresses, and reaches the others at (default: %(default)s)")
+    work.add_argument("--timeout", type=float, default=workload.DEFAULT_TIMEOUT, metavar="SECONDS", help="the "
+                      "bound of the whole run: waiting for the peers, retries after a lost one included "
+                      "(default: %(default)g)")
+    work.add_argument("--bytes", type=int, default=workload.DEFAULT_BYTES, metavar="N", help="the payload of each "
+                      "step, and of each bandwidth iteration (default: %(default)s, 1 MiB)")
+    work.add_argument("--iterations", type=int, default=workload.DEFAULT_ITERATIONS, metavar="N",
+                      help="nvbandwidth: the payloads sent per measured pair (default: %(default)s)")
+    work.add_argument("--gpus-per-node", type=int, metavar="K", help="nvbandwidth: the GPUs of each node, whose "
+                      "node/GPU pairs are measured each on its own connection (default: the UUIDs in "
+                      "$NVIDIA_VISIBLE_DEVICES, at least 1)")
+    work.add_argument("--io-timeout", type=float, default=workload.DEFAULT_IO_TIMEOUT, metavar="SECONDS",
+                      help="the bound of each socket operation (connect, send, receive) (default: %(default)g)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-agent", description="GPU agent for Kubernetes",
                                      epilog=exit_codes_text(), formatter_class=_Formatter)
@@ -196,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "call (default: %(default)s)")
     test.add_argument("--kubeconfig", default="", metavar="PATH", help="the API server to list EndpointSlices at; "
                       "empty: in-cluster, then ~/.kube/config (default: empty)")
+    _add_workload(sub)
     shells = _command(sub, "completion", "print a shell completion script for gpu-agent, made from this command's "
                       "own parser: `source <(gpu-agent completion bash)`; for zsh, after compinit, "
                       "`source <(gpu-agent completion zsh)`")
@@ -349,6 +384,14 @@ def _chart_test(args: argparse.Namespace) -> int:
                                 out=lambda line: print(line, flush=True)).run()
 
 
+def _workload(args: argparse.Namespace) -> int:
+    cfg = workload.settings(args.pattern, world=args.world, env=os.environ, peers=args.peers,
+                            node_index=args.node_index, node_name=args.node_name, port=args.port,
+                            timeout=args.timeout, nbytes=args.bytes, iterations=args.iterations,
+                            gpus_per_node=args.gpus_per_node, io_timeout=args.io_timeout)
+    return workload.run(cfg, out=lambda line: print(line, flush=True))
+
+
 def dump_stacks_on_sigusr2() -> None:
     """`kill -USR2 <pid>` writes every thread's stack to stderr (the log) and the process goes on:
     the first thing to ask of an agent that looks stuck."""
@@ -373,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             return _print_inventory(inventory, args.output)
         if args.role == "chart-test":
             return _chart_test(args)
+        if args.role == "workload":
+            return _workload(args)
         if args.role == "queue":
             queue = load(QUEUE_SETTINGS, args, as_=QueueConfig)
             klog.setup(queue.verbosity, log_format=queue.logFormat)
