@@ -12,6 +12,7 @@ status the cluster agent writes, and what the workload got is what it prints its
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 
@@ -19,6 +20,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from e2e.artifacts import dump, failing_test
 from e2e.helpers import IMAGE, pod_log, wait_until
 from e2e.release import Release
 
@@ -117,6 +119,13 @@ def output(core, ns, pod):
     return text if "-- end" in text else None
 
 
+def dump_if_failing(core, ns):
+    """The module's release namespace is no test's own, which the suite dumps: a failing test dumps it here, before its
+    pods go."""
+    if sys.exc_info()[0] is not None and failing_test():
+        print(f"\nthe release namespace is in {dump(core, ns, failing_test(), into='release')}")
+
+
 def scale_cluster_agent(release, replicas):
     release.apps.patch_namespaced_deployment_scale(f"{release.fullname}-cluster-agent", release.namespace,
                                                    {"spec": {"replicas": replicas}})
@@ -159,6 +168,7 @@ def test_channel_injection_single_waits_for_the_node_to_be_ready_in_the_domain_t
         peers = text.split("-- peers\n")[1].split("-- end")[0]
         assert f"0 {node} " in peers and "Ready" in peers
     finally:
+        dump_if_failing(core, ns)
         scale_cluster_agent(release, 1)
         delete_pod_and_wait(core, ns, "single")
         delete_domain(api, ns, "single")

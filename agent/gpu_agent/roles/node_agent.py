@@ -76,9 +76,10 @@ SETTINGS = [
             "node is Ready there (the DRA driver's; mechanisms/dra/channels.py)"),
     Setting("draChannelCount", "int", 2048, "channels a claim with allocationMode All gets "
             "(/dev/nvidia-caps-imex-channels/channel0 .. channel<count-1>)", 1, 2048),
-    Setting("draChannelReadyWait", "seconds", 30.0, "how long one prepare call of a channel claim waits for this node "
-            "to be Ready in its domain before it answers the kubelet with the reason (the kubelet retries about "
-            "10 s later)", 0, 40),
+    Setting("draChannelReadyWait", "seconds", 10.0, "how long one prepare call of a channel claim waits for this node "
+            "to be Ready in its domain before it answers the kubelet with the reason (the pod's "
+            "FailedPrepareDynamicResources event); the driver annotates the pod once the node is Ready, and the "
+            "kubelet prepares again at once", 0, 40),
     Setting("draChannelHostDevice", "str", "", "host device behind each channel, {n} the channel's number; empty: "
             "/dev/null on the fake source (a harmless stand-in), /dev/nvidia-caps-imex-channels/channel{n} on nvml",
             optional=True),

@@ -307,3 +307,28 @@ def test_the_reconciler_keeps_the_view_folders_peer_list_current_and_tells_the_g
     assert r.view_file.read_text().splitlines()[1:] == ["0 n1 10.0.0.1 Ready"]
     r._listed_domain({"items": []})
     assert seen[-1] == (None, r.view_file.read_text())
+
+
+def test_the_pods_of_a_claim_that_gave_up_waiting_are_nudged_once_the_node_is_ready(world, tmp_path):
+    """The kubelet retries a failed prepare only at its next resync of the pod (60-90 s): the driver annotates the
+    waiting claim's pods when the node turns Ready, once, so the kubelet syncs the pod and prepares at once."""
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.foundations.health import HealthRegistry
+    from gpu_agent.mechanisms.dra.driver import NUDGE_ANNOTATION, DRADriver
+
+    waiting = channel_claim("u1")
+    waiting["status"]["reservedFor"] = [{"resource": "pods", "name": "worker-0", "uid": "p1"}]
+    world.claims.add(waiting)
+    driver = DRADriver(None, driver=DRIVER, node=NODE, registry_dir=tmp_path / "reg", plugin_dir=tmp_path / "plugins",
+                       cdi_dir=tmp_path / "cdi", health=HealthRegistry(ManualClock(), ["dra"]), clock=ManualClock(),
+                       channels=Channels(world.gate, 0.05, 8, "/dev/null"))
+    driver.preparer = world.preparer
+    world.gate._observed(DOMAIN, domain_obj())
+    assert "not Ready" in world.preparer.prepare([_ref("u1")], time.monotonic() + 5)["u1"].error
+    patches = []
+    assert driver.nudge_once(lambda ns, pod, body: patches.append((ns, pod, body))) == []  # not Ready: nobody nudged
+    world.gate._observed(DOMAIN, domain_obj((NODE, "Ready")))
+    assert driver.nudge_once(lambda ns, pod, body: patches.append((ns, pod, body))) == [(NS, "worker-0")]
+    assert patches == [(NS, "worker-0", {"metadata": {"annotations": {NUDGE_ANNOTATION: "u1"}}})]
+    assert driver.nudge_once(lambda ns, pod, body: patches.append((ns, pod, body))) == []  # once
+    assert world.preparer.prepare([_ref("u1")], time.monotonic() + 5)["u1"].error == ""

@@ -6,6 +6,9 @@
     kubelet ──> KubeletPlugin (gRPC) ──> ClaimPreparer ──> Checkpoint, CDI specs
     thread dra-cleanup: stale PrepareStarted claims unprepared at start and every `cleanup_interval`; the plugin
                        registers with the kubelet only after the first pass (or FIRST_CLEANUP_BOUND)
+    thread dra-channel-nudge (with domain channels): a channel claim whose prepare gave up before this node was Ready
+                       in its domain has its pods annotated once the node is (an update of the pod makes the kubelet
+                       sync it, and prepare again, at once, instead of at its next resync 60-90 s later)
 
 Its `/healthz` component `dra` is Ready once the kubelet has accepted the registration and the
 node's slice is published, and says which of the two is missing otherwise (a kubelet that refuses the
@@ -28,7 +31,9 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import StopEvent, start_thread
+from gpu_agent.mechanisms.dra.channels import DomainNotReady
 from gpu_agent.mechanisms.dra.checkpoint import Checkpoint
 from gpu_agent.mechanisms.dra.devices import NodeDevices
 from gpu_agent.mechanisms.dra.plugin import KubeletPlugin
@@ -38,6 +43,8 @@ from gpu_agent.mechanisms.dra.slices import SlicePublisher
 log = get_logger(__name__)
 
 COMPONENT = "dra"
+NUDGE_ANNOTATION = "gpu-agent.io/channel-ready"  # its value: the claim whose node turned Ready in its domain
+NUDGE_INTERVAL = 0.25  # how often the waiting channel claims' domains are looked at (in memory)
 # How long registration waits for the first cleanup pass: each claim it reads may take REQUEST_TIMEOUT while the
 # API server is slow, and a node without its plugin runs no new claims. What the pass has not reached by then it
 # finishes beside the plugin (the preparer serializes the two).
@@ -58,6 +65,7 @@ class DRADriver:
         self._publish_error = ""
         self.checkpoint = Checkpoint(plugin_dir / driver / "checkpoint.json")
         self.channels = channels or Channels()
+        self.api = api
         self.preparer = ClaimPreparer(api_claim_getter(api), driver=driver, node=node, checkpoint=self.checkpoint,
                                       cdi_dir=cdi_dir, devices=lambda: self._devices, clock=self.clock, mounts=mounts,
                                       channels=self.channels)
@@ -113,6 +121,37 @@ class DRADriver:
             first_pass_done()
             self.clock.wait_blocking(stop, self.cleanup_interval)
 
+    def nudge_once(self, patch: Callable[[str, str, dict[str, Any]], None]) -> list[tuple[str, str]]:
+        """Annotate the pods of each waiting channel claim whose node is now Ready in its domain; returns the pods."""
+        gate, nudged = self.channels.gate, list[tuple[str, str]]()
+        if gate is None:
+            return nudged
+        for uid, (domain, pods) in list(self.preparer.waiting.items()):
+            try:
+                gate.wait_ready(domain, 0)
+            except DomainNotReady:
+                continue
+            self.preparer.waiting.pop(uid, None)
+            for namespace, pod in pods:
+                try:
+                    patch(namespace, pod, {"metadata": {"annotations": {NUDGE_ANNOTATION: uid}}})
+                    nudged.append((namespace, pod))
+                    log.info("node %s Ready in GPUDomain %s: nudged pod %s/%s to prepare its channel claim again",
+                             self.node, domain, namespace, pod)
+                except Exception as e:  # noqa: BLE001 - the kubelet's own resync retries it later
+                    log.warning("nudging pod %s/%s failed (%s): the kubelet prepares its claim at its next resync",
+                                namespace, pod, e)
+        return nudged
+
+    def _nudge(self, stop: threading.Event) -> None:
+        core = client.CoreV1Api(self.api)
+
+        def patch(namespace: str, pod: str, body: dict[str, Any]) -> None:
+            core.patch_namespaced_pod(pod, namespace, body, _request_timeout=REQUEST_TIMEOUT)
+        while not stop.is_set():
+            self.nudge_once(patch)
+            self.clock.wait_blocking(stop, NUDGE_INTERVAL)
+
     async def run(self, stop: asyncio.Event) -> None:
         # a StopEvent: the halt also shuts down the slice watch's connection (foundations/threads.py)
         halt, loop, first_pass = StopEvent(), asyncio.get_running_loop(), asyncio.Event()
@@ -125,6 +164,8 @@ class DRADriver:
             start_thread("dra-slices", lambda: self.publisher.run(halt), halt)
             start_thread("dra-slice-watch", lambda: self.publisher.watch(halt), halt)
             start_thread("dra-cleanup", lambda: self._cleanup(halt, first_pass_done), halt)
+            if self.channels.gate is not None:
+                start_thread("dra-channel-nudge", lambda: self._nudge(halt), halt)
             # The checkpoint reconciled before the kubelet can call: a claim whose object went while no plugin ran
             # is undone by this pass, and the kubelet's own unprepare of it, retried since, finds it PrepareAborted
             # (a noop), instead of the two racing for it.

@@ -8,7 +8,10 @@ after its last one ends.
         ─> our results only, each GPU on this node and healthy ─> CDI spec ─> PrepareCompleted ─> CDI IDs
         a channel claim (channels.py): after PrepareStarted, join its GPUDomain and let go of the lock while
         waiting (up to `channel_wait`) for this node to be Ready in it; then, the lock taken again, a claim
-        unprepared meanwhile (PrepareAborted) fails for good, and the rest goes on as above
+        unprepared meanwhile (PrepareAborted) fails for good, and the rest goes on as above. A claim still not
+        Ready when the wait ends is remembered with its pods (`waiting`): the kubelet retries a failed prepare
+        only at its next resync of the pod (60-90 s), so the driver nudges those pods once the node is Ready
+        (driver.py), and the kubelet's retry comes at once.
 
 Errors: a `PermanentError` (the claim's own content is wrong: an unknown config field, a replaced
 claim) is logged as one and reported to the kubelet at once; anything else is reported as it is and
@@ -38,7 +41,13 @@ from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.mechanisms.dra import cdi
-from gpu_agent.mechanisms.dra.channels import DEFAULT_CHANNEL_COUNT, DomainGate, MemberView, channel_edits
+from gpu_agent.mechanisms.dra.channels import (
+    DEFAULT_CHANNEL_COUNT,
+    DomainGate,
+    DomainNotReady,
+    MemberView,
+    channel_edits,
+)
 from gpu_agent.mechanisms.dra.checkpoint import (
     PREPARE_ABORTED,
     PREPARE_COMPLETED,
@@ -85,7 +94,7 @@ class Channels:
     """How this node serves channel claims: the domains it joins for them, how long one prepare call waits for the
     node to be Ready in a domain, how many channels `All` gives and the host device behind each."""
     gate: DomainGate | None = None
-    wait: float = 30.0
+    wait: float = 10.0
     count: int = DEFAULT_CHANNEL_COUNT
     host_device: str = "/dev/null"
 
@@ -118,6 +127,8 @@ class ClaimPreparer:
         self.clock = clock or SystemClock()
         self.mounts = mounts or []
         self.channels = channels or Channels()
+        # channel claims whose last prepare ended before the node was Ready: uid -> (domain, [(namespace, pod)])
+        self.waiting: dict[str, tuple[str, list[tuple[str, str]]]] = {}
         self._serial = threading.Lock()  # one prepare or unprepare at a time, as the kubelet plugin helper does
 
     # -- the two calls ----------------------------------------------------------------------------------------------
@@ -196,7 +207,14 @@ class ClaimPreparer:
                                       domain=channel.config.domain))
             gate.join(channel.config.domain, ref.uid)
         # the wait holds no lock: other claims of this node prepare and unprepare meanwhile
-        view = gate.wait_ready(channel.config.domain, max(0.0, min(self.channels.wait, deadline - self.clock.monotonic())))
+        try:
+            view = gate.wait_ready(channel.config.domain, max(0.0, min(self.channels.wait, deadline - self.clock.monotonic())))
+        except DomainNotReady:
+            pods = [(ref.namespace, str(r.get("name"))) for r in (claim.get("status") or {}).get("reservedFor") or []
+                    if r.get("resource") == "pods" and r.get("name")]
+            self.waiting[ref.uid] = (channel.config.domain, pods)
+            raise
+        self.waiting.pop(ref.uid, None)
         if channel.config.domain_uid and view.uid != channel.config.domain_uid:
             raise PermanentError(f"GPUDomain {view.namespace}/{view.domain} was replaced: this claim was made for UID "
                                  f"{channel.config.domain_uid}, the domain's is {view.uid}; delete the claim's pod so that "
@@ -299,6 +317,7 @@ class ClaimPreparer:
     # -- unprepare --------------------------------------------------------------------------------------------------
 
     def _undo(self, entry: Entry) -> None:
+        self.waiting.pop(entry.uid, None)
         cdi.remove_spec(Path(entry.cdi_spec) if entry.cdi_spec else cdi.spec_path(self.cdi_dir, self.driver, entry.uid))
         if entry.domain and self.channels.gate is not None:
             self.channels.gate.release(entry.domain, entry.uid)
