@@ -154,12 +154,16 @@ def test_channel_injection_single_waits_for_the_node_to_be_ready_in_the_domain_t
         assert status.container_statuses[0].state.waiting.reason == "ContainerCreating"
 
         scale_cluster_agent(release, 1)
-        wait_until(lambda: domain_node_status(api, ns, "single", node) == "Ready", 120, f"{node} Ready in the domain")
+        wait_until(lambda: domain_node_status(api, ns, "single", node) == "Ready", 120, f"{node} Ready in the domain",
+                   interval=0.1)
         ready = time.monotonic()
         wait_until(lambda: core.read_namespaced_pod("single", ns).status.phase == "Running", 60, "the pod Running",
                    interval=0.1)
-        print(f"the pod Running {time.monotonic() - ready:.1f}s after the domain's status showed {node} Ready "
-              f"(the kubelet retries a failed prepare about 10 s after it answered)")
+        took = time.monotonic() - ready
+        print(f"the pod Running {took:.1f}s after the domain's status showed {node} Ready")
+        # The kubelet's own retry of a failed prepare is its next resync of the pod, 60-90 s later (measured: no
+        # retry in 62 s); the node agent's nudge (an annotation on the pod) brings it at once.
+        assert took <= 2.0
         text = wait_until(lambda: output(core, ns, "single"), 30, "the workload's output")
         print(text)
         assert "channels: 1" in text
