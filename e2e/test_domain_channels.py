@@ -21,7 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.artifacts import dump, failing_test
-from e2e.helpers import IMAGE, pod_log, wait_until
+from e2e.helpers import IMAGE, apply, pod_log, wait_until
 from e2e.release import Release
 
 pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
@@ -221,3 +221,96 @@ def test_a_deleted_domain_takes_its_channel_template_with_it(channels, api, core
     started = time.monotonic()
     wait_until(lambda: template(api, ns, "brief-channel") is None, 60, "the template gone with its domain")
     print(f"\nthe template went {time.monotonic() - started:.1f}s after its domain")
+
+
+def second_gpu_node(core, fake_gpus):
+    return next(n.metadata.name for n in core.list_node().items if n.metadata.name != fake_gpus.node)
+
+
+def job_pods(core, ns, job):
+    return sorted(core.list_namespaced_pod(ns, label_selector=f"job-name={job}").items,
+                  key=lambda p: int(p.metadata.annotations.get("batch.kubernetes.io/job-completion-index", "0")))
+
+
+def run_workload(api, core, ns, name, timeout=240, **values):
+    """The indexed Job of e2e/manifests/domain-workload.yaml.j2 run to completion; each index's log, by index."""
+    apply(api, ns, "domain-workload.yaml.j2", name=name, pull_policy="Never", **values)
+    batch = client.BatchV1Api(api)
+
+    def done():
+        status = batch.read_namespaced_job_status(name, ns).status
+        if status.failed:
+            raise AssertionError(f"job {name} failed: {[pod_log(core, ns, p.metadata.name) for p in job_pods(core, ns, name)]}")
+        return (status.succeeded or 0) == values["n"]
+    started = time.monotonic()
+    wait_until(done, timeout, f"job {name}: {values['n']} indexes succeeded", interval=0.5)
+    print(f"\njob {name} complete in {time.monotonic() - started:.1f}s")
+    return [pod_log(core, ns, p.metadata.name) for p in job_pods(core, ns, name) if p.status.phase == "Succeeded"]
+
+
+def delete_job(api, core, ns, name):
+    try:
+        client.BatchV1Api(api).delete_namespaced_job(name, ns, propagation_policy="Background", grace_period_seconds=0)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+    wait_until(lambda: not job_pods(core, ns, name), 60, f"job {name}'s pods gone")
+
+
+def test_nickelpie_analog_two_pods_on_two_nodes_of_one_domain_see_each_other_and_complete(channels, api, core, fake_gpus):
+    """nickelpie's shape over TCP (fake GPUs, no NVLink fabric): send/recv around the ring and a broadcast, each rank
+    finding the other through the domain's peer list mounted by its channel claim."""
+    ns, first = channels.namespace, fake_gpus.node
+    second = second_gpu_node(core, fake_gpus)
+    fake_gpus.set(1, node=second)  # a member is Ready only with a healthy GPU
+    make_domain(api, ns, "pair", "pair-channel", expected=2)
+    wait_until(lambda: template(api, ns, "pair-channel"), 30, "the cluster agent's channel template")
+    try:
+        logs = run_workload(api, core, ns, "nickelpie", n=2, pattern="nickelpie", claim_template="pair-channel",
+                            nodes=[first, second], timeout=180)
+        for text in logs:
+            print(text)
+        assert len(logs) == 2
+        for rank, text in enumerate(logs):
+            assert "PASSED" in text.splitlines()[-1], text
+            other = second if rank == 0 else first
+            assert other in text, f"rank {rank} never saw {other} in its peer list"
+    finally:
+        dump_if_failing(core, ns)
+        delete_job(api, core, ns, "nickelpie")
+        delete_domain(api, ns, "pair")
+        fake_gpus.set(0, node=second)
+
+
+def test_nvbandwidth_analog_2_nodes_x_2_gpus_prints_a_complete_all_pairs_table(channels, api, core, fake_gpus):
+    ns, first = channels.namespace, fake_gpus.node
+    second = second_gpu_node(core, fake_gpus)
+    fake_gpus.set(2)
+    fake_gpus.set(2, node=second)
+    make_domain(api, ns, "quad", "quad-channel", expected=2)
+    client.ResourceV1Api(api).create_namespaced_resource_claim_template(ns, {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "two-gpus"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+            "deviceClassName": "gpu.gpu-agent.io", "allocationMode": "ExactCount", "count": 2}}]}}}})
+    wait_until(lambda: template(api, ns, "quad-channel"), 30, "the cluster agent's channel template")
+    try:
+        logs = run_workload(api, core, ns, "nvbandwidth", n=2, pattern="nvbandwidth", claim_template="quad-channel",
+                            gpu_claim_template="two-gpus", nodes=[first, second], timeout=180)
+        assert all("PASSED" in text.splitlines()[-1] for text in logs), logs
+        # rank 0 (the domain's index 0, whichever Job index it runs at) gathers and prints the table
+        table = next((text for text in logs if "bandwidth (GB/s)" in text), "")
+        print(table)
+        lines = [line.split("] ", 1)[-1] for line in table.splitlines()]  # without the "[rank 0/2] " prefix
+        header = next(i for i, line in enumerate(lines) if "bandwidth (GB/s)" in line)
+        columns = lines[header + 1].split()
+        rows = {line.split()[0]: line.split()[1:] for line in lines[header + 2:] if line[:1].isdigit()}
+        assert columns == list(rows) == ["0:0", "0:1", "1:0", "1:1"]  # node:gpu pairs, 2 x 2
+        for row, cells in rows.items():  # complete: a figure in every cell but the diagonal
+            assert [c for c, value in zip(columns, cells, strict=True) if value == "N/A"] == [row]
+            assert all(float(v) > 0 for v in cells if v != "N/A")
+    finally:
+        dump_if_failing(core, ns)
+        delete_job(api, core, ns, "nvbandwidth")
+        client.ResourceV1Api(api).delete_namespaced_resource_claim_template("two-gpus", ns)
+        delete_domain(api, ns, "quad")
+        fake_gpus.set(0, node=second)
