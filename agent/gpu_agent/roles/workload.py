@@ -988,16 +988,21 @@ class Rank:
                 self._heard[request["index"]] = ("failed", str(request.get("incarnation", "")),
                                                  str(request.get("why", "")))
 
-    def _answer_get(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        key, label = str(request["key"]), str(request.get("label", request["key"]))
-        if (refusal := self._not_mine(key)) is not None:
-            send_message(conn, refusal)
-            return
+    def _served(self, key: str) -> tuple[bytes, str]:
+        """The payload of `key` as this rank serves it (a test's tamper applied) and the digest of the true one."""
         data, digest = self._data(key)
         if self.on_serve is not None:
             self.on_serve(key)
         if self.tamper is not None:
             data = self.tamper(data)
+        return data, digest
+
+    def _answer_get(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        key, label = str(request["key"]), str(request.get("label", request["key"]))
+        if (refusal := self._not_mine(key)) is not None:
+            send_message(conn, refusal)
+            return
+        data, digest = self._served(key)
         send_message(conn, {"ok": True, "bytes": len(data), "sha256": digest})
         conn.sendall(data)
         ack = recv_message(conn)
@@ -1015,11 +1020,7 @@ class Rank:
         if k != self.cfg.iterations:
             send_message(conn, {"ok": False, "error": f"{k} iterations asked, {self.cfg.iterations} run"})
             return
-        data, digest = self._data(key)
-        if self.on_serve is not None:
-            self.on_serve(key)
-        if self.tamper is not None:
-            data = self.tamper(data)
+        data, digest = self._served(key)
         send_message(conn, {"ok": True, "bytes": len(data) * k, "sha256": digest})
         for _ in range(k):
             conn.sendall(data)
