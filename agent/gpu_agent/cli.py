@@ -177,6 +177,10 @@ def _add_workload(sub: Any) -> None:
                       "step, and of each bandwidth iteration (default: %(default)s, 1 MiB)")
     work.add_argument("--iterations", type=int, default=workload.DEFAULT_ITERATIONS, metavar="N",
                       help="nvbandwidth: the payloads sent per measured pair (default: %(default)s)")
+    work.add_argument("--repeat", type=int, default=1, metavar="K", help="nickelpie: run the ring and the "
+                      "broadcast K times, a run long enough to lose a Pod in the middle of (default: %(default)s)")
+    work.add_argument("--interval", type=float, default=0.0, metavar="SECONDS", help="nickelpie: the pause between "
+                      "two repeats (default: %(default)g)")
     work.add_argument("--gpus-per-node", type=int, metavar="K", help="nvbandwidth: the GPUs of each node, whose "
                       "node/GPU pairs are measured each on its own connection (default: the UUIDs in "
                       "$NVIDIA_VISIBLE_DEVICES, at least 1)")
@@ -388,7 +392,8 @@ def _workload(args: argparse.Namespace) -> int:
     cfg = workload.settings(args.pattern, world=args.world, env=os.environ, peers=args.peers,
                             node_index=args.node_index, node_name=args.node_name, port=args.port,
                             timeout=args.timeout, nbytes=args.bytes, iterations=args.iterations,
-                            gpus_per_node=args.gpus_per_node, io_timeout=args.io_timeout)
+                            gpus_per_node=args.gpus_per_node, io_timeout=args.io_timeout, repeat=args.repeat,
+                            interval=args.interval)
     return workload.run(cfg, out=lambda line: print(line, flush=True))
 
 

@@ -16,7 +16,8 @@ ranks on one host, as the unit tests run them).
 
 Patterns (both mirror NVIDIA's multi-node tests):
 - nickelpie: send/recv around the ring (rank 0 -> 1 -> ... -> 0), then a broadcast from rank 0; every payload's
-  SHA-256 is checked by its receiver, which acknowledges it to the sender; each side prints a line per step.
+  SHA-256 is checked by its receiver, which acknowledges it to the sender; each side prints a line per step. With
+  `--repeat K` the two steps run K times (`--interval` seconds apart): a run long enough to lose a Pod in the middle of.
 - nvbandwidth: every rank measures the bandwidth from every other node/GPU pair to each of its own (`--bytes` per
   iteration, `--iterations`, one connection per pair, timed on the monotonic clock); rank 0 gathers the cells and
   prints the all-pairs table in nvbandwidth's layout (rows: from, columns: to, GB/s); a missing cell fails the run.
@@ -224,6 +225,8 @@ class WorkloadConfig:
     timeout: float = DEFAULT_TIMEOUT
     nbytes: int = DEFAULT_BYTES
     iterations: int = DEFAULT_ITERATIONS
+    repeat: int = 1  # nickelpie: how many times the ring and the broadcast run
+    interval: float = 0.0  # nickelpie: seconds between two repeats
     gpus_per_node: int = 1
     io_timeout: float = DEFAULT_IO_TIMEOUT
     domain: str = ""
@@ -247,6 +250,10 @@ class WorkloadConfig:
             problems.append(f"--bytes must be 1..{MAX_BYTES}; got {self.nbytes}")
         if self.iterations < 1:
             problems.append(f"--iterations must be 1 or more; got {self.iterations}")
+        if self.repeat < 1:
+            problems.append(f"--repeat must be 1 or more; got {self.repeat}")
+        if not (self.interval >= 0 and math.isfinite(self.interval)):
+            problems.append(f"--interval must be 0 seconds or more; got {self.interval:g}")
         if self.gpus_per_node < 1:
             problems.append(f"--gpus-per-node must be 1 or more; got {self.gpus_per_node}")
         if self.node_index is not None and self.node_index < 0:
@@ -267,7 +274,8 @@ def count_gpus(visible: str) -> int:
 def settings(pattern: str, *, world: int, env: Mapping[str, str], peers: str | None = None,
              node_index: int | None = None, node_name: str | None = None, port: int = DEFAULT_PORT,
              timeout: float = DEFAULT_TIMEOUT, nbytes: int = DEFAULT_BYTES, iterations: int = DEFAULT_ITERATIONS,
-             gpus_per_node: int | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT) -> WorkloadConfig:
+             gpus_per_node: int | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT, repeat: int = 1,
+             interval: float = 0.0) -> WorkloadConfig:
     """The run's settings: the flags given (not None), else what the channel's CDI spec put in `env`; checked."""
     if node_index is None:
         text = env.get("GPU_AGENT_DOMAIN_NODE_INDEX", "").strip()
@@ -278,7 +286,7 @@ def settings(pattern: str, *, world: int, env: Mapping[str, str], peers: str | N
     cfg = WorkloadConfig(
         pattern=pattern, world=world, peers=peers or env.get("GPU_AGENT_DOMAIN_PEERS") or DEFAULT_PEERS,
         node_index=node_index, node_name=env.get("NODE_NAME", "") if node_name is None else node_name,
-        port=port, timeout=timeout, nbytes=nbytes, iterations=iterations,
+        port=port, timeout=timeout, nbytes=nbytes, iterations=iterations, repeat=repeat, interval=interval,
         gpus_per_node=count_gpus(env.get("NVIDIA_VISIBLE_DEVICES", "")) if gpus_per_node is None else gpus_per_node,
         io_timeout=io_timeout, domain=env.get("GPU_AGENT_DOMAIN", ""), clique=env.get("GPU_AGENT_DOMAIN_CLIQUE", ""))
     cfg.check()
@@ -737,14 +745,27 @@ class Rank:
             self.out("a world of 1: nothing to send")
             return "a world of 1 rank, nothing to exchange"
         ring = " -> ".join(str(i) for i in [*range(n), 0])
-        src = (r - 1) % n
-        self._pull(world[src], f"sendrecv {src}->{r}", f"step 1/2 sendrecv (ring {ring}) {src} -> {r}")
-        self._check_word()
-        if r != 0:
-            self._pull(world[0], "broadcast 0", f"step 2/2 broadcast from rank 0 -> {r}")
-        self._check_word()
-        return (f"{n} ranks, {self.cfg.nbytes} bytes per step: sendrecv around the ring and broadcast from rank 0, "
-                f"every checksum verified")
+        src, k = (r - 1) % n, self.cfg.repeat
+        for i in range(k):
+            # the first repeat keeps the keys a run of one has; later ones are keys of their own
+            suffix, of = (f" #{i}" if i else ""), (f" (repeat {i + 1}/{k})" if k > 1 else "")
+            if i:
+                self._pace()
+            self._pull(world[src], f"sendrecv {src}->{r}{suffix}", f"step 1/2 sendrecv (ring {ring}) {src} -> {r}{of}")
+            self._check_word()
+            if r != 0:
+                self._pull(world[0], f"broadcast 0{suffix}", f"step 2/2 broadcast from rank 0 -> {r}{of}")
+            self._check_word()
+        return (f"{n} ranks, {self.cfg.nbytes} bytes per step: sendrecv around the ring and broadcast from rank 0"
+                f"{f', {k} times' if k > 1 else ''}, every checksum verified")
+
+    def _pace(self) -> None:
+        """`--interval` between two repeats, ended early by a kill."""
+        if self._killed.is_set():
+            raise Killed()
+        self.sleep(max(0.0, min(self.cfg.interval, self._left())))
+        if self._killed.is_set():
+            raise Killed()
 
     # --- nvbandwidth ------------------------------------------------------------------------------------------------
 
@@ -963,11 +984,14 @@ class Rank:
     def _not_mine(self, key: str) -> dict[str, Any] | None:
         """Why this rank does not send step `key` (None: it does). Only its own steps are made and kept, whatever
         an asker names; while it has not found its rank, or sees another one than the asker, the asker retries."""
-        if m := re.fullmatch(r"sendrecv (\d+)->(\d+)", key):
+        repeat = r"(?: #(\d+))?"  # a later repeat's step (nickelpie --repeat)
+        if m := re.fullmatch(rf"sendrecv (\d+)->(\d+){repeat}", key):
             src, dst = int(m.group(1)), int(m.group(2))
-            mine = src < self.cfg.world and dst == (src + 1) % self.cfg.world and src == self.rank
+            mine = src < self.cfg.world and dst == (src + 1) % self.cfg.world and src == self.rank and \
+                int(m.group(3) or 0) < self.cfg.repeat
         else:
-            mine = key == "broadcast 0" and self.rank == 0
+            m = re.fullmatch(rf"broadcast 0{repeat}", key)
+            mine = m is not None and self.rank == 0 and int(m.group(1) or 0) < self.cfg.repeat
         if mine:
             return None
         if self.rank < 0:

@@ -195,6 +195,29 @@ def test_a_rank_killed_mid_run_is_waited_for_and_the_run_completes_once_it_is_ba
     assert ranks.lines[2][-1].startswith("[rank 2/3] PASSED")
 
 
+def test_a_repeated_run_outlives_a_rank_killed_in_its_middle(tmp_path: Path) -> None:
+    """--repeat 4: rank 1 dies while serving the third repeat's step (the failover rows' force-deleted worker), comes
+    back at a new address and the run completes, every repeat's checksum verified by its receiver."""
+    ranks = Ranks(tmp_path, 2)
+    ranks.cfg = {"repeat": 4, "interval": 0.01}
+    first = ranks.start(1, on_serve=lambda key: first.kill() if key == "sendrecv 1->0 #2" else None)
+    ranks.start(0)
+    ranks.join(1)
+    assert isinstance(ranks.codes[1], workload.Killed), ranks.text(1)
+    assert "(repeat 2/4)" in ranks.text(0)  # it was in the middle of the run
+    ranks.listeners[1] = socket.create_server(("127.0.0.1", 0))
+    ranks.ports[1] = ranks.listeners[1].getsockname()[1]
+    ranks.lines[1].clear()
+    ranks.write()
+    ranks.start(1)
+    codes = ranks.join()
+    assert codes == {0: 0, 1: 0}, {i: ranks.text(i) for i in range(2)}
+    for i in range(2):
+        assert re.search(r"step 1/2 sendrecv .* \(repeat 4/4\): recv 65536 bytes .* ok", ranks.text(i)), ranks.text(i)
+        assert ranks.lines[i][-1].startswith(f"[rank {i}/2] PASSED nickelpie: 2 ranks, 65536 bytes per step: "
+                                             "sendrecv around the ring and broadcast from rank 0, 4 times")
+
+
 def test_a_corrupted_payload_fails_the_receiver_and_the_run(tmp_path: Path) -> None:
     """Rank 0 flips a byte of what it sends after taking its checksum: rank 1 finds the checksum wrong, fails and
     tells rank 0, which fails and tells the others."""
