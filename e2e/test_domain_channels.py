@@ -21,7 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from e2e.artifacts import dump, failing_test
-from e2e.helpers import IMAGE, apply, pod_log, wait_until
+from e2e.helpers import IMAGE, Sampler, apply, pod_log, wait_until
 from e2e.release import Release
 
 pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
@@ -313,4 +313,77 @@ def test_nvbandwidth_analog_2_nodes_x_2_gpus_prints_a_complete_all_pairs_table(c
         delete_job(api, core, ns, "nvbandwidth")
         client.ResourceV1Api(api).delete_namespaced_resource_claim_template("two-gpus", ns)
         delete_domain(api, ns, "quad")
+        fake_gpus.set(0, node=second)
+
+
+def domain_ready(api, ns, name):
+    obj = client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+def index_pod(core, ns, job, index):
+    """The Job's Pod of `index` that is not being deleted, or None."""
+    return next((p for p in job_pods(core, ns, job) if p.metadata.deletion_timestamp is None and
+                 p.metadata.annotations.get("batch.kubernetes.io/job-completion-index") == str(index)), None)
+
+
+FAILOVERS = {
+    # the seed's `CD failover nvb2: ...` rows, as the seed runs them, under a running 2-node workload
+    "force-delete worker pod 0": "worker-0",
+    "force-delete all IMEX daemons (our node agents)": "agents",
+    "regular-delete worker pod 1": "worker-1",
+}
+
+
+@pytest.mark.parametrize("row", FAILOVERS)
+def test_failover_a_running_two_node_workload_completes_through(row, channels, api, core, fake_gpus):
+    release, ns, first = channels, channels.namespace, fake_gpus.node
+    second = second_gpu_node(core, fake_gpus)
+    fake_gpus.set(1, node=second)
+    what, name = FAILOVERS[row], f"fo-{FAILOVERS[row]}"
+    make_domain(api, ns, name, f"{name}-channel", expected=2)
+    wait_until(lambda: template(api, ns, f"{name}-channel"), 30, "the cluster agent's channel template")
+    batch = client.BatchV1Api(api)
+    try:
+        # 60 repeats half a second apart: about 30 s of work, disrupted in its middle
+        apply(api, ns, "domain-workload.yaml.j2", name=name, n=2, pattern="nickelpie", claim_template=f"{name}-channel",
+              nodes=[first, second], timeout=300, pull_policy="Never", args=["--repeat", "60", "--interval", "0.5"])
+        wait_until(lambda: all("(repeat 3/60)" in pod_log(core, ns, p.metadata.name) for p in job_pods(core, ns, name))
+                   and len(job_pods(core, ns, name)) == 2, 120, "both ranks in the middle of the run", interval=0.5)
+        with Sampler(lambda: domain_ready(api, ns, name), 0.1) as readiness:  # the sampler records, the test judges
+            started = time.monotonic()
+            if what == "agents":
+                for pod in release.pods("app.kubernetes.io/component=node-agent"):
+                    core.delete_namespaced_pod(pod.metadata.name, ns, grace_period_seconds=0)
+            else:
+                index = int(what[-1])
+                victim = index_pod(core, ns, name, index)
+                core.delete_namespaced_pod(victim.metadata.name, ns, grace_period_seconds=0 if index == 0 else None)
+                wait_until(lambda: (p := index_pod(core, ns, name, index)) is not None and
+                           p.metadata.uid != victim.metadata.uid and p.status.phase == "Running", 180,
+                           f"a replacement of worker pod {index} Running", interval=0.25)
+                print(f"\n{row}: the replacement Running {time.monotonic() - started:.1f}s after the delete")
+            wait_until(lambda: (batch.read_namespaced_job_status(name, ns).status.succeeded or 0) == 2, 300,
+                       "the workload complete", interval=0.5)
+            print(f"{row}: the workload complete {time.monotonic() - started:.1f}s after the disruption")
+        after = [(t - started, ready) for t, ready in readiness.samples if t >= started]
+        lost = [t for t, ready in after if ready is not True]
+        if what != "agents":  # a worker's node leaves the domain with its claim, and joins again with the new one's
+            assert lost, f"the domain never went NotReady: {len(after)} samples"
+        if lost:
+            back = next((t for t, ready in after if t > lost[0] and ready is True), None)
+            assert back is not None, f"the domain not Ready again after {lost[0]:.1f}s: {after[-5:]}"
+            print(f"{row}: the domain NotReady {lost[0]:.1f}s after the disruption, Ready again at {back:.1f}s "
+                  f"({len(after)} samples, every 0.1 s)")
+        else:
+            print(f"{row}: the domain stayed Ready throughout ({len(after)} samples, every 0.1 s)")
+        for pod in job_pods(core, ns, name):
+            if pod.status.phase == "Succeeded":
+                assert "PASSED nickelpie: 2 ranks" in pod_log(core, ns, pod.metadata.name).splitlines()[-1]
+        if what == "agents":
+            assert len(job_pods(core, ns, name)) == 2  # the workload's pods ran on, none replaced
+    finally:
+        dump_if_failing(core, ns)
+        delete_job(api, core, ns, name)
+        delete_domain(api, ns, name)
         fake_gpus.set(0, node=second)
