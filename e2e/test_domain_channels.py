@@ -387,3 +387,55 @@ def test_failover_a_running_two_node_workload_completes_through(row, channels, a
         delete_job(api, core, ns, name)
         delete_domain(api, ns, name)
         fake_gpus.set(0, node=second)
+
+
+PEER_WATCHER = ("python3 -u -c \"import time\nwhile True:\n    try:\n        lines = open('/etc/gpu-agent/domain/peers')"
+                ".read().splitlines()[1:]\n    except OSError:\n        lines = []\n"
+                "    print('T=%.3f %s' % (time.time(), ','.join(sorted(l.split()[1] for l in lines if l.endswith("
+                "' Ready')))), flush=True)\n    time.sleep(0.1)\"")
+
+
+def seen_after(core, ns, pod, since, nodes):
+    """The wall time (the container's; the CI cluster's nodes share this host's clock) of the first line the watcher
+    printed after `since` whose Ready peers are exactly `nodes`; None before."""
+    for line in pod_log(core, ns, pod).splitlines():
+        if line.startswith("T="):
+            stamp, _, names = line[2:].partition(" ")
+            if float(stamp) > since and names == ",".join(sorted(nodes)):
+                return float(stamp)
+    return None
+
+
+def test_the_peer_list_in_a_running_workload_follows_a_member_leaving_and_coming_back(channels, api, core, fake_gpus):
+    """The peer list is a mount of a folder the node agent rewrites: a running container sees a member leave (its
+    node's last channel claim unprepared) and come back (a new claim prepared there) without restarting."""
+    ns, first = channels.namespace, fake_gpus.node
+    second = second_gpu_node(core, fake_gpus)
+    fake_gpus.set(1, node=second)
+    make_domain(api, ns, "watched", "watched-channel", expected=2)
+    wait_until(lambda: template(api, ns, "watched-channel"), 30, "the cluster agent's channel template")
+    claim = [("channel", {"resourceClaimTemplateName": "watched-channel"})]
+    watcher = workload_pod("watcher", first, claim)
+    watcher["spec"]["containers"][0]["command"] = ["sh", "-c", PEER_WATCHER]
+    other = workload_pod("other", second, claim)
+    try:
+        core.create_namespaced_pod(ns, watcher)
+        core.create_namespaced_pod(ns, other)
+        wait_until(lambda: seen_after(core, ns, "watcher", 0, [first, second]), 120, "the watcher seeing both nodes")
+        left = time.time()
+        delete_pod_and_wait(core, ns, "other")
+        gone = wait_until(lambda: seen_after(core, ns, "watcher", left, [first]), 30, f"{second} gone from the list")
+        back_at = time.time()
+        core.create_namespaced_pod(ns, other)
+        back = wait_until(lambda: seen_after(core, ns, "watcher", back_at, [first, second]), 60, f"{second} back")
+        print(f"\n{second} left (its pod deleted): gone from a running workload's peer list {gone - left:.1f}s later; "
+              f"its new pod created: back in the list {back - back_at:.1f}s later")
+        ttl = 3 * 5.0  # domain.heartbeatTTL x the heartbeat interval: the bound a dead member is NotReady within
+        assert gone - left <= ttl + 1 and back - back_at <= ttl + 1
+        assert core.read_namespaced_pod("watcher", ns).status.container_statuses[0].restart_count == 0
+    finally:
+        dump_if_failing(core, ns)
+        for pod in ("watcher", "other"):
+            delete_pod_and_wait(core, ns, pod)
+        delete_domain(api, ns, "watched")
+        fake_gpus.set(0, node=second)
