@@ -107,6 +107,21 @@ def delete_pod_and_wait(core, ns, name, timeout=60):
             return e.status == 404
         return False
     wait_until(gone, timeout, f"pod {ns}/{name} gone (its claim unprepared and deallocated)")
+    claims_gone(api_of(core), ns, {name}, timeout)
+
+
+def api_of(core):
+    return core.api_client
+
+
+def claims_gone(api, ns, pods, timeout=60):
+    """The claims Kubernetes made for `pods` (from templates, owned by the pod) deleted: until then the node's
+    channel-0 is still allocated, and the next test's pod there waits for the scheduler's next try (seen: 70 s)."""
+    def none_left():
+        listed = json.loads(client.ResourceV1Api(api).list_namespaced_resource_claim(ns, _preload_content=False).data)
+        return not [c for c in listed["items"] for o in c["metadata"].get("ownerReferences") or []
+                    if o.get("kind") == "Pod" and o.get("name") in pods]
+    wait_until(none_left, timeout, f"the claims of {sorted(pods)} deleted")
 
 
 def failed_prepare(core, ns, pod):
@@ -210,6 +225,10 @@ def test_a_channel_claim_from_another_namespace_is_refused_for_good(channels, ap
         assert core.read_namespaced_pod("borrower", namespace).status.phase == "Pending"
     finally:
         delete_pod_and_wait(core, namespace, "borrower")
+        # a claim of its own (no template's): allocated, it holds the node's channel-0 until it is deleted
+        client.ResourceV1Api(api).delete_namespaced_resource_claim("borrowed", namespace)
+        wait_until(lambda: not json.loads(client.ResourceV1Api(api).list_namespaced_resource_claim(
+            namespace, _preload_content=False).data)["items"], 60, "the borrowed claim deleted")
         delete_domain(api, ns, "theirs")
 
 
@@ -249,12 +268,14 @@ def run_workload(api, core, ns, name, timeout=240, **values):
 
 
 def delete_job(api, core, ns, name):
+    pods = {p.metadata.name for p in job_pods(core, ns, name)}
     try:
         client.BatchV1Api(api).delete_namespaced_job(name, ns, propagation_policy="Background", grace_period_seconds=0)
     except ApiException as e:
         if e.status != 404:
             raise
     wait_until(lambda: not job_pods(core, ns, name), 60, f"job {name}'s pods gone")
+    claims_gone(api, ns, pods)
 
 
 def test_nickelpie_analog_two_pods_on_two_nodes_of_one_domain_see_each_other_and_complete(channels, api, core, fake_gpus):

@@ -332,3 +332,41 @@ def test_the_pods_of_a_claim_that_gave_up_waiting_are_nudged_once_the_node_is_re
     assert patches == [(NS, "worker-0", {"metadata": {"annotations": {NUDGE_ANNOTATION: "u1"}}})]
     assert driver.nudge_once(lambda ns, pod, body: patches.append((ns, pod, body))) == []  # once
     assert world.preparer.prepare([_ref("u1")], time.monotonic() + 5)["u1"].error == ""
+
+
+def test_a_channel_claim_whose_channel_is_still_held_by_a_force_deleted_pods_claim_prepares_once_that_one_is_unprepared(
+        world, tmp_path):
+    """The scheduler gives channel-0 to a new claim as soon as a force-deleted pod's claim is deallocated, before the
+    kubelet unprepared it (seen on the CI cluster, 2 s apart): the new prepare waits for that unprepare; one that
+    gave up first is nudged once the channel is free."""
+    from gpu_agent.foundations.clock import ManualClock
+    from gpu_agent.foundations.health import HealthRegistry
+    from gpu_agent.mechanisms.dra.driver import DRADriver
+
+    world.claims.add(channel_claim("old"))
+    new = channel_claim("new", name="ch2")
+    new["status"]["reservedFor"] = [{"resource": "pods", "name": "next", "uid": "p2"}]
+    world.claims.add(new)
+    world.gate._observed(DOMAIN, domain_obj((NODE, "Ready")))
+    assert world.preparer.prepare([_ref("old")], time.monotonic() + 5)["old"].error == ""
+    # within its wait: the old claim unprepared meanwhile, the new one prepared
+    world.preparer.channels = Channels(world.gate, 5.0, 8, "/dev/null")
+    releaser = threading.Timer(0.3, lambda: world.preparer.unprepare([_ref("old")], time.monotonic() + 5))
+    releaser.start()
+    assert world.preparer.prepare([_ref("new", "ch2")], time.monotonic() + 10)["new"].error == ""
+    releaser.join()
+    # past its wait: it says why, and its pod is nudged once the channel is free
+    world.preparer.unprepare([_ref("new", "ch2")], time.monotonic() + 5)
+    assert world.preparer.prepare([_ref("old")], time.monotonic() + 5)["old"].error == ""
+    world.preparer.channels = Channels(world.gate, 0.1, 8, "/dev/null")
+    error = world.preparer.prepare([_ref("new", "ch2")], time.monotonic() + 5)["new"].error
+    assert "requested device channel-0 is already allocated to different claim gpu-agent/ch: waiting for its unprepare" in error
+    driver = DRADriver(None, driver=DRIVER, node=NODE, registry_dir=tmp_path / "reg", plugin_dir=tmp_path / "plugins",
+                       cdi_dir=tmp_path / "cdi", health=HealthRegistry(ManualClock(), ["dra"]), clock=ManualClock(),
+                       channels=world.preparer.channels)
+    driver.preparer = world.preparer
+    patches = []
+    assert driver.nudge_once(lambda ns, pod, body: patches.append(pod)) == []  # still held
+    world.preparer.unprepare([_ref("old")], time.monotonic() + 5)
+    assert driver.nudge_once(lambda ns, pod, body: patches.append(pod)) == [(NS, "next")]
+    assert world.preparer.prepare([_ref("new", "ch2")], time.monotonic() + 5)["new"].error == ""

@@ -7,8 +7,9 @@
     thread dra-cleanup: stale PrepareStarted claims unprepared at start and every `cleanup_interval`; the plugin
                        registers with the kubelet only after the first pass (or FIRST_CLEANUP_BOUND)
     thread dra-channel-nudge (with domain channels): a channel claim whose prepare gave up before this node was Ready
-                       in its domain has its pods annotated once the node is (an update of the pod makes the kubelet
-                       sync it, and prepare again, at once, instead of at its next resync 60-90 s later)
+                       in its domain (or before the claim that held the channel was unprepared) has its pods annotated
+                       once it would prepare (an update of the pod makes the kubelet sync it, and prepare again, at
+                       once, instead of at its next resync 60-90 s later)
 
 Its `/healthz` component `dra` is Ready once the kubelet has accepted the registration and the
 node's slice is published, and says which of the two is missing otherwise (a kubelet that refuses the
@@ -33,7 +34,6 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT
 from gpu_agent.foundations.threads import StopEvent, start_thread
-from gpu_agent.mechanisms.dra.channels import DomainNotReady
 from gpu_agent.mechanisms.dra.checkpoint import Checkpoint
 from gpu_agent.mechanisms.dra.devices import NodeDevices
 from gpu_agent.mechanisms.dra.plugin import KubeletPlugin
@@ -127,16 +127,15 @@ class DRADriver:
         if gate is None:
             return nudged
         for uid, (domain, pods) in list(self.preparer.waiting.items()):
-            try:
-                gate.wait_ready(domain, 0)
-            except DomainNotReady:
+            if not self.preparer.retry_due(uid, domain):
                 continue
             self.preparer.waiting.pop(uid, None)
             for namespace, pod in pods:
                 try:
                     patch(namespace, pod, {"metadata": {"annotations": {NUDGE_ANNOTATION: uid}}})
                     nudged.append((namespace, pod))
-                    log.info("node %s Ready in GPUDomain %s: nudged pod %s/%s to prepare its channel claim again",
+                    log.info("node %s Ready in GPUDomain %s, its channel free: nudged pod %s/%s to prepare its "
+                             "channel claim again",
                              self.node, domain, namespace, pod)
                 except Exception as e:  # noqa: BLE001 - the kubelet's own resync retries it later
                     log.warning("nudging pod %s/%s failed (%s): the kubelet prepares its claim at its next resync",

@@ -83,6 +83,9 @@ class DeadlineExceeded(Exception):
     pass
 
 
+CHANNEL_POLL = 0.1  # how often a channel prepare looks whether the claim holding the channel was unprepared
+
+
 @dataclass(frozen=True)
 class ChannelRequest:
     request: str
@@ -207,9 +210,11 @@ class ClaimPreparer:
                                       domain=channel.config.domain))
             gate.join(channel.config.domain, ref.uid)
         # the wait holds no lock: other claims of this node prepare and unprepare meanwhile
+        until = min(self.clock.monotonic() + self.channels.wait, deadline)
         try:
-            view = gate.wait_ready(channel.config.domain, max(0.0, min(self.channels.wait, deadline - self.clock.monotonic())))
-        except DomainNotReady:
+            view = gate.wait_ready(channel.config.domain, max(0.0, until - self.clock.monotonic()))
+            self._wait_for_channel(ref, until)
+        except (DomainNotReady, RuntimeError):
             pods = [(ref.namespace, str(r.get("name"))) for r in (claim.get("status") or {}).get("reservedFor") or []
                     if r.get("resource") == "pods" and r.get("name")]
             self.waiting[ref.uid] = (channel.config.domain, pods)
@@ -225,6 +230,9 @@ class ClaimPreparer:
                 raise PermanentError(f"stale prepare for claim {ref}: claim prepare was already aborted")
             if entry.state == PREPARE_COMPLETED:
                 return entry.devices
+            if (holder := self.channel_holder(ref.uid)) is not None:  # prepared meanwhile, by another call
+                raise RuntimeError(f"requested device {CHANNEL_DEVICE} is already allocated to different claim "
+                                   f"{holder.namespace}/{holder.name}")
             return self._complete(ref, results, configs, (channel, view), deadline)
 
     def _channel_request(self, ref: ClaimRef, results: list[dict[str, Any]], configs: dict[str, Config]) -> ChannelRequest | None:
@@ -248,12 +256,34 @@ class ClaimPreparer:
             raise PermanentError(f"claim {ref} is in namespace {ref.namespace}, GPUDomain {config.domain} is in "
                                  f"{gate.namespace}: a domain's channel serves only claims of its own namespace; run "
                                  f"the workload in {gate.namespace}")
-        for other in self.checkpoint.entries():
-            if other.uid != ref.uid and other.state == PREPARE_COMPLETED and \
-                    any(d.get("device_name") == CHANNEL_DEVICE for d in other.devices):
-                raise RuntimeError(f"requested device {CHANNEL_DEVICE} is already allocated to different claim "
-                                   f"{other.namespace}/{other.name}")
         return ChannelRequest(requests[0], config)
+
+    def channel_holder(self, uid: str) -> Entry | None:
+        """Another claim this node has prepared the channel for and not yet unprepared. The scheduler hands channel-0
+        to a new claim as soon as the old one is deallocated, which a force-deleted pod's is before the kubelet has
+        unprepared it (seen: 2 s after the new claim's prepare)."""
+        return next((e for e in self.checkpoint.entries() if e.uid != uid and e.state == PREPARE_COMPLETED and
+                     any(d.get("device_name") == CHANNEL_DEVICE for d in e.devices)), None)
+
+    def retry_due(self, uid: str, domain: str) -> bool:
+        """Whether a waiting channel claim would prepare now: the node Ready in its domain, the channel free."""
+        gate = self.channels.gate
+        if gate is None or self.channel_holder(uid) is not None:
+            return False
+        try:
+            gate.wait_ready(domain, 0)
+        except DomainNotReady:
+            return False
+        return True
+
+    def _wait_for_channel(self, ref: ClaimRef, until: float) -> None:
+        """Until the channel is this node's to give (another claim's unprepare on its way), by `until`."""
+        while (holder := self.channel_holder(ref.uid)) is not None:
+            left = until - self.clock.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"requested device {CHANNEL_DEVICE} is already allocated to different claim "
+                                   f"{holder.namespace}/{holder.name}: waiting for its unprepare")
+            self.clock.wait_blocking(threading.Event(), min(CHANNEL_POLL, left))
 
     def _complete(self, ref: ClaimRef, results: list[dict[str, Any]], configs: dict[str, Config],
                   channel: tuple[ChannelRequest, MemberView] | None, deadline: float) -> list[dict[str, Any]]:
