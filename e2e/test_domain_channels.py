@@ -107,11 +107,7 @@ def delete_pod_and_wait(core, ns, name, timeout=60):
             return e.status == 404
         return False
     wait_until(gone, timeout, f"pod {ns}/{name} gone (its claim unprepared and deallocated)")
-    claims_gone(api_of(core), ns, {name}, timeout)
-
-
-def api_of(core):
-    return core.api_client
+    claims_gone(core.api_client, ns, {name}, timeout)
 
 
 def claims_gone(api, ns, pods, timeout=60):

@@ -450,7 +450,7 @@ class Rank:
         finally:
             self._stop.set()
             self._close_all(listener)
-            server.join(timeout=1.0)
+            server.join(timeout=2.0)
 
     def kill(self) -> None:
         """Close every socket of this rank at once, as the kernel does for a process that dies."""
@@ -929,6 +929,16 @@ class Rank:
     # --- the server: answers the peers ------------------------------------------------------------------------------
 
     def _serve(self, listener: socket.socket) -> None:
+        """Accepts until the rank stops, each connection answered on a thread of its own; on the way out it waits for
+        those (their sockets are closed by then, so each ends at once), so the server's end is the answers' end."""
+        answers: list[threading.Thread] = []
+        try:
+            self._accept(listener, answers)
+        finally:
+            for answer in answers:
+                answer.join(timeout=1.0)
+
+    def _accept(self, listener: socket.socket, answers: list[threading.Thread]) -> None:
         while not self._stop.is_set():
             try:
                 conn, _ = listener.accept()
@@ -944,8 +954,11 @@ class Rank:
                 continue
             conn.settimeout(self.cfg.io_timeout)
             self._track(conn, True)
-            threading.Thread(target=self._answer, args=(conn,), daemon=True,
-                             name=f"workload-peer-{self.incarnation}").start()
+            answers[:] = [a for a in answers if a.is_alive()]
+            answer = threading.Thread(target=self._answer, args=(conn,), daemon=True,
+                                      name=f"workload-peer-{self.incarnation}")
+            answers.append(answer)
+            answer.start()
 
     def _answer(self, conn: socket.socket) -> None:
         try:

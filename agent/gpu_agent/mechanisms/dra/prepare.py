@@ -283,7 +283,7 @@ class ClaimPreparer:
             if left <= 0:
                 raise RuntimeError(f"requested device {CHANNEL_DEVICE} is already allocated to different claim "
                                    f"{holder.namespace}/{holder.name}: waiting for its unprepare")
-            self.clock.wait_blocking(threading.Event(), min(CHANNEL_POLL, left))
+            self.clock.sleep_blocking(min(CHANNEL_POLL, left))
 
     def _complete(self, ref: ClaimRef, results: list[dict[str, Any]], configs: dict[str, Config],
                   channel: tuple[ChannelRequest, MemberView] | None, deadline: float) -> list[dict[str, Any]]:
