@@ -480,10 +480,11 @@ class Rank:
     def _left(self) -> float:
         return self.deadline - self.monotonic()
 
-    def _pause(self) -> None:
+    def _pause(self, seconds: float | None = None) -> None:
+        """A wait of `seconds` (the poll interval unless given), bounded by the run's deadline, ended by a kill."""
         if self._killed.is_set():
             raise Killed()
-        self.sleep(max(0.0, min(self.cfg.poll, self._left())))
+        self.sleep(max(0.0, min(self.cfg.poll if seconds is None else seconds, self._left())))
         if self._killed.is_set():
             raise Killed()
 
@@ -750,7 +751,7 @@ class Rank:
             # the first repeat keeps the keys a run of one has; later ones are keys of their own
             suffix, of = (f" #{i}" if i else ""), (f" (repeat {i + 1}/{k})" if k > 1 else "")
             if i:
-                self._pace()
+                self._pause(self.cfg.interval)  # --interval between two repeats
             self._pull(world[src], f"sendrecv {src}->{r}{suffix}", f"step 1/2 sendrecv (ring {ring}) {src} -> {r}{of}")
             self._check_word()
             if r != 0:
@@ -758,14 +759,6 @@ class Rank:
             self._check_word()
         return (f"{n} ranks, {self.cfg.nbytes} bytes per step: sendrecv around the ring and broadcast from rank 0"
                 f"{f', {k} times' if k > 1 else ''}, every checksum verified")
-
-    def _pace(self) -> None:
-        """`--interval` between two repeats, ended early by a kill."""
-        if self._killed.is_set():
-            raise Killed()
-        self.sleep(max(0.0, min(self.cfg.interval, self._left())))
-        if self._killed.is_set():
-            raise Killed()
 
     # --- nvbandwidth ------------------------------------------------------------------------------------------------
 
