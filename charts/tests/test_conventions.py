@@ -196,7 +196,8 @@ def test_with_the_new_values_at_their_defaults_the_render_is_the_one_without_the
     no label of the user's, no pull secret, every image from localhost (the commit that added them compared the
     defaults' render with the previous chart's: byte-identical)."""
     chart, sets = CHARTS[name]
-    fixed = ["--set", "controlPlane.existingTokensSecret=cp-tokens"] if name == "gpu-agent" else []  # no random tokens
+    fixed = (["--set", "controlPlane.existingTokensSecret=cp-tokens", "--set", "controlPlane.tls.existingSecret=cp-tls"]
+             if name == "gpu-agent" else [])  # no random tokens or certificate
     default = template(chart, *sets, *fixed).stdout
     empty = template(chart, *sets, *fixed, "--set-json", 'global={"imageRegistry": "", "imagePullSecrets": []}',
                      "--set-json", "commonLabels={}", "--set-json", "extraObjects=[]").stdout

@@ -72,15 +72,18 @@ def test_with_the_defaults_the_test_pod_runs_chart_test_against_the_releases_ser
     (c,) = spec["containers"]
     assert c["command"] == ["gpu-agent"]
     assert c["args"] == ["chart-test", "--namespace=ns", "--fullname=t-gpu-agent",
-                         "--control-plane-url=http://t-gpu-agent-control-plane.ns.svc:8700",
+                         "--control-plane-url=https://t-gpu-agent-control-plane.ns.svc:8700",
                          "--admin-token-file=/var/run/secrets/gpu-agent/adminToken",
+                         "--control-plane-ca-file=/var/run/gpu-agent/control-plane-ca/ca.crt",
                          "--cluster-agent-service=t-gpu-agent-cluster-agent",
                          "--node-agent-service=t-gpu-agent-node-agent", "--graceful-no-gpu=false", "--timeout=60"]
     deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "t-gpu-agent-cluster-agent")
     assert c["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]  # the release's own image
     assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 90
-    # The admin token alone, read-only, 0440: one work item end to end.
-    (tokens,) = spec["volumes"]
+    # The admin token alone, read-only, 0440: one work item end to end; and the CA it verifies the control plane with.
+    tokens, ca = spec["volumes"]
+    assert ca["secret"] == {"secretName": "t-gpu-agent-control-plane-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                            "defaultMode": 0o440}
     assert tokens["secret"]["items"] == [{"key": "adminToken", "path": "adminToken"}]
     assert tokens["secret"]["defaultMode"] == 0o440 and c["volumeMounts"][0]["readOnly"] is True
     assert spec["serviceAccountName"] == "t-gpu-agent-test" and spec["automountServiceAccountToken"] is True

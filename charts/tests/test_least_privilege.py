@@ -141,11 +141,14 @@ def test_the_cleanup_hook_mounts_the_registration_token_alone_and_the_crds_hook_
                for job, spec in jobs.items() for v, s, _ in secret_volumes(spec)}
     secret = {"external control plane": "cp-token", "existing tokens Secret": "cp-tokens"}.get(
         case, "t-gpu-agent-control-plane-tokens")
-    assert mounted == {("t-gpu-agent-cleanup", "token", secret, ("registrationToken",))}, mounted
+    # and, where the chart's control plane serves HTTPS, its CA certificate (public) to verify it with, never its key
+    ca = ({("t-gpu-agent-cleanup", "control-plane-ca", "t-gpu-agent-control-plane-tls", ("ca.crt",))}
+          if case != "external control plane" else set())
+    assert mounted == {("t-gpu-agent-cleanup", "token", secret, ("registrationToken",))} | ca, mounted
     cleanup = jobs["t-gpu-agent-cleanup"]
-    (volume,) = cleanup["volumes"]
+    volume = cleanup["volumes"][0]
     assert volume["secret"]["items"] == [{"key": "registrationToken", "path": "registrationToken"}]
-    (mount,) = cleanup["containers"][0]["volumeMounts"]
+    mount = cleanup["containers"][0]["volumeMounts"][0]
     assert f"--token-file={mount['mountPath']}/registrationToken" in cleanup["containers"][0]["args"]
     assert mount["readOnly"] is True
 

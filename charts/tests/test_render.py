@@ -47,7 +47,7 @@ BAD_VALUES = [
     (["--set", "hooks.activeDeadlineSeconds=1"], "activeDeadlineSeconds"),
     (["--set", "controlPlane.url=ftp://x"], "url"),
     (["--set", "controlPlane.enabled=false"], "controlPlane.url is required"),
-    (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=http://cp"], "controlPlane.existingSecret is required"),
+    (["--set", "controlPlane.enabled=false", "--set", "controlPlane.url=https://cp"], "controlPlane.existingSecret is required"),
     (["--set", "unknownValue=1"], "unknownValue"),
     (["--set", "controlPlane.faultInjection=yes"], "faultInjection"),
     (["--set", "dra.enabled=yes"], "/dra/enabled"),
@@ -213,7 +213,7 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
     # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
     # gracefulNoGPU is a value of the chart's own, always passed (test_graceful_no_gpu_reaches_...).
     assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
-                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU",
+                              "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "controlPlaneCaFile", "gracefulNoGPU",
                               "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"}
     assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
     assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
@@ -446,16 +446,17 @@ def test_each_component_takes_its_own_image_service_account_and_extra_volumes():
 
 
 def test_an_existing_tokens_secret_makes_every_render_the_same_and_the_chart_makes_none():
-    """GitOps renders with `helm template`, where `lookup` finds nothing: the chart's own tokens
-    would change on every render, an existing Secret does not."""
-    first, second = (helm("template", "t", str(CHART), *BASE, "--set", "controlPlane.existingTokensSecret=cp-tokens").stdout
+    """GitOps renders with `helm template`, where `lookup` finds nothing: the chart's own tokens and its control
+    plane's certificate would change on every render, existing Secrets do not."""
+    first, second = (helm("template", "t", str(CHART), *BASE, "--set", "controlPlane.existingTokensSecret=cp-tokens",
+                          "--set", "controlPlane.tls.existingSecret=cp-tls").stdout
                      for _ in range(2))
     assert first == second
     docs = [d for d in yaml.safe_load_all(first) if d]
     assert not [d for d in docs if d["kind"] == "Secret"]
     mounted = [v["secret"]["secretName"] for d in docs if d["kind"] in ("Deployment", "Job")
                for v in d["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
-    assert mounted and set(mounted) == {"cp-tokens"}
+    assert mounted and set(mounted) == {"cp-tokens", "cp-tls"}
     own = [helm("template", "t", str(CHART), *BASE).stdout for _ in range(2)]
     assert own[0] != own[1]  # the limitation the value exists for
 

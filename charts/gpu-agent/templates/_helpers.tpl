@@ -157,9 +157,68 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "gpu-agent.controlPlaneUrl" -}}
 {{- if .Values.controlPlane.enabled -}}
-{{- printf "http://%s-control-plane.%s.svc:8700" (include "gpu-agent.fullname" .) .Release.Namespace -}}
+{{- printf "%s://%s-control-plane.%s.svc:8700" (ternary "https" "http" (include "gpu-agent.controlPlaneTlsOn" . | eq "true")) (include "gpu-agent.fullname" .) .Release.Namespace -}}
 {{- else -}}
 {{- required "controlPlane.url is required when controlPlane.enabled=false: set it to your control plane's URL, or set controlPlane.enabled=true" .Values.controlPlane.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* "true" when the reference control plane of this release serves HTTPS. */ -}}
+{{- define "gpu-agent.controlPlaneTlsOn" -}}
+{{- if and .Values.controlPlane.enabled .Values.controlPlane.tls.enabled }}true{{ end -}}
+{{- end -}}
+
+{{- /* The kubernetes.io/tls Secret the reference control plane serves with (tls.crt, tls.key, ca.crt). */ -}}
+{{- define "gpu-agent.controlPlaneTlsSecretName" -}}
+{{- .Values.controlPlane.tls.existingSecret | default (printf "%s-control-plane-tls" (include "gpu-agent.fullname" .)) -}}
+{{- end -}}
+
+{{- /* The names the reference control plane's certificate holds: its Service's, and localhost for calls from
+inside its own pod (`kubectl exec`). */ -}}
+{{- define "gpu-agent.controlPlaneDnsNames" -}}
+{{- $svc := printf "%s-control-plane" (include "gpu-agent.fullname" .) -}}
+{{- $ns := .Release.Namespace -}}
+{{- toJson (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns) "localhost") -}}
+{{- end -}}
+
+{{- /* Where a client of the control plane finds the CA bundle it verifies the control plane with: a volume (as JSON)
+holding ca.crt, or nothing (the system's trust store). The reference control plane's own CA unless controlPlane.caBundle
+names another; an external control plane's controlPlane.caBundle. */ -}}
+{{- define "gpu-agent.controlPlaneCaVolume" -}}
+{{- if .Values.controlPlane.caBundle -}}
+{{- toJson (dict "name" "control-plane-ca" "configMap" (dict "name" (printf "%s-control-plane-ca" (include "gpu-agent.fullname" .)) "items" (list (dict "key" "ca.crt" "path" "ca.crt")))) -}}
+{{- else if include "gpu-agent.controlPlaneTlsOn" . -}}
+{{- toJson (dict "name" "control-plane-ca" "secret" (dict "secretName" (include "gpu-agent.controlPlaneTlsSecretName" .) "items" (list (dict "key" "ca.crt" "path" "ca.crt")) "defaultMode" 288)) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.controlPlaneCaDir" -}}/var/run/gpu-agent/control-plane-ca{{- end -}}
+
+{{- /* The control-plane client flags of a hook or test Pod: the CA file, and allowInsecure where it applies. */ -}}
+{{- define "gpu-agent.controlPlaneClientFlags" -}}
+{{- $flags := list -}}
+{{- if include "gpu-agent.controlPlaneCaVolume" . -}}
+{{- $flags = append $flags (printf "--control-plane-ca-file=%s/ca.crt" (include "gpu-agent.controlPlaneCaDir" .)) -}}
+{{- end -}}
+{{- if .Values.controlPlane.allowInsecure -}}
+{{- $flags = append $flags "--control-plane-allow-insecure=true" -}}
+{{- end -}}
+{{- toJson $flags -}}
+{{- end -}}
+
+{{- /* Plain HTTP across the pod network sends the registration token and every credential in clear: refused at
+render, as the agent refuses it at start, unless controlPlane.allowInsecure says so. */ -}}
+{{- define "gpu-agent.checkControlPlaneUrl" -}}
+{{- $url := include "gpu-agent.controlPlaneUrl" . -}}
+{{- if and (hasPrefix "http://" $url) (not .Values.controlPlane.allowInsecure) -}}
+{{- $host := regexReplaceAll "^http://(\\[[^]]*\\]|[^:/]*).*$" $url "${1}" -}}
+{{- if not (or (eq $host "localhost") (hasPrefix "127." $host) (eq $host "[::1]")) -}}
+{{- if .Values.controlPlane.enabled -}}
+{{- fail "controlPlane.tls.enabled=false serves the reference control plane over plain HTTP, which sends the registration token and credentials across the pod network in clear: keep controlPlane.tls.enabled=true, or set controlPlane.allowInsecure=true to accept that" -}}
+{{- else -}}
+{{- fail (printf "controlPlane.url %s is plain HTTP, which sends the registration token and credentials across the network in clear: use https:// (with controlPlane.caBundle for a private CA), or set controlPlane.allowInsecure=true to accept that" $url) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -461,6 +520,8 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
   "workImage" (default (include "gpu-agent.image" (dict "ctx" . "image" $v.clusterAgent.image)) $v.clusterAgent.workImage)
   "releaseName" .Release.Name "controlPlaneUrl" (include "gpu-agent.controlPlaneUrl" .)
   "controlPlaneTokenFile" "/var/run/secrets/gpu-agent/registrationToken" "gracefulNoGPU" $v.gracefulNoGPU -}}
+{{- if include "gpu-agent.controlPlaneCaVolume" . }}{{ $_ := set $wiring "controlPlaneCaFile" (printf "%s/ca.crt" (include "gpu-agent.controlPlaneCaDir" .)) }}{{ end -}}
+{{- if $v.controlPlane.allowInsecure }}{{ $_ := set $wiring "controlPlaneAllowInsecure" true }}{{ end -}}
 {{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
 {{- with include "gpu-agent.workPods" . | fromJson }}{{ $_ := set $wiring "workPods" . }}{{ end -}}
 {{- if $v.dra.enabled -}}
