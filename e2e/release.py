@@ -27,10 +27,16 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "gpu-agent"
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 BASE = ["--set", "image.tag=dev", "--set", "controlPlane.enabled=true"]
 CA = "app.kubernetes.io/component=cluster-agent"
-# What Python run in the control plane's pod starts with: a client `c` and the admin token `t`.
-CONTROL_PLANE_PRELUDE = ("from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
+# What Python run in the control plane's pod starts with: a client `c` and the admin token `t`; `url` and `ca`, what it
+# calls, over HTTPS verified against the pod's own CA where the control plane serves it (the chart's default), else (the
+# last stable chart, or controlPlane.tls.enabled=false) plain HTTP on loopback.
+CONTROL_PLANE_PRELUDE = ("import os\n"
+                         "from gpu_agent.foundations.control_plane_client import ControlPlaneClient\n"
                          "from gpu_agent.foundations.secrets import Secret\n"
-                         "c = ControlPlaneClient('http://127.0.0.1:8700')\n"
+                         "ca = '/var/run/secrets/gpu-agent-tls/ca.crt'\n"
+                         "ca = ca if os.path.exists(ca) else None\n"
+                         "url = ('https' if ca else 'http') + '://127.0.0.1:8700'\n"
+                         "c = ControlPlaneClient(url, ca_file=ca) if ca else ControlPlaneClient(url)\n"
                          "t = Secret(open('/var/run/secrets/gpu-agent/adminToken').read().strip())\n")
 WAIT = ["--wait", "--timeout", "3m"]
 # Where this process's releases may look for GPUs: empty alone; beside other workers, the node it owns

@@ -72,7 +72,7 @@ def test_helm_test_passes_on_a_healthy_install_and_its_log_says_what_it_checked(
     assert r.returncode == 0, (r.stdout, r.stderr, lines)
     assert re.search(rf"TEST SUITE:\s+{pod}.*?Phase:\s+Succeeded", r.stdout, re.S), r.stdout
     ns, full = release.namespace, release.fullname
-    assert lines[0] == f"ok   control plane: http://{full}-control-plane.{ns}.svc:8700/healthz answered 200", lines
+    assert lines[0] == f"ok   control plane: https://{full}-control-plane.{ns}.svc:8700/healthz answered 200", lines
     # The cluster agent, NotReady, is out of its Service: asked at its pod's address, named by its pod.
     (agent,) = release.pods("app.kubernetes.io/component=cluster-agent")
     who, ip = f"cluster agent {agent.metadata.name}", agent.status.pod_ip
@@ -104,7 +104,7 @@ def test_helm_test_fails_naming_the_control_plane_when_it_is_scaled_to_zero(rele
     # A failed test Pod stays (no hook-failed in its delete policy): its log is the report.
     log = core.read_namespaced_pod_log(f"{release.fullname}-test", ns).splitlines()
     (failed,) = [line for line in log if line.startswith("FAIL control plane: ")]
-    assert f"http://{name}.{ns}.svc:8700/healthz did not answer" in failed
+    assert f"https://{name}.{ns}.svc:8700/healthz did not answer" in failed
     assert f"kubectl -n {ns} scale deploy/{name} --replicas=1" in failed
     assert re.fullmatch(r"chart-test: 1 of \d+ checks failed: control plane", log[-1]), log
     # Back to one replica, the test passes again (before-hook-creation replaces the failed Pod).

@@ -46,7 +46,7 @@ try:
 except TooLarge as e:
     out["one_more"] = [e.status, str(e)]
 body = b'{"clusterId": "e2e-large", "generation": 1, "padding": "' + b"x" * api.MAX_BODY + b'"}'
-r = requests.post("http://127.0.0.1:8700/v1/register", data=body, timeout=60,
+r = requests.post(url + "/v1/register", data=body, timeout=60, verify=ca or True,
                   headers={"Authorization": "Bearer " + reg.reveal(), "Content-Type": "application/json"})
 out["oversized"] = [r.status_code, r.headers.get("Content-Type"), r.text[:600], len(body)]
 out["limits"] = [api.MAX_GPUS, api.MAX_BODY]

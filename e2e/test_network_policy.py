@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.skipif(not ENFORCED, reason="needs a cluster that enfo
 
 
 ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/gpu-agent-e2e-artifacts"))
+CONTROL_PLANE_PORT = 8700  # HTTPS with the chart's defaults
 TIMEOUT = 3.0  # seconds a probe waits for a connection: a refused one times out (the enforcer drops it)
 CLOSED = 9  # a port nothing listens on: "refused" without a policy, a timeout under one
 SCRAPER = {"e2e.gpu-agent.io/scraper": "true"}  # the metricsFrom peer: this label, in the release's namespace
@@ -45,7 +46,7 @@ API = ("kubernetes", "10.96.0.1", 443)  # the API server's Service (the CI clust
 
 # Runs in a prober: argv[1] the targets [{key, ip, port, path}], argv[2] names to resolve; prints one JSON line.
 PROBE = r"""
-import json, socket, sys
+import json, socket, ssl, sys
 from concurrent.futures import ThreadPoolExecutor
 targets, names, timeout = json.loads(sys.argv[1]), json.loads(sys.argv[2]), float(sys.argv[3])
 def probe(t):
@@ -61,6 +62,8 @@ def probe(t):
         if not t.get("path"):
             return "open"
         try:
+            if t.get("tls"):  # reachability, not trust, is the question here: the certificate is not verified
+                s = ssl._create_unverified_context().wrap_socket(s)
             s.sendall(("GET %s HTTP/1.0\r\nHost: %s\r\n\r\n" % (t["path"], t["ip"])).encode())
             status = s.makefile("rb").readline().split()
             return "open http %s" % status[1].decode() if len(status) > 1 else "open, no http answer"
@@ -115,17 +118,18 @@ class Prober:
 
 
 class Target:
-    """One port of one pod; `path`: an HTTP GET to send once connected."""
+    """One port of one pod; `path`: an HTTP GET to send once connected (over TLS where `tls`)."""
 
-    def __init__(self, component: str, pod: str, node: str, ip: str, port: int, path: str = "") -> None:
+    def __init__(self, component: str, pod: str, node: str, ip: str, port: int, path: str = "", tls: bool = False) -> None:
         self.component, self.pod, self.node, self.ip, self.port, self.path = component, pod, node, ip, port, path
+        self.tls = tls
         self.key = f"{component}@{node}:{port}"
 
 
 def run_round(kubeconfig, probers: list[Prober], targets: list[Target], names: list[str]) -> dict[str, dict[str, Any]]:
     """Every prober tries every target (its own pod left out) at once; {prober label: {probes, dns}}."""
     def one(p: Prober) -> dict[str, Any]:
-        mine = [{"key": t.key, "ip": t.ip, "port": t.port, "path": t.path} for t in targets if t.pod != p.pod]
+        mine = [{"key": t.key, "ip": t.ip, "port": t.port, "path": t.path, "tls": t.tls} for t in targets if t.pod != p.pod]
         out = exec_argv(kubeconfig, p.namespace, p.pod, p.container,
                         ["python3", "-c", PROBE, json.dumps(mine), json.dumps(names), str(TIMEOUT)])
         line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
@@ -287,7 +291,8 @@ def test_each_policy_admits_its_peers_and_refuses_everyone_else_on_every_port_an
                 loopback_only[f"{component}@{pod.spec.node_name}"] = sorted(local)
             for port in sorted(ports | {CLOSED}):
                 targets.append(Target(component, pod.metadata.name, pod.spec.node_name, pod.status.pod_ip, port,
-                                      path if port in declared[component] else ""))
+                                      path if port in declared[component] else "",
+                                      tls=component == "control-plane" and port == CONTROL_PLANE_PORT))
         # The control: pods no policy selects (the outsiders, in a namespace without policies) answer CLOSED with a
         # reset over the same paths, so a timeout above is a drop, not a network that loses packets.
         for pod in outsiders.values():
@@ -366,7 +371,8 @@ def test_the_control_plane_refuses_outsiders_until_its_policy_is_deleted_and_aga
         wait_running(core, namespace, ["stranger"])
         probers = [Prober(f"outsider@{other_node}", other_namespace, "outsider", "probe", "outsider", other_node),
                    Prober(f"stranger@{cp_node}", namespace, "stranger", "probe", "stranger", cp_node)]
-        target = Target("control-plane", cp.metadata.name, cp.spec.node_name, cp.status.pod_ip, 8700, "/healthz")
+        target = Target("control-plane", cp.metadata.name, cp.spec.node_name, cp.status.pod_ip, CONTROL_PLANE_PORT,
+                        "/healthz", tls=True)
         net = client.NetworkingV1Api(api)
         name = f"{release.fullname}-control-plane"
 
