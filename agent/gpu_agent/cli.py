@@ -333,9 +333,10 @@ async def _serve(cfg: Config) -> int:
         await node_agent.NodeAgent(cfg).run(stop)
     else:
         assert isinstance(cfg, control_plane.ControlPlaneConfig)
-        server = control_plane.build_server(cfg, cfg.listenAddress)
+        tls = control_plane.tls_files(cfg)
+        server = control_plane.build_server(cfg, cfg.listenAddress, tls)
         server.start()
-        klog.get_logger("gpu_agent.cli").info("reference control plane listening on %s", server.url)
+        klog.get_logger("gpu_agent.cli").info("reference control plane %s", control_plane.serving(server, tls))
         try:
             await stop.wait()
         finally:

@@ -32,18 +32,28 @@ What waitress leaves open, and `Listener` closes (issue 48: slow clients starved
   its answer unread is shut with a reset: waitress waited for its socket to turn writable to close it.)
 - requests wait for a worker in arrival order. Here the probes' paths (`priority_paths`) go first,
   so a probe waits for a worker to finish one request, not for every request queued before it.
+
+And TLS, which waitress does not do and will not (its maintainers' advice: a proxy in front, which would be one more
+container beside the control plane, and one more hop for its slow clients). A listener given a certificate serves
+HTTPS itself: the TLS session runs over memory buffers between waitress's socket and its parser (`_TLSChannel`),
+so that each of the above holds over TLS too, the handshake counting as the request arriving. The certificate and key
+are reloaded from their files when they change (`TLSFiles`, `_Certificates`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from waitress import wasyncore
@@ -78,8 +88,16 @@ NEWCOMER_SECONDS = 1.0
 FRESH_SECONDS = 0.05
 
 
+# How often, at most, a TLS listener looks (a stat of each file) whether its certificate or key file changed.
+RELOAD_CHECK_SECONDS = 1.0
+# What a socket error that ends the connection looks like (waitress's list: wasyncore._DISCONNECTED).
+_DISCONNECTED = frozenset({errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNABORTED, errno.EPIPE,
+                           errno.EBADF})
+
+
 class ListenError(Exception):
-    """The listen address cannot be used; the message names the address and the reason."""
+    """The listener cannot start (its address cannot be used, its certificate cannot be loaded); the message names
+    the address and the reason."""
 
 
 def status_line(code: int) -> str:
@@ -155,20 +173,29 @@ class _Channel(_HTTPChannel):  # type: ignore[misc]  # untyped base, above
             self.arriving_since = time.time()
 
     def handle_read(self) -> None:
+        if self._nothing_to_read():
+            return
+        super().handle_read()
+
+    def _nothing_to_read(self) -> bool:
         # The loop reads a connection its poll found readable; at the cap the listener may have read it first in the
         # same turn (_Server._read_pending). Nothing to read then is not an error (waitress closes the connection on
         # any error of its read, EAGAIN included).
         try:
             self.socket.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return
+            return True
         except OSError:
-            pass  # waitress's own read meets it and closes the connection
-        super().handle_read()
+            pass  # the read meets it and closes the connection
+        return False
 
     def progress_since(self) -> float:
         """When this connection last moved towards an answer: its request began arriving, else its last activity."""
         return self.arriving_since or self.last_activity
+
+    def unsent(self) -> int:
+        """Bytes of answers not yet taken by the socket."""
+        return int(self.total_outbufs_len)
 
     def _flush_outbufs_below_high_watermark(self) -> None:
         # waitress waits here, on the worker thread, until the client has read enough; a client that never
@@ -183,11 +210,304 @@ class _Channel(_HTTPChannel):  # type: ignore[misc]  # untyped base, above
                     _shut_with_reset(self)
 
 
-def _channel_class(max_body: int, hint: str) -> type[HTTPChannel]:
+class _TLSChannel(_Channel):
+    """A connection served over TLS: the socket stays waitress's plain non-blocking socket, and the TLS session runs
+    over memory buffers (as asyncio's sslproto does), so that waitress above reads and writes plaintext and keeps its
+    framing, timeouts and limits. `recv` feeds what the socket brings to the session and returns the plaintext it
+    yields (none while the handshake is under way); `send` encrypts waitress's plaintext and keeps the ciphertext the
+    socket did not take (`_ciphertext`), taking no more plaintext until it is sent. The handshake counts as the
+    request arriving: one not done within the read deadline is closed like a request that did not arrive.
+
+    waitress sends from its worker threads too (an answer written as the app returns it) while the loop reads: every
+    call into the session holds `_tls_lock`, which is never held while waitress's `outbuf_lock` is taken (the
+    workers take them in the other order)."""
+
+    def __init__(self, server: Any, sock: socket.socket, addr: Any, adj: Adjustments, map: Any = None) -> None:
+        self._tls_lock = threading.Lock()
+        self._incoming, self._outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = server.certificates.context().wrap_bio(self._incoming, self._outgoing, server_side=True)
+        self._ciphertext = bytearray()
+        self._handshaken = self._first_read_done = self._broken = False
+        # A graceful close (an answer sent with Connection: close) waits for its ciphertext to be sent: _graceful
+        # while waitress may close that way, _close_when_sent once it has asked.
+        self._graceful = self._close_when_sent = False
+        super().__init__(server, sock, addr, adj, map)
+        self.arriving_since = self.creation_time
+
+    # ---- reading ----
+
+    def handle_read(self) -> None:
+        # waitress takes an empty read for the client's disconnect; here it can also be a read that brought only
+        # handshake records. recv closes the connection itself when the client has gone.
+        if self._nothing_to_read():
+            return
+        try:
+            data = self.recv(self.adj.recv_bytes)
+        except OSError:
+            self.handle_close()
+            return
+        if data:
+            self.received(data)
+
+    def recv(self, buffer_size: int) -> bytes:
+        try:
+            raw = self.socket.recv(buffer_size)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError as e:
+            if e.errno not in _DISCONNECTED:
+                raise
+            raw = b""
+        if not raw:
+            self.handle_close()
+            return b""
+        self.last_activity = time.time()
+        if not self._first_read_done:
+            self._first_read_done = True
+            if raw[:1].isupper():  # a plain-HTTP request line, where a TLS record would start with 22 (handshake)
+                self._answer_plain_http()
+                return b""
+        failure: ssl.SSLError | None = None
+        with self._tls_lock:
+            self._incoming.write(raw)
+            was_handshaken = self._handshaken
+            try:
+                plaintext = self._read_plaintext(buffer_size)
+            except ssl.SSLZeroReturnError:  # the client's close_notify: the end of what it sends, as its FIN is
+                plaintext, self._broken = b"", True
+            except ssl.SSLError as e:
+                plaintext, failure = b"", e
+            self._take_ciphertext()
+            broken = self._flush_ciphertext() or self._broken
+        if failure is not None:
+            self.server.closed_tls += 1
+            log.v(2, "%s: closed the connection from %s: TLS failed (%s)", self.server.name, self.addr,
+                  failure.reason or type(failure).__name__)
+        if failure is not None or broken:
+            self.handle_close()
+            return b""
+        if self._handshaken and not was_handshaken:
+            self.arriving_since = 0.0  # the request's own deadline starts at its first byte (received)
+        return plaintext
+
+    def _read_plaintext(self, limit: int) -> bytes:
+        """The handshake's next step, then every byte of plaintext the session can decrypt from what it holds (left
+        there, it would wait for the socket to bring more); called with _tls_lock held."""
+        if not self._handshaken:
+            try:
+                self._tls.do_handshake()
+            except ssl.SSLWantReadError:
+                return b""
+            self._handshaken = True
+        chunks = []
+        while True:
+            try:
+                chunk = self._tls.read(limit)
+            except ssl.SSLWantReadError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _answer_plain_http(self) -> None:
+        """An HTTP request on the HTTPS port is answered as nginx answers it: 400, saying so, and closed."""
+        body = json.dumps({"error": "this port serves HTTPS: use an https:// URL"}).encode()
+        head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        try:
+            self.socket.send(head + body)  # a fresh socket's buffer takes it whole
+        except OSError:
+            pass
+        self.server.closed_tls += 1
+        log.v(2, "%s: answered a plain-HTTP request from %s with 400", self.server.name, self.addr)
+        self.handle_close()
+
+    # ---- writing ----
+
+    def send(self, data: bytes, do_close: bool = True) -> int:
+        with self._tls_lock:
+            broken = self._flush_ciphertext()
+            if self._ciphertext and not broken:
+                return 0  # the socket is full: waitress keeps its plaintext until the ciphertext before it is sent
+            if not broken:
+                try:
+                    view, written = memoryview(data), 0
+                    while written < len(view):
+                        written += self._tls.write(view[written:])
+                except ssl.SSLError:  # the session has ended (the client's close_notify)
+                    self._broken = broken = True
+                else:
+                    self._take_ciphertext()
+                    broken = self._flush_ciphertext()
+        if broken:
+            if do_close:
+                self.handle_close()
+            return 0
+        return len(data)
+
+    def writable(self) -> bool:
+        return bool(self._ciphertext) or bool(super().writable())
+
+    def handle_write(self) -> None:
+        with self._tls_lock:
+            broken = self._flush_ciphertext()
+            pending = bool(self._ciphertext)
+        if broken or self.will_close or (self._close_when_sent and not pending):
+            # The sweep's closes (idle, read deadline), errors, and a graceful close once its ciphertext is out.
+            self.handle_close()
+            return
+        if pending:
+            return  # waitress's plaintext goes after the ciphertext already made of its earlier plaintext
+        self._graceful = True
+        try:
+            super().handle_write()
+        finally:
+            self._graceful = False
+
+    def handle_close(self) -> None:
+        if self._graceful and self.connected and not self._broken:
+            # waitress's close after an answer with Connection: close: a close now would cut off the answer's end.
+            # The client is told the session ends (close_notify) and the connection closes once that is sent
+            # (handle_write), or by the sweep once it has taken nothing for the idle timeout.
+            with self._tls_lock:
+                try:
+                    self._tls.unwrap()
+                except ssl.SSLError:  # SSLWantReadError: the client's close_notify is not waited for
+                    pass
+                self._take_ciphertext()
+                broken = self._flush_ciphertext()
+                pending = bool(self._ciphertext)
+            if pending and not broken:
+                self.will_close, self.close_when_flushed, self._close_when_sent = False, True, True
+                return
+        super().handle_close()
+
+    def unsent(self) -> int:
+        return int(self.total_outbufs_len) + len(self._ciphertext)
+
+    def _take_ciphertext(self) -> None:
+        """What the session wrote (records of the handshake, of answers, alerts) queued for the socket; _tls_lock held."""
+        if self._outgoing.pending:
+            self._ciphertext += self._outgoing.read()
+
+    def _flush_ciphertext(self) -> bool:
+        """Send what the socket takes of the queued ciphertext; True when the connection is broken (the queue is then
+        dropped). Called with _tls_lock held."""
+        while self._ciphertext and not self._broken:
+            try:
+                if self.socket is None:  # closed meanwhile (by the loop, while a worker writes)
+                    raise ConnectionResetError(errno.EBADF, "closed")
+                sent = self.socket.send(self._ciphertext)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                self._broken = True
+            else:
+                del self._ciphertext[:sent]
+                self.last_activity = time.time()
+        if self._broken:
+            self._ciphertext.clear()
+        return self._broken
+
+
+def _channel_class(max_body: int, hint: str, tls: bool) -> type[HTTPChannel]:
     """A channel whose error task knows this listener's body limit (waitress builds channels and
     tasks itself, so the limit travels as class attributes)."""
     task = type("_JSONErrorTask", (_JSONErrorTask,), {"max_body": max_body, "hint": hint})
-    return type("_Channel", (_Channel,), {"error_task_class": task})
+    return type("_Channel", (_TLSChannel if tls else _Channel,), {"error_task_class": task})
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """The PEM files a listener serves HTTPS with: the certificate (its chain after it) and its private key. The
+    listener reloads them when they change (a Kubernetes Secret volume's update, cert-manager's renewal)."""
+
+    cert_file: str
+    key_file: str
+
+
+def _no_password() -> bytes:
+    # An encrypted key is refused instead of OpenSSL asking for its password on the terminal.
+    raise ValueError("it is encrypted; the listener needs it unencrypted")
+
+
+def _load_context(files: TLSFiles) -> ssl.SSLContext:
+    """A server context for the files; ValueError naming the file at fault and why (never what it holds)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # A client-started renegotiation (TLS 1.2) costs the server a handshake per request: a known DoS.
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    context.set_alpn_protocols(["http/1.1"])  # so that an HTTP/2 client does not expect HTTP/2 of this server
+    try:
+        context.load_cert_chain(files.cert_file, files.key_file, password=_no_password)
+    except (OSError, ValueError) as e:
+        raise ValueError(_why_unusable(files, e)) from None
+    return context
+
+
+def _why_unusable(files: TLSFiles, error: Exception) -> str:
+    """Which of the two files OpenSSL refused, and why: it does not say itself. The certificate file is read on its
+    own first; if that works, the fault is the key's."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=files.cert_file)
+    except OSError as e:
+        return f"certificate file {files.cert_file}: {_describe(e, 'no PEM certificate')}"
+    if isinstance(error, ssl.SSLError) and error.reason == "KEY_VALUES_MISMATCH":
+        return f"key file {files.key_file}: the key does not match the certificate in {files.cert_file}"
+    return f"key file {files.key_file}: {_describe(error, 'no PEM private key')}"
+
+
+def _describe(error: Exception, unusable: str) -> str:
+    if isinstance(error, ssl.SSLError):
+        return f"{unusable} in it ({error.reason or 'unreadable'})"
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    return str(error)
+
+
+def _files_signature(files: TLSFiles) -> tuple[object, ...]:
+    """What changes when either file does. stat follows links: a Secret volume swaps its files through a `..data`
+    symlink, so a path's own link never changes but the file it leads to does."""
+    out: list[object] = []
+    for path in (files.cert_file, files.key_file):
+        try:
+            st = os.stat(path)
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError as e:
+            out.append(e.errno)
+    return tuple(out)
+
+
+class _Certificates:
+    """The context new connections get: built from `files` at start (ValueError if they are unusable), rebuilt when
+    they change (looked at, at most every RELOAD_CHECK_SECONDS, when a connection arrives). New files that cannot be
+    loaded (half written during an update, a key for another certificate) leave the last good context in use, with
+    one warning per change; connections keep the context they began with."""
+
+    def __init__(self, files: TLSFiles, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.files, self.name, self._clock = files, name, clock
+        self._seen = _files_signature(files)
+        self._context = _load_context(files)
+        self._checked_at = clock()
+
+    def context(self) -> ssl.SSLContext:
+        now = self._clock()
+        if now - self._checked_at < RELOAD_CHECK_SECONDS:
+            return self._context
+        self._checked_at = now
+        seen = _files_signature(self.files)
+        if seen != self._seen:
+            self._seen = seen
+            try:
+                self._context = _load_context(self.files)
+            except ValueError as e:
+                log.warning("%s: keeping the certificate loaded before, since the changed files cannot be loaded: %s; "
+                            "they are loaded once they change again", self.name, e)
+            else:
+                log.info("%s: loaded the changed certificate %s and key %s for new connections", self.name,
+                         self.files.cert_file, self.files.key_file)
+        return self._context
 
 
 def _reset_on_close(channel: Any) -> None:
@@ -234,7 +554,8 @@ class _Server(_TcpWSGIServer):  # type: ignore[misc]  # untyped base, above
 
     read_timeout = 10.0
     name = "http"
-    closed_slow = closed_evicted = closed_unread = 0
+    certificates: _Certificates | None = None  # serving HTTPS
+    closed_slow = closed_evicted = closed_unread = closed_tls = 0
     next_channel_cleanup = 0.0
     _reported_at = 0.0
 
@@ -253,14 +574,17 @@ class _Server(_TcpWSGIServer):  # type: ignore[misc]  # untyped base, above
             if not channel.requests and 0.0 < channel.arriving_since < cutoff and not channel.will_close:
                 channel.will_close = True
                 self.closed_slow += 1
-            if channel.will_close and channel.total_outbufs_len:  # idle, its answer unread: see _shut_with_reset
+            if channel.will_close and channel.unsent():  # idle, its answer unread: see _shut_with_reset
                 _shut_with_reset(channel)
-        if now - self._reported_at >= REPORT_SECONDS and (self.closed_slow or self.closed_evicted or self.closed_unread):
+        closed = self.closed_slow or self.closed_evicted or self.closed_unread or self.closed_tls
+        if now - self._reported_at >= REPORT_SECONDS and closed:
+            tls = (f", {self.closed_tls} whose TLS failed (a plain-HTTP client, a client that does not trust the "
+                   "certificate)") if self.certificates is not None else ""
             log.warning("%s: closed %d connection(s) whose request did not arrive within %gs, %d to make room at the "
-                        "cap of %d connections, %d that left more than %d bytes of answers unread (since the last report)",
-                        self.name, self.closed_slow, self.read_timeout, self.closed_evicted, self.adj.connection_limit,
-                        self.closed_unread, self.adj.outbuf_high_watermark)
-            self.closed_slow = self.closed_evicted = self.closed_unread = 0
+                        "cap of %d connections, %d that left more than %d bytes of answers unread%s (since the last "
+                        "report)", self.name, self.closed_slow, self.read_timeout, self.closed_evicted,
+                        self.adj.connection_limit, self.closed_unread, self.adj.outbuf_high_watermark, tls)
+            self.closed_slow = self.closed_evicted = self.closed_unread = self.closed_tls = 0
             self._reported_at = now
 
     def handle_accept(self) -> None:
@@ -335,13 +659,23 @@ class Listener:
     arriving (waitress reads a body whole before the app, and so the token, sees it: connection_limit
     clients sending at once hold connection_limit x max_body), and `max_unread` plus one answer per
     connection whose answers are not read. A response is built whole in memory by our apps before waitress
-    sees it, so buffering it in memory costs at most one more copy."""
+    sees it, so buffering it in memory costs at most one more copy.
+
+    With `tls` the listener serves HTTPS (TLS 1.2 or newer) with that certificate and key, reloaded when the files
+    change (see _Certificates), every limit above unchanged: the TLS handshake counts as the request arriving
+    (`read_timeout` from the connection's accept), a connection whose handshake fails is closed (a plain-HTTP
+    request is answered 400 first), and an answer's unsent ciphertext counts as its unread answer."""
 
     def __init__(self, app: WSGIApp, host: str, port: int, name: str, *, threads: int = 4, timeout: float = 10.0,
                  read_timeout: float | None = None, max_body: int = 1 << 20, max_header: int = 64 << 10,
                  connection_limit: int = 1000, max_unread: int = 1 << 20, priority_paths: Iterable[str] = (),
-                 read_chunk: int = 8192, body_hint: str = "") -> None:
+                 read_chunk: int = 8192, body_hint: str = "", tls: TLSFiles | None = None) -> None:
         self.name = name
+        try:
+            # Before the socket is bound: unusable files leave nothing listening.
+            certificates = _Certificates(tls, name) if tls is not None else None
+        except ValueError as e:
+            raise ListenError(f"cannot serve HTTPS on {host}:{port}: {e}") from None
         try:
             # waitress refuses a body of max_request_body_size bytes or more and spills one of inbuf_overflow
             # bytes or more: both one past max_body, so that max_body itself is accepted, in memory.
@@ -360,7 +694,8 @@ class Listener:
             raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         except ValueError as e:  # waitress refuses an address it cannot resolve
             raise ListenError(f"cannot listen on {host}:{port}: {e}") from None
-        self._server.channel_class = _channel_class(max_body, body_hint)
+        self._server.channel_class = _channel_class(max_body, body_hint, tls=certificates is not None)
+        self._server.certificates = certificates
         self._server.read_timeout = timeout if read_timeout is None else read_timeout
         self._server.name = name
         self._name = name
@@ -372,8 +707,12 @@ class Listener:
         return f"{self._server.effective_host}:{self._server.effective_port}"
 
     @property
+    def tls(self) -> bool:
+        return self._server.certificates is not None
+
+    @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{'https' if self.tls else 'http'}://{self.address}"
 
     def start(self) -> None:
         self._thread = start_thread(f"{self._name}-http", self._server.run, self._stopping)

@@ -124,7 +124,7 @@ async def run(cfg: LocalConfig, stop: asyncio.Event) -> int:
     server = build_server(cfg.replace(registrationToken=registration_token, adminToken=admin_token),
                           cfg.controlPlaneListen)
     server.start()
-    log.info("reference control plane listening on %s (admin token in %s)", server.url, state / "admin-token")
+    log.info("reference control plane serving HTTP on %s (admin token in %s)", server.url, state / "admin-token")
     try:
         client = ControlPlaneClient(server.url)
         for n in range(cfg.demoItems):

@@ -73,7 +73,7 @@ def test_0_for_version_help_and_a_serving_role_stopped_by_sigterm(tmp_path):
     try:
         deadline = time.monotonic() + 30
         line = ""
-        while "listening on" not in line:
+        while "serving HTTP on" not in line:
             assert time.monotonic() < deadline and p.poll() is None, "the control plane never said it listens"
             line = p.stderr.readline()
         p.send_signal(signal.SIGTERM)

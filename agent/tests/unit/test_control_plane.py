@@ -327,6 +327,66 @@ def test_fault_injection_is_a_setting_of_the_control_plane_off_by_default(tmp_pa
     assert next(s for s in local.SETTINGS if s.name == "faultInjection").default is False
 
 
+def _control_plane_config(tmp_path, argv, environ=None):
+    import argparse
+
+    from gpu_agent.foundations.config import add_arguments, load
+    from gpu_agent.roles.control_plane import main
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, main.SETTINGS)
+    args = parser.parse_args(["--database", str(tmp_path / "cp.sqlite"), "--listen-address", "127.0.0.1:0", *argv])
+    tokens = {"GPU_AGENT_REGISTRATION_TOKEN": REG.reveal(), "GPU_AGENT_ADMIN_TOKEN": ADMIN.reveal()}
+    return load(main.SETTINGS, args, {**tokens, **(environ or {})}, as_=main.ControlPlaneConfig)
+
+
+def test_the_control_plane_serves_https_with_a_certificate_and_key_and_plain_http_without(tmp_path):
+    import trustme
+
+    from gpu_agent.roles import local
+    from gpu_agent.roles.control_plane import main
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    plain = _control_plane_config(tmp_path, [])
+    secure = _control_plane_config(tmp_path, ["--tls-cert-file", str(tmp_path / "tls.crt")],
+                                   {"GPU_AGENT_TLS_KEY_FILE": str(tmp_path / "tls.key")})
+    for cfg, scheme in ((plain, "http"), (secure, "https")):
+        tls = main.tls_files(cfg)
+        server = main.build_server(cfg, cfg.listenAddress, tls)
+        server.start()
+        try:
+            assert server.url.startswith(f"{scheme}://127.0.0.1:")
+            assert main.serving(server, tls).startswith(f"serving {scheme.upper()} on {server.url}")
+            r = requests.get(server.url + "/healthz", verify=str(tmp_path / "ca.pem"), timeout=5)
+            assert r.status_code == 200, r.text
+        finally:
+            server.stop()
+    # `gpu-agent local` (make run) serves plain HTTP on loopback: it has no such settings
+    assert not [s.name for s in local.SETTINGS if s.name.startswith("tls")]
+
+
+@pytest.mark.parametrize("given,missing,flag,env", [
+    ("tlsCertFile", "tlsKeyFile", "--tls-key-file", "GPU_AGENT_TLS_KEY_FILE"),
+    ("tlsKeyFile", "tlsCertFile", "--tls-cert-file", "GPU_AGENT_TLS_CERT_FILE"),
+])
+def test_a_certificate_without_its_key_or_a_key_without_its_certificate_is_refused_naming_the_missing_one(
+        tmp_path, given, missing, flag, env):
+    from gpu_agent.foundations.config import ConfigError
+    from gpu_agent.roles.control_plane import main
+
+    (tmp_path / "file.pem").write_text("")
+    given_flag = "--tls-cert-file" if given == "tlsCertFile" else "--tls-key-file"
+    cfg = _control_plane_config(tmp_path, [given_flag, str(tmp_path / "file.pem")])
+    with pytest.raises(ConfigError) as e:
+        main.tls_files(cfg)
+    assert str(e.value) == (f"{given} is set but {missing} is not: HTTPS needs both the certificate and its key; set "
+                            f"{flag} (or {env}), or unset {given} to serve plain HTTP")
+
+
 def test_the_document_bounds_the_fault_status_to_server_errors(cp):
     server, _ = cp
     schema = _admin("GET", server, "/openapi.json").json()["components"]["schemas"]["FaultRequest"]

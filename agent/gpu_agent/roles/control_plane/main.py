@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting
+from gpu_agent.foundations.http import TLSFiles
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
 
@@ -31,6 +32,11 @@ STORE_SETTINGS = [
 SETTINGS = [
     *LOGGING,
     Setting("listenAddress", "address", "127.0.0.1:8700", "HOST:PORT to serve the API on"),
+    # No TLS settings in `gpu-agent local`: it serves loopback only, where plain HTTP is what a newcomer's curl expects.
+    Setting("tlsCertFile", "path", "", "PEM certificate (its chain after it) to serve HTTPS with, with tlsKeyFile; "
+            "reloaded when it changes (unset: plain HTTP)", optional=True),
+    Setting("tlsKeyFile", "path", "", "PEM private key (unencrypted) of tlsCertFile; reloaded when it changes",
+            optional=True),
     *STORE_SETTINGS,
 ]
 
@@ -51,11 +57,26 @@ class ServerConfig(Config):
 class ControlPlaneConfig(ServerConfig, RoleConfig):
     """The settings above, typed (`Config.problems` holds the two to each other)."""
     listenAddress: str
+    tlsCertFile: str
+    tlsKeyFile: str
     registrationTokenFile: str
     adminTokenFile: str
 
 
-def build_server(cfg: ServerConfig, listen: str) -> ControlPlaneServer:
+def tls_files(cfg: ControlPlaneConfig) -> TLSFiles | None:
+    """The certificate and key to serve HTTPS with, or None for plain HTTP; ConfigError when only one is set."""
+    given = {name: getattr(cfg, name) for name in ("tlsCertFile", "tlsKeyFile")}
+    if not any(given.values()):
+        return None
+    if not all(given.values()):
+        (missing,) = (next(s for s in SETTINGS if s.name == name) for name, value in given.items() if not value)
+        (present,) = (name for name, value in given.items() if value)
+        raise ConfigError(f"{present} is set but {missing.name} is not: HTTPS needs both the certificate and its key; "
+                          f"set {missing.flag} (or {missing.env}), or unset {present} to serve plain HTTP")
+    return TLSFiles(cfg.tlsCertFile, cfg.tlsKeyFile)
+
+
+def build_server(cfg: ServerConfig, listen: str, tls: TLSFiles | None = None) -> ControlPlaneServer:
     # The server's models (pydantic) cost about 10 MiB: loaded only where a control plane runs,
     # never by the agents that merely share this command.
     from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
@@ -73,4 +94,12 @@ def build_server(cfg: ServerConfig, listen: str) -> ControlPlaneServer:
     if cfg.faultInjection:
         log.warning("fault injection is on: the admin token can make calls fail through /admin/faults (a test facility)")
     host, _, port = listen.rpartition(":")
-    return ControlPlaneServer(cp, host, int(port))
+    return ControlPlaneServer(cp, host, int(port), tls=tls)
+
+
+def serving(server: ControlPlaneServer, tls: TLSFiles | None) -> str:
+    """What the start's log line says the control plane serves, and where."""
+    if tls is None:
+        return f"serving HTTP on {server.url}"
+    return (f"serving HTTPS on {server.url} (certificate {tls.cert_file}, key {tls.key_file}, reloaded when they "
+            "change)")

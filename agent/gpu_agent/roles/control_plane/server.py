@@ -427,10 +427,11 @@ class ControlPlaneServer:
     Per connection (foundations/http): idle for `timeout` or a request not whole `read_timeout` after its first
     byte (a registration of MAX_BODY bytes takes a slow link a while) closes it, and past CONNECTION_LIMIT
     connections a new one closes the one longest without progress; /healthz (both of the chart's probes) is
-    served before every call waiting for a worker."""
+    served before every call waiting for a worker. With `tls` it serves HTTPS, the files reloaded when they change.
+    """
 
     def __init__(self, cp: ControlPlane, host: str, port: int, threads: int = 16, timeout: float = 10.0,
-                 read_timeout: float = 30.0) -> None:
+                 read_timeout: float = 30.0, tls: http.TLSFiles | None = None) -> None:
         self.cp = cp
         # Before the workers start: a registration of up to MAX_BODY would otherwise leave its peak in each
         # worker's own arena (foundations/malloc).
@@ -438,7 +439,7 @@ class ControlPlaneServer:
         # Each long-polled lease holds a thread for up to max_lease_wait: at most api.MAX_LONG_POLLS of them.
         self.listener = http.Listener(cp, host, port, "control-plane", threads=threads, timeout=timeout,
                                       read_timeout=read_timeout, max_body=api.MAX_BODY, body_hint=api.BODY_LIMIT_HINT,
-                                      connection_limit=CONNECTION_LIMIT, priority_paths=("/healthz",))
+                                      connection_limit=CONNECTION_LIMIT, priority_paths=("/healthz",), tls=tls)
 
     @property
     def url(self) -> str:
