@@ -40,7 +40,12 @@ import yaml
 from gpu_agent.foundations import completion, klog
 from gpu_agent.foundations.clock import SystemClock
 from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting, add_arguments, load
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.control_plane_client import (
+    TRANSPORT_SETTINGS,
+    ControlPlaneClient,
+    ControlPlaneError,
+    check_transport,
+)
 from gpu_agent.foundations.http import ListenError
 from gpu_agent.foundations.secrets import REDACTOR, Secret
 from gpu_agent.foundations.threads import in_daemon_thread
@@ -60,7 +65,9 @@ ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
 
 QUEUE_SETTINGS = [
     *LOGGING,
-    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
+    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL: https://, or http:// to a "
+            "loopback host (else see controlPlaneAllowInsecure)"),
+    *TRANSPORT_SETTINGS,
     Setting("adminToken", "secret", "", "the control plane's admin token (env only; or adminTokenFile)"),
     Setting("adminTokenFile", "path", ".run/admin-token", "file holding the admin token (`make run` writes it there)",
             optional=True),
@@ -70,6 +77,8 @@ QUEUE_SETTINGS = [
 class QueueConfig(RoleConfig):
     """`gpu-agent queue`'s settings."""
     controlPlaneUrl: str
+    controlPlaneCaFile: str
+    controlPlaneAllowInsecure: bool
     adminToken: Secret
     adminTokenFile: str
 
@@ -213,8 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     test.add_argument("--namespace", default="default", help="the release's namespace (default: %(default)s)")
     test.add_argument("--fullname", default="gpu-agent", help="the prefix of the chart's object names, for the fixes "
                       "the lines name (default: %(default)s)")
-    test.add_argument("--control-plane-url", default="", metavar="URL", help="the chart's own control plane; empty: "
-                      "not checked, as where the chart runs none (default: empty)")
+    test.add_argument("--control-plane-url", default="", metavar="URL", help="the chart's own control plane: https://, "
+                      "or http:// to a loopback host (else see --control-plane-allow-insecure); empty: not checked, as "
+                      "where the chart runs none (default: empty)")
+    test.add_argument("--control-plane-ca-file", default="", metavar="PATH", help="PEM bundle of the CA that signed "
+                      "the control plane's certificate, which its /healthz and the work item's calls are verified "
+                      "against; empty: the default trusted CAs (default: empty)")
+    test.add_argument("--control-plane-allow-insecure", default="false", choices=("true", "false"), help="accept an "
+                      "http:// --control-plane-url whose host is not loopback (the admin token then crosses the "
+                      "network in clear; a warning says so) (default: %(default)s)")
     test.add_argument("--cluster-agent-url", default="http://127.0.0.1:8080", metavar="URL",
                       help="the cluster agent, where no --cluster-agent-service is named (default: %(default)s)")
     test.add_argument("--cluster-agent-service", default="", metavar="NAME", help="the cluster agents' Service, whose "
@@ -292,11 +308,19 @@ def _print_queue(items: list[dict[str, Any]], counts: dict[str, Any], output: st
     print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
+def _check_transport(cfg: QueueConfig | cluster_agent.ClusterAgentConfig) -> None:
+    """Hold the control plane's URL and CA file to the clients' one rule (a ConfigError: exit 2, the message naming
+    the setting and the fix); plain HTTP it allows all the same is a warning, logged at every verbosity."""
+    if insecure := check_transport(cfg.controlPlaneUrl, cfg.controlPlaneCaFile, cfg.controlPlaneAllowInsecure):
+        klog.get_logger("gpu_agent.cli").warning("%s", insecure)
+
+
 def _queue(args: argparse.Namespace, cfg: QueueConfig) -> int:
+    _check_transport(cfg)
     if not cfg.adminToken:
         raise ConfigError("no admin token: set GPU_AGENT_ADMIN_TOKEN or --admin-token-file "
                           f"(`make run` writes it to .run/admin-token; tried {cfg.adminTokenFile or 'nothing'})")
-    client = ControlPlaneClient(cfg.controlPlaneUrl)
+    client = ControlPlaneClient(cfg.controlPlaneUrl, ca_file=cfg.controlPlaneCaFile)
     try:
         if args.action == "add":
             try:
@@ -375,10 +399,13 @@ def _chart_test(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.request_timeout <= 0:
         raise ConfigError(f"--timeout and --request-timeout must be above 0; got {args.timeout:g} and "
                           f"{args.request_timeout:g}")
+    if args.control_plane_url and (insecure := check_transport(args.control_plane_url, args.control_plane_ca_file,
+                                                                args.control_plane_allow_insecure == "true")):
+        print(f"gpu-agent chart-test: warning: {insecure}", file=sys.stderr, flush=True)
     cfg = chart_test.ChartTestConfig(
         namespace=args.namespace, fullname=args.fullname, controlPlaneUrl=args.control_plane_url,
         clusterAgentUrl=args.cluster_agent_url, clusterAgentService=args.cluster_agent_service,
-        adminTokenFile=args.admin_token_file,
+        adminTokenFile=args.admin_token_file, controlPlaneCaFile=args.control_plane_ca_file,
         nodeAgentService=args.node_agent_service,
         gracefulNoGPU=args.graceful_no_gpu == "true", timeout=args.timeout, requestTimeout=args.request_timeout)
     lister = None
@@ -431,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         settings, config_class, _ = ROLES[args.role]
         cfg = load(settings, args, as_=config_class)
         klog.setup(cfg.verbosity, log_format=cfg.logFormat)
+        # Not local's: its agent is handed the URL of its own control plane, in the same process.
+        if isinstance(cfg, cluster_agent.ClusterAgentConfig) and not isinstance(cfg, local.LocalConfig):
+            _check_transport(cfg)
         return asyncio.run(_serve(cfg))
     except (ConfigError, ListenError) as e:
         print(f"gpu-agent {args.role}: error: {e}", file=sys.stderr)

@@ -12,7 +12,8 @@ from typing import Any, cast
 import yaml
 from kubernetes import client
 
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.config import ConfigError
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, check_transport
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
@@ -219,7 +220,8 @@ def delete_work_claim_templates_of(resource: Any, namespace: str, release: str) 
 
 
 def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str, url: str, token_file: Path,
-            timeout: float, domain: str = "", work_claim_templates: bool = False) -> None:
+            timeout: float, domain: str = "", work_claim_templates: bool = False, ca_file: str = "",
+            allow_insecure: bool = False) -> None:
     deadline = time.monotonic() + timeout
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
@@ -228,7 +230,7 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
     def deregister() -> None:
         if not token_file.exists():
             raise RuntimeError(f"no registration token at {token_file}")
-        cp = ControlPlaneClient(url, timeout=5)
+        cp = ControlPlaneClient(url, timeout=5, ca_file=ca_file)
         try:
             cp.deregister(Secret(token_file.read_text().strip()), cluster_id)
         except ControlPlaneError as e:
@@ -260,8 +262,18 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
             custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "gpudomainmembers",
                                                    m["metadata"]["name"], _request_timeout=REQUEST_TIMEOUT)
 
-    for name, step in (("deregister", deregister), ("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
-                       ("work claim templates", delete_templates), ("GPUDomain members", delete_members)):
+    steps: list[tuple[str, Any]] = [("deregister", deregister)]
+    try:
+        if insecure := check_transport(url, ca_file, allow_insecure):
+            say(f"warning: {insecure}")
+    except ConfigError as e:
+        # Said whole (a failed step's message is cut short), and only this step is skipped: a failed hook would fail
+        # the uninstall before the steps that let the namespace go (the work pods' finalizers).
+        say(f"cleanup deregister: refused: {e}")
+        steps = []
+    steps += [("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
+              ("work claim templates", delete_templates), ("GPUDomain members", delete_members)]
+    for name, step in steps:
         _bounded(name, deadline - time.monotonic(), step)
 
 
@@ -287,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--namespace", required=True)
     u.add_argument("--release", required=True)
     u.add_argument("--cluster-id", required=True)
-    u.add_argument("--control-plane-url", required=True)
+    u.add_argument("--control-plane-url", required=True, help="where the deregistration goes: https://, or http:// to "
+                   "a loopback host (else see --control-plane-allow-insecure)")
+    u.add_argument("--control-plane-ca-file", default="", help="PEM bundle of the CA that signed the control plane's "
+                   "certificate, which the deregistration verifies it against; empty: the default trusted CAs")
+    u.add_argument("--control-plane-allow-insecure", choices=("true", "false"), default="false", help="true: "
+                   "deregister over an http:// URL whose host is not loopback (the token crosses the network in clear)")
     u.add_argument("--token-file", type=Path, required=True)
     u.add_argument("--timeout", type=float, default=60)
     u.add_argument("--domain", default="", help="GPUDomain whose leftover members to delete")
@@ -310,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             skew_check(api, a.namespace, a.deployment, a.to_version, a.crds)
         else:
             cleanup(api, a.namespace, a.release, a.cluster_id, a.control_plane_url, a.token_file, a.timeout, a.domain,
-                    a.work_claim_templates == "true")
+                    a.work_claim_templates == "true", ca_file=a.control_plane_ca_file,
+                    allow_insecure=a.control_plane_allow_insecure == "true")
     except SkewError as e:
         print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
         return 1

@@ -8,6 +8,9 @@ a body that might hold a token.
 Every failure is a `ControlPlaneError`; its subclass decides what the caller does (its `kind`
 is the reason label of the failure metrics):
   Unavailable   connection refused/dropped, timeout, 5xx, 429  -> retry with backoff (recoverable)
+    TlsFailed   the TLS handshake failed: the certificate not      -> retry with backoff (recoverable: a CA file
+                verified against the CA file (controlPlaneCaFile)     replaced in place is read at the next
+                or the default trusted CAs, or no TLS spoken          connection); its message names the fix
   Unauthorized  401/403                                         -> credentials are bad: register again
   ProtocolError the body is not what the API promises           -> retry with backoff (recoverable)
   Fenced        409 naming a newer term                         -> this agent's term is over: stop, start a new one
@@ -15,18 +18,28 @@ is the reason label of the failure metrics):
   Rejected      any other 4xx                                   -> a bug or bad input: report, retry slowly
     TooLarge    413, or a registration's GPU list refused       -> the request is over the control plane's size
                 for its length                                     limit, which its message names: report, retry slowly
+
+Transport: every client of the control plane (the cluster agent, `gpu-agent queue`, `gpu-agent chart-test`, the
+chart's cleanup hook) takes controlPlaneCaFile and controlPlaneAllowInsecure (TRANSPORT_SETTINGS) and starts by
+`check_transport`: https:// is verified against the CA file when one is named, else the default trusted CAs;
+http:// is refused unless its host is loopback or controlPlaneAllowInsecure is true, since the registration token
+and the credentials would otherwise cross the network in clear.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import ssl
 import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar, overload
+from urllib.parse import urlparse
 
 import requests
 
+from gpu_agent.foundations.config import ConfigError, Setting
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
@@ -52,6 +65,12 @@ class ControlPlaneError(Exception):
 class Unavailable(ControlPlaneError):
     kind = "unavailable"
     recoverable = True
+
+
+class TlsFailed(Unavailable):
+    """The TLS handshake failed; the message says what to fix (most often controlPlaneCaFile). Retried as any
+    unanswered call is: the CA file is read again at each new connection, so a CA rotated in place recovers."""
+    kind = "tls"
 
 
 class ProtocolError(ControlPlaneError):
@@ -145,11 +164,111 @@ def _field(doc: object, name: str, kind: type | tuple[type, ...], where: str) ->
     return value
 
 
+URL_SETTING = "controlPlaneUrl"
+CA_FILE_SETTING = "controlPlaneCaFile"
+ALLOW_INSECURE_SETTING = "controlPlaneAllowInsecure"
+
+# What every client of the control plane takes beside its controlPlaneUrl (see check_transport).
+TRANSPORT_SETTINGS = [
+    Setting(CA_FILE_SETTING, "path", "", "PEM bundle of the CA(s) that signed the control plane's certificate, which "
+            "an https:// controlPlaneUrl is verified against (read again at each new connection: a CA replaced in "
+            "place is picked up without a restart); empty: the default trusted CAs (requests': certifi's bundle, or "
+            "REQUESTS_CA_BUNDLE)", optional=True),
+    Setting(ALLOW_INSECURE_SETTING, "bool", False, "accept an http:// controlPlaneUrl whose host is not loopback: "
+            "the registration token and credentials then cross the network in clear (a warning says so at start); "
+            "false: https://, or http:// to 127.0.0.0/8, ::1 or localhost only"),
+]
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: only "localhost" is known to stay on this machine
+        return False
+
+
+def check_transport(url: str, ca_file: str = "", allow_insecure: bool = False) -> str:
+    """The rule every client of the control plane holds its settings to before its first call: https:// always;
+    http:// only to a loopback host (127.0.0.0/8, ::1, localhost: nothing crosses the network) or with
+    controlPlaneAllowInsecure, whose warning to log at start is returned (""; nothing to warn of). A refused URL,
+    or a CA file that holds no certificate, is a ConfigError naming the setting and the fix. The URL is shown
+    without its user part, which could hold a password."""
+    parts = urlparse(url)
+    host = parts.hostname or ""
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # not a number, or past 65535
+        port = ":?"
+    shown = f"{parts.scheme}://{f'[{host}]' if ':' in host else host}{port}"
+    if ca_file:
+        try:
+            ssl.create_default_context(cafile=ca_file)
+        except OSError as e:  # ssl.SSLError is one: a file that holds no PEM certificate
+            reason = (e.reason if isinstance(e, ssl.SSLError) else e.strerror) or type(e).__name__
+            raise ConfigError(f"{CA_FILE_SETTING} {ca_file} cannot be used as a CA bundle ({reason}); point it at "
+                              "the PEM file of the CA that signed the control plane's certificate") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"{URL_SETTING} {shown} is not an http:// or https:// URL with a host")
+    if parts.scheme == "https" or _is_loopback(host):
+        return ""
+    if allow_insecure:
+        return (f"{URL_SETTING} {shown} is plain HTTP to a host beyond this machine and {ALLOW_INSECURE_SETTING} is "
+                "true: the registration token and credentials cross the network in clear")
+    raise ConfigError(f"{URL_SETTING} {shown} is plain HTTP to a host beyond this machine: the registration token "
+                      f"and credentials would cross the network in clear; use its https:// URL (with "
+                      f"{CA_FILE_SETTING} naming the CA that signed its certificate), or set {ALLOW_INSECURE_SETTING}"
+                      "=true (--control-plane-allow-insecure=true) to accept that")
+
+
+def _ssl_error_in(error: BaseException) -> ssl.SSLError | None:
+    """The ssl error behind `error` (requests wraps urllib3's, which wraps ssl's), None when there is none."""
+    seen: set[int] = set()
+    pending: list[object] = [error]
+    while pending:
+        e = pending.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLError):
+            return e
+        pending += [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args]
+    return None
+
+
+def tls_failure(error: BaseException, ca_file: str) -> tuple[str, str] | None:
+    """(what failed, how to fix it) when `error` is a failed TLS handshake with the control plane; None when it is
+    not. Only ssl's short reason is kept: never a URL's query or anything the request carried."""
+    cause = _ssl_error_in(error)
+    if cause is None:
+        return None
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        why = cause.verify_message or "not verified"
+        if cause.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+            return (f"TLS: the control plane's certificate does not name the host of {URL_SETTING} ({why})",
+                    f"use in {URL_SETTING} a host name its certificate names")
+        trusted = f"{CA_FILE_SETTING} {ca_file}" if ca_file else "the default trusted CAs"
+        return (f"TLS: the control plane's certificate is not verified against {trusted} ({why})",
+                f"{f'point {CA_FILE_SETTING} at' if ca_file else f'set {CA_FILE_SETTING} to'} the PEM bundle of "
+                "the CA that signed it")
+    why = str(cause.reason or type(cause).__name__)
+    return (f"TLS handshake failed ({why})" + (f" with {CA_FILE_SETTING} {ca_file}" if ca_file else ""),
+            f"check that {URL_SETTING} names the control plane's HTTPS port"
+            + (f" and that {CA_FILE_SETTING} holds PEM certificates" if ca_file else ""))
+
+
 class ControlPlaneClient:
-    def __init__(self, base_url: str, timeout: float = 10.0, session: requests.Session | None = None) -> None:
+    def __init__(self, base_url: str, timeout: float = 10.0, session: requests.Session | None = None,
+                 ca_file: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._session = session or requests.Session()
+        self.ca_file = ca_file
+        # Passed with each request, never set on the session: requests lets REQUESTS_CA_BUNDLE override a session's
+        # verify (and verify=True), but not a path given to the request itself. The path, not its contents: urllib3
+        # loads it at each new connection, so a CA file replaced in place is verified against from then on.
+        self._verify: str | bool = ca_file or True
 
     def close(self) -> None:
         self._session.close()
@@ -167,16 +286,26 @@ class ControlPlaneClient:
         started = time.monotonic()
         try:
             resp = self._session.request(method, self.base_url + path, data=data, headers=headers,
-                                         timeout=self.timeout + extra_timeout)
+                                         timeout=self.timeout + extra_timeout, verify=self._verify)
         except requests.Timeout:
             log.v(6, "control plane: %s -> timed out (%.1f ms)", where, (time.monotonic() - started) * 1000)
             raise Unavailable(f"{where}: timed out after {self.timeout:g}s") from None
+        except requests.exceptions.SSLError as e:
+            log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
+            failed, fix = tls_failure(e, self.ca_file) or ("TLS handshake failed", f"check {CA_FILE_SETTING}")
+            raise TlsFailed(f"{where}: {failed}; {fix}") from None
         except requests.ConnectionError as e:
             log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
             raise Unavailable(f"{where}: connection failed ({type(e).__name__})") from None
         except requests.RequestException as e:  # e.g. the connection dropped mid-response
             log.v(6, "control plane: %s -> %s (%.1f ms)", where, type(e).__name__, (time.monotonic() - started) * 1000)
             raise Unavailable(f"{where}: response broken off ({type(e).__name__})") from None
+        except OSError:
+            if not self.ca_file:
+                raise
+            # requests looks for the CA file before it connects: gone since the start (a mount being replaced?)
+            raise TlsFailed(f"{where}: {CA_FILE_SETTING} {self.ca_file} is not there; point {CA_FILE_SETTING} at the "
+                            "PEM bundle of the CA that signed the control plane's certificate") from None
         status = resp.status_code
         log.v(6, "control plane: %s -> %d (%.1f ms)", where, status, (time.monotonic() - started) * 1000)
         if status in (401, 403):

@@ -15,6 +15,8 @@ did (its line names what failed and what to do about it):
   enqueued with a key of its own and done within the time left; with no cluster agent Ready (no GPUs, graceful) it
   is not enqueued, and a note says why (an item enqueued there would wait for GPUs, and outlive the test).
 
+The control plane is asked over TLS where its URL is https://, verified against controlPlaneCaFile (else the default
+trusted CAs), the work item's calls as its /healthz; a certificate not verified fails the check naming that setting.
 Every HTTP call (and the EndpointSlice list) has a timeout: the smaller of `requestTimeout` and what is left of
 `timeout`, the whole run's bound (the chart's test.timeoutSeconds); a check with no time left fails saying so.
 Time is read from the `Clock` it is given, so the unit tests drive it."""
@@ -22,16 +24,18 @@ Time is read from the `Clock` it is given, so the unit tests drive it."""
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from gpu_agent.foundations.clock import Clock
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError
+from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, tls_failure
 from gpu_agent.foundations.secrets import Secret
 
 EXIT_OK = 0
@@ -51,6 +55,7 @@ class ChartTestConfig:
     requestTimeout: float = 5.0
     clusterAgentService: str = ""  # the cluster agents' Service: each of its endpoints is checked
     adminTokenFile: str = ""  # the control plane's admin token: one work item is run end to end
+    controlPlaneCaFile: str = ""  # what an https:// controlPlaneUrl is verified against; "": the default trusted CAs
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,12 @@ Fetch = Callable[[str, float], Answer]  # (url, timeout) -> the answer; raises O
 ListEndpoints = Callable[[str, str, float], list[Endpoint]]  # (namespace, service, timeout)
 
 
-def http_get(url: str, timeout: float) -> Answer:
-    """One GET, bounded by `timeout` (connect and each read); any status is an answer, no answer raises OSError."""
+def http_get(url: str, timeout: float, ca_file: str = "") -> Answer:
+    """One GET, bounded by `timeout` (connect and each read); any status is an answer, no answer raises OSError.
+    An https:// URL is verified against `ca_file` ("": the default trusted CAs), read at each call."""
+    context = ssl.create_default_context(cafile=ca_file or None) if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             return Answer(response.status, response.read())
     except urllib.error.HTTPError as e:
         with e:
@@ -108,7 +115,7 @@ def endpoint_slices(api: Any) -> ListEndpoints:
 class ChartTest:
     cfg: ChartTestConfig
     clock: Clock
-    fetch: Fetch = http_get
+    fetch: Fetch | None = None  # None: http_get, verifying https:// with cfg.controlPlaneCaFile
     list_endpoints: ListEndpoints | None = None
     out: Callable[[str], None] = print
     sleep: Callable[[float], None] = time.sleep
@@ -158,9 +165,13 @@ class ChartTest:
             self.fail(what, f"no time left to ask {url} (the test's bound, test.timeoutSeconds, is "
                             f"{self.cfg.timeout:g} s)", "raise test.timeoutSeconds, or see why the checks before were slow")
             return None
+        fetch = self.fetch or partial(http_get, ca_file=self.cfg.controlPlaneCaFile)
         try:
-            return self.fetch(url, timeout)
+            return fetch(url, timeout)
         except OSError as e:
+            if tls := tls_failure(e, self.cfg.controlPlaneCaFile):
+                self.fail(what, f"{url}: {tls[0]}", f"{tls[1]} (--control-plane-ca-file)")
+                return None
             reason = getattr(e, "reason", None) or e
             self.fail(what, f"{url} did not answer within {timeout:g} s ({reason})", fix)
             return None
@@ -288,7 +299,8 @@ class ChartTest:
         key, started = self.new_key(), self.clock.monotonic()
         state, error = "", ""
         # One client (one connection) for the enqueue and every poll; each call bounded by the time left.
-        control_plane = ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=self.cfg.requestTimeout)
+        control_plane = ControlPlaneClient(self.cfg.controlPlaneUrl, timeout=self.cfg.requestTimeout,
+                                           ca_file=self.cfg.controlPlaneCaFile)
         try:
             timeout = self._timeout()
             if timeout is None:

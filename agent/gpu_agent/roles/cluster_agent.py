@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import LOGGING, ConfigError, RoleConfig, Setting
-from gpu_agent.foundations.control_plane_client import ControlPlaneClient
+from gpu_agent.foundations.control_plane_client import TRANSPORT_SETTINGS, ControlPlaneClient
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.gate import Gate, GateEvent
 from gpu_agent.foundations.health import HealthRegistry
@@ -95,7 +95,9 @@ SETTINGS = [
     Setting("draDeviceClassName", "str", "", "work Pods (executor=pod) get their GPUs through a ResourceClaimTemplate "
             "asking this DeviceClass (one template per GPU count, made on first use); empty: nvidia.com/gpu limits",
             optional=True),
-    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL"),
+    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL: https://, or http:// to a "
+            "loopback host (else see controlPlaneAllowInsecure)"),
+    *TRANSPORT_SETTINGS,
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
     Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
     Setting("clusterId", "str", "local", "this cluster's name at the control plane"),
@@ -177,6 +179,8 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     draDriverName: str
     draDeviceClassName: str
     controlPlaneUrl: str
+    controlPlaneCaFile: str
+    controlPlaneAllowInsecure: bool
     controlPlaneToken: Secret
     controlPlaneTokenFile: str
     clusterId: str
@@ -279,7 +283,7 @@ class ClusterAgent:
         # Each API client this agent builds gets a bucket of its own from this (foundations/ratelimit.py).
         self.api_limit = ApiLimit(cfg.kubeApiQps, cfg.kubeApiBurst, clock=self.clock, observer=self.metrics)
         self.gate = Gate(self.clock, self._gate_observed)
-        self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout)
+        self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout, ca_file=cfg.controlPlaneCaFile)
         # The parts, as the module docstring draws them (the elector and the aggregator are made when
         # they start: both need the Kubernetes API).
         self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),

@@ -2,6 +2,7 @@
 fake-gpu command. Timings are polled to deadlines; nothing sleeps a fixed time to "let it settle"."""
 
 import itertools
+import os
 import signal
 import threading
 import time
@@ -364,3 +365,29 @@ def test_a_hung_control_plane_spaces_attempts_by_timeout_plus_backoff_and_ready_
     hung_renewals = [i for i in intervals if i[0] == "renew" and i[2] - i[1] >= timeout - 0.1]
     assert hung_renewals, intervals  # a renewal held the gate through its whole timeout
     assert agent.alive() and rig.livez() == 200
+
+
+def test_plain_http_to_a_host_beyond_loopback_exits_2_its_last_line_naming_controlplaneurl_and_the_fix(rig):
+    import subprocess
+    import sys
+
+    token = f"reg-{time.monotonic_ns()}"
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--control-plane-url", "http://10.0.0.1:8700"],
+                       capture_output=True, text=True, timeout=30, env={**os.environ, "GPU_AGENT_CONTROL_PLANE_TOKEN": token})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert last.startswith("gpu-agent cluster-agent: error: controlPlaneUrl http://10.0.0.1:8700 is plain HTTP"), last
+    assert "use its https:// URL" in last and "controlPlaneAllowInsecure=true" in last
+    assert token not in r.stderr + r.stdout
+
+
+def test_plain_http_beyond_loopback_allowed_starts_the_agent_with_a_warning_at_verbosity_0(rig):
+    """With no GPUs (graceful) the agent never calls the control plane: it only has to start and say it."""
+    rig.set_gpus(0)
+    agent = rig.start_agent("--control-plane-url", "http://10.0.0.1:8700", "--control-plane-allow-insecure", "true",
+                            verbosity=0)
+    [warning] = agent.grep("plain HTTP")
+    assert warning.startswith("W") and warning.endswith(
+        "controlPlaneUrl http://10.0.0.1:8700 is plain HTTP to a host beyond this machine and controlPlaneAllowInsecure "
+        "is true: the registration token and credentials cross the network in clear"), warning
+    assert agent.alive()
