@@ -24,7 +24,10 @@ class NoObjects:
 
 @pytest.fixture
 def hook(monkeypatch, tmp_path):
-    """Runs `gpu-agent-hook cleanup` with the given flags against an empty release; its token file holds TOKEN."""
+    """Runs `gpu-agent-hook cleanup` with the given flags against an empty release; its token file holds TOKEN. The
+    default trusted CAs are requests' own (certifi's), not a bundle the machine's environment names."""
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
     monkeypatch.setattr(cli, "api_client", lambda *args, **kwargs: None)
     monkeypatch.setattr(cli.client, "CoreV1Api", lambda api: NoObjects())
     monkeypatch.setattr(cli.client, "CustomObjectsApi", lambda api: NoObjects())

@@ -372,7 +372,10 @@ def test_plain_http_to_a_host_beyond_loopback_exits_2_its_last_line_naming_contr
     import sys
 
     token = f"reg-{time.monotonic_ns()}"
-    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--control-plane-url", "http://10.0.0.1:8700"],
+    rig.set_gpus(0)  # were it to start after all, it would leave at once by itself (exit 3: no GPUs at start)
+    r = subprocess.run([sys.executable, "-m", "gpu_agent", "cluster-agent", "--fake-gpu-state-file", str(rig.fake_file),
+                        "--listen-address", "127.0.0.1:0", "--executor-journal", str(rig.root / "executions.sqlite"),
+                        "--control-plane-url", "http://10.0.0.1:8700"],
                        capture_output=True, text=True, timeout=30, env={**os.environ, "GPU_AGENT_CONTROL_PLANE_TOKEN": token})
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2, r.stderr[-2000:]

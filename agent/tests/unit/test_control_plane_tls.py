@@ -45,6 +45,13 @@ class ControlPlane:
         return 200, {"items": [{"id": 7, "idempotencyKey": key, "state": "done", "deliveries": 1, "createdAt": 1.0}]}
 
 
+@pytest.fixture(autouse=True)
+def default_trust_is_requests_own(monkeypatch):
+    """The default trusted CAs the same on every machine: requests' certifi bundle, not one a CI runner names."""
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def ca() -> trustme.CA:
     return trustme.CA()
@@ -164,9 +171,19 @@ def test_a_ca_file_that_is_no_ca_bundle_is_refused_at_the_start_naming_the_setti
 
 # --- the commands ---------------------------------------------------------------------------------------------------
 
-def test_the_cluster_agent_refuses_plain_http_beyond_loopback_before_it_starts(capfd, monkeypatch):
+def no_gpus(tmp_path) -> list[str]:
+    """Flags under which a cluster agent that did start would leave at once by itself (exit 3: no GPUs at start)."""
+    from gpu_agent.foundations import fake_state
+    from gpu_agent.foundations.gpus import Inventory
+
+    fake_state.write_atomic(tmp_path / "gpus.json", fake_state.render(Inventory(), node="n"))
+    return ["--fake-gpu-state-file", str(tmp_path / "gpus.json"), "--listen-address", "127.0.0.1:0",
+            "--executor-journal", str(tmp_path / "journal.sqlite")]
+
+
+def test_the_cluster_agent_refuses_plain_http_beyond_loopback_before_it_starts(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("GPU_AGENT_CONTROL_PLANE_TOKEN", TOKEN)
-    assert cli.main(["cluster-agent", "--control-plane-url", "http://10.0.0.1:8700"]) == 2
+    assert cli.main(["cluster-agent", *no_gpus(tmp_path), "--control-plane-url", "http://10.0.0.1:8700"]) == 2
     err = capfd.readouterr().err
     assert err.strip().splitlines()[-1].startswith(
         "gpu-agent cluster-agent: error: controlPlaneUrl http://10.0.0.1:8700 is plain HTTP to a host beyond this "
