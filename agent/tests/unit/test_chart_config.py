@@ -15,10 +15,12 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 
 # What the chart sets for the release (templates/_helpers.tpl, gpu-agent.clusterAgentConfig and .nodeAgentConfig),
 # or what the agent reads from the pod's environment (identity, nodeName, nodeIp, podName, podUid), or a flag
-# (leaderElection, which the hooks look for). workPods comes from the chart's workPods values.
+# (leaderElection, which the hooks look for). workPods comes from the chart's workPods values; controlPlaneCaFile and
+# controlPlaneAllowInsecure from its controlPlane TLS values (set only where a CA is mounted, or plain HTTP allowed).
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
-                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
+                      "workImage", "releaseName", "controlPlaneUrl", "controlPlaneCaFile", "controlPlaneAllowInsecure",
+                      "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
                       "gpuNodeSelector", "workPods",
                       "draDriverName", "draDeviceClassName", "channelDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
@@ -27,10 +29,6 @@ WIRED = {
                    "domainNamespace", "domainWriteStrategy", "peersFile", "kubeconfig", "nodeName", "nodeIp",
                    "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir", "draDomainChannels"},
 }
-# Settings the chart does not offer yet, neither wired nor in its config value: the control plane's CA file and
-# plain-HTTP consent (issue 48), which the chart's TLS values are to wire. Once it does, each moves to WIRED (or, left
-# to users, into the config value's schema) and out of here: test_settings_not_in_the_chart_yet_are_not says so.
-NOT_IN_CHART_YET = {"cluster-agent": {"controlPlaneCaFile", "controlPlaneAllowInsecure"}, "node-agent": set()}
 ROLES = {"cluster-agent": (cluster_agent.SETTINGS, "clusterAgent"), "node-agent": (node_agent.SETTINGS, "nodeAgent")}
 
 
@@ -56,21 +54,9 @@ def test_the_config_value_admits_each_unwired_setting_with_its_type_and_range(ro
     assert config["type"] == "object" and config["additionalProperties"] is False
     names = {s.name for s in settings}
     assert WIRED[role] <= names, WIRED[role] - names
-    wanted = {s.name: expected(s) for s in settings
-              if s.kind != "secret" and s.name not in WIRED[role] | NOT_IN_CHART_YET[role]}
+    wanted = {s.name: expected(s) for s in settings if s.kind != "secret" and s.name not in WIRED[role]}
     got = {name: {k: v for k, v in prop.items() if k != "description"} for name, prop in config["properties"].items()}
     assert got == wanted
-
-
-@pytest.mark.parametrize("role", ROLES)
-def test_settings_not_in_the_chart_yet_are_not(role):
-    settings, key = ROLES[role]
-    assert NOT_IN_CHART_YET[role] <= {s.name for s in settings}, NOT_IN_CHART_YET[role]
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    offered = set(schema["properties"][key]["properties"]["config"]["properties"])
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    in_chart = {name for name in NOT_IN_CHART_YET[role] if name in offered or f'"{name}"' in helpers}
-    assert not in_chart, f"the chart offers {sorted(in_chart)} now: move them from NOT_IN_CHART_YET to WIRED"
 
 
 def test_every_wired_setting_is_one_the_chart_renders():
