@@ -214,7 +214,8 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
     # gracefulNoGPU is a value of the chart's own, always passed (test_graceful_no_gpu_reaches_...).
     assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                               "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "controlPlaneCaFile", "gracefulNoGPU",
-                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"}
+                              "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence",
+                              "workServiceAccount"}
     assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
     assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
 
@@ -775,7 +776,9 @@ def test_with_the_work_pods_block_empty_the_cluster_agents_configmap_is_byte_for
     assert "workPods" not in default
     assert cluster_agent_configmap_text(*values_file(tmp_path, {"workPods": EMPTY_WORK_PODS})) == default
     assert cluster_agent_configmap_text("--set-json", "workPods={}") == default
-    assert EMPTY_WORK_PODS == yaml.safe_load((CHART / "values.yaml").read_text())["workPods"]  # the defaults are empty
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["workPods"]
+    # the defaults are empty; the account and the policy switch are the chart's (test_work_pod_shape.py)
+    assert EMPTY_WORK_PODS == {k: v for k, v in defaults.items() if k not in ("serviceAccount", "admissionPolicy")}
 
 
 def test_every_work_pods_value_reaches_the_cluster_agents_config_and_the_agent_reads_it_back(tmp_path):

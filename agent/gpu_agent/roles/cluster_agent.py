@@ -121,6 +121,9 @@ SETTINGS = [
     Setting("workNamespace", "str", os.environ.get("POD_NAMESPACE", "default"), "namespace of work Pods (pod executor)"),
     Setting("workImage", "str", "localhost/gpu-agent:dev", "image of work Pods (pod executor)"),
     Setting("releaseName", "str", "", "Helm release, recorded on work Pods for cleanup", optional=True),
+    Setting("workServiceAccount", "str", "", "ServiceAccount of work Pods (pod executor): the chart's <fullname>-work, "
+            "bound to no role; empty: the namespace's default. No token is mounted in a work Pod either way",
+            optional=True),
     Setting("workPods", "workPods", {}, "what every work Pod gets besides what the agent sets (pod executor): "
             "tolerations, nodeSelector (merged with gpuNodeSelector, which wins on a shared key), affinity, "
             "runtimeClassName, imagePullSecrets, resources (of its container), priorityClassName, labels, annotations; "
@@ -200,6 +203,7 @@ class ClusterAgentConfig(GPUSourceConfig, RoleConfig):
     workNamespace: str
     workImage: str
     releaseName: str
+    workServiceAccount: str
     workPods: dict[str, Any]
     domainName: str
     domainNamespace: str
@@ -253,7 +257,8 @@ def make_executor(cfg: ClusterAgentConfig, clock: Clock, api_limit: ApiLimit | N
                                driver=cfg.draDriverName) if cfg.draDeviceClassName else None
         return PodExecutor(client.CoreV1Api(api), cfg.workNamespace, cfg.workImage, release=cfg.releaseName, clock=clock,
                            pod_changes=changes, node_selector=cfg.gpuNodeSelector, claims=claims,
-                           fencing=bool(cfg.leaderElection and cfg.workPodFence), work_pods=cfg.workPods)
+                           fencing=bool(cfg.leaderElection and cfg.workPodFence), work_pods=cfg.workPods,
+                           service_account=cfg.workServiceAccount)
 
     return RecordingExecutor(Path(cfg.executorJournal), cfg.executorWorkSeconds, clock)
 

@@ -15,13 +15,14 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 
 # What the chart sets for the release (templates/_helpers.tpl, gpu-agent.clusterAgentConfig and .nodeAgentConfig),
 # or what the agent reads from the pod's environment (identity, nodeName, nodeIp, podName, podUid), or a flag
-# (leaderElection, which the hooks look for). workPods comes from the chart's workPods values; controlPlaneCaFile and
-# controlPlaneAllowInsecure from its controlPlane TLS values (set only where a CA is mounted, or plain HTTP allowed).
+# (leaderElection, which the hooks look for). workPods and workServiceAccount come from the chart's workPods values;
+# controlPlaneCaFile and controlPlaneAllowInsecure from its controlPlane TLS values (set only where a CA is mounted, or
+# plain HTTP allowed).
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneCaFile", "controlPlaneAllowInsecure",
                       "controlPlaneTokenFile", "gracefulNoGPU", "domainName",
-                      "gpuNodeSelector", "workPods",
+                      "gpuNodeSelector", "workPods", "workServiceAccount",
                       "draDriverName", "draDeviceClassName", "channelDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},

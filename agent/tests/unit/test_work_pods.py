@@ -32,13 +32,14 @@ EVERY_VALUE = {
 }
 
 
-def pod(work_pods=None, node_selector="", claims=None, item=ITEM, leader=LEADER):
+def pod(work_pods=None, node_selector="", claims=None, item=ITEM, leader=LEADER, service_account=""):
     ex = PodExecutor(None, "work", "img", release="rel", node_selector=node_selector, claims=claims,
-                     work_pods=work_pods)
+                     work_pods=work_pods, service_account=service_account)
     return ex._pod(item, leader)
 
 
-# The work Pod before workPods existed, for ITEM under LEADER in release "rel": an empty shape must give exactly this.
+# The work Pod before workPods existed, for ITEM under LEADER in release "rel": an empty shape must give exactly this
+# (no token and no Service links since issue 48: the chart's shape policy refuses a work Pod with either).
 TODAYS_POD = {
     "apiVersion": "v1", "kind": "Pod",
     "metadata": {"name": pod_name("job-1"), "finalizers": [FINALIZER],
@@ -47,7 +48,8 @@ TODAYS_POD = {
                  "annotations": {"gpu-agent.io/idempotency-key": "job-1", "gpu-agent.io/item-id": "7", "gpu-agent.io/gpus": "2",
                                  "gpu-agent.io/leader": "agent-0", "gpu-agent.io/lease-uid": "uid-1",
                                  "gpu-agent.io/lease-transitions": "3"}},
-    "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 5, "containers": [{
+    "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
+             "restartPolicy": "Never", "terminationGracePeriodSeconds": 5, "containers": [{
         "name": "work", "image": "img", "imagePullPolicy": "IfNotPresent", "command": ["run"],
         "resources": {"limits": {"nvidia.com/gpu": "2"}},
         "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
@@ -61,6 +63,16 @@ TODAYS_POD = {
 def test_with_no_work_pod_values_the_pod_is_todays(shape):
     assert pod(shape) == TODAYS_POD
     assert parse_work_pods(None) == {} and load(SETTINGS, argparse.Namespace(), {}, as_=ClusterAgentConfig).workPods == {}
+
+
+def test_the_work_service_account_is_the_pods_and_no_token_is_mounted_with_or_without_it():
+    named = pod(service_account="rel-gpu-agent-work")
+    assert named["spec"]["serviceAccountName"] == "rel-gpu-agent-work"
+    assert {k: v for k, v in named["spec"].items() if k != "serviceAccountName"} == TODAYS_POD["spec"]
+    assert "serviceAccountName" not in pod()["spec"]  # the namespace's default (make run, the simulation)
+    for spec in (named["spec"], pod()["spec"]):
+        assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+    assert load(SETTINGS, argparse.Namespace(), {}, as_=ClusterAgentConfig).workServiceAccount == ""
 
 
 def test_every_work_pod_value_reaches_the_pod_beside_what_the_agent_sets():

@@ -321,6 +321,27 @@ as well, within 63 characters. */}}
 {{- printf "%s-%s-work-pod-fence" (include "gpu-agent.fullname" . | trunc 40 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
 {{- end -}}
 
+{{/* The work Pods' shape policy: cluster-scoped like the fencing one, so its name carries a hash of the namespace as
+well, within 63 characters. */}}
+{{- define "gpu-agent.workPodShapePolicyName" -}}
+{{- printf "%s-%s-work-pod-shape" (include "gpu-agent.fullname" . | trunc 40 | trimSuffix "-") (sha256sum .Release.Namespace | trunc 6) -}}
+{{- end -}}
+
+{{/* gpu-agent.workServiceAccountName: the ServiceAccount work Pods run as (workPods.serviceAccount), the one account
+the shape policy admits on the Pods the cluster agent creates. It must hold no rights, so the name of one of the
+chart's own accounts fails the render: an account's rights reach its Pods without a mounted token too (a cloud's
+workload identity answers a Pod's metadata-server calls as the Pod's account). */}}
+{{- define "gpu-agent.workServiceAccountName" -}}
+{{- $work := include "gpu-agent.serviceAccountName" (dict "ctx" . "component" "work" "key" "workPods") -}}
+{{- range $key, $component := dict "clusterAgent" "cluster-agent" "nodeAgent" "node-agent" "controlPlane" "control-plane" "hooks" "hooks" -}}
+{{- $other := default (printf "%s-%s" (include "gpu-agent.fullname" $) $component) (index $.Values $key).serviceAccount.name -}}
+{{- if eq $other $work -}}
+{{- fail (printf "workPods.serviceAccount.name: %q is %s.serviceAccount's; work Pods need an account of their own that holds no rights (leave the name empty for <fullname>-work)" $work $key) -}}
+{{- end -}}
+{{- end -}}
+{{- $work -}}
+{{- end -}}
+
 {{/* The leader-election Lease: the cluster agents' (--leader-election-lease-name); the WorkFence the leader writes,
 the fencing policy's param, has the same name. */}}
 {{- define "gpu-agent.leaseName" -}}
@@ -486,7 +507,8 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- define "gpu-agent.workPods" -}}
 {{- $wp := .Values.workPods | default dict -}}
 {{- $set := dict -}}
-{{- range $key, $value := $wp }}{{ if $value }}{{ $_ := set $set $key $value }}{{ end }}{{ end -}}
+{{- /* serviceAccount and admissionPolicy are the chart's (the workServiceAccount setting, the shape policy) */ -}}
+{{- range $key, $value := omit $wp "serviceAccount" "admissionPolicy" }}{{ if $value }}{{ $_ := set $set $key $value }}{{ end }}{{ end -}}
 {{- $agentLabels := list "app.kubernetes.io/managed-by" "app.kubernetes.io/instance" -}}
 {{- range $key := keys ($wp.labels | default dict) | sortAlpha -}}
 {{- if or (hasPrefix "gpu-agent.io/" $key) (has $key $agentLabels) -}}
@@ -524,6 +546,7 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 {{- if $v.controlPlane.allowInsecure }}{{ $_ := set $wiring "controlPlaneAllowInsecure" true }}{{ end -}}
 {{- with $v.clusterAgent.gpuNodeSelector }}{{ $_ := set $wiring "gpuNodeSelector" . }}{{ end -}}
 {{- with include "gpu-agent.workPods" . | fromJson }}{{ $_ := set $wiring "workPods" . }}{{ end -}}
+{{- $_ := set $wiring "workServiceAccount" (include "gpu-agent.workServiceAccountName" .) -}}
 {{- if $v.dra.enabled -}}
 {{- /* GPUs through DRA: the cluster agent counts the driver's devices in ResourceSlices, and its work Pods claim
      theirs through ResourceClaimTemplates of the chart's DeviceClass. */ -}}

@@ -88,8 +88,11 @@ class PodExecutor:
                  poll_seconds: float = 0.5, clock: Clock | None = None, run_blocking: RunBlocking = in_daemon_thread,
                  pod_changes: PodChanges | Polling | None = None, node_selector: str = "",
                  claims: DraWorkClaims | None = None, fencing: bool = False,
-                 work_pods: dict[str, Any] | None = None) -> None:
+                 work_pods: dict[str, Any] | None = None, service_account: str = "") -> None:
         self.core = core
+        # the ServiceAccount work Pods run as (the chart's <fullname>-work, bound to no role); "": the namespace's
+        # default. Either way no token is mounted (_pod), and the chart's shape policy refuses any other account
+        self.service_account = service_account
         # what the user adds to every work Pod (foundations/work_pods.py, parsed by the settings loader); what the
         # agent sets itself is put last in _pod and wins
         self.work_pods = dict(work_pods or {})
@@ -137,6 +140,12 @@ class PodExecutor:
                                          GPU_COUNT_ANNOTATION: str(gpus), **(leader.annotations() if leader else {})}},
             "spec": {
                 **placement,
+                **({"serviceAccountName": self.service_account} if self.service_account else {}),
+                # An item's command needs no API access, and a token here would be one more credential for a Pod
+                # anyone who can enqueue may shape; the chart's shape policy refuses a work Pod that mounts one.
+                "automountServiceAccountToken": False,
+                # the release's Services (the control plane's among them) are not the work's business
+                "enableServiceLinks": False,
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 5,
                 **({"nodeSelector": node_selector} if node_selector else {}),
