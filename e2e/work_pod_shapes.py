@@ -153,6 +153,9 @@ ATTEMPTS = [
             _says("this Pod runs as serviceAccountName default")),
     Attempt("the work ServiceAccount with a token mounted", _set("spec.automountServiceAccountToken", True),
             _says("does not set automountServiceAccountToken to false")),
+    # no token from the chart's account either (it does not automount), but a user's account may: the Pod must say
+    Attempt("automountServiceAccountToken left to the account", _set("spec.automountServiceAccountToken", None),
+            _says("does not set automountServiceAccountToken to false")),
     Attempt("a Secret volume of the control plane's tokens", _volume({"name": "tokens", "secret": {"secretName": "{tokens}"}}),
             _says("this Pod has volume tokens (secret)")),
     Attempt("a projected ServiceAccount token", _volume({"name": "token", "projected": {"sources": [
