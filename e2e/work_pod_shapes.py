@@ -105,6 +105,13 @@ def _drop_labels(*keys: str) -> Callable[[Pod, Names], None]:
     return change
 
 
+def _claim(source: dict[str, str]) -> Callable[[Pod, Names], None]:
+    def change(pod: Pod, _: Names) -> None:
+        pod["spec"].setdefault("resourceClaims", []).append({"name": "stolen", **source})
+        _container(pod)["resources"].setdefault("claims", []).append({"name": "stolen"})
+    return change
+
+
 def _other_release(pod: Pod, _: Names) -> None:
     pod["metadata"]["labels"]["app.kubernetes.io/instance"] = "other"
 
@@ -134,7 +141,9 @@ class Attempt:
     change: Callable[[Pod, Names], None]  # made to a copy of the agent's work Pod
     named: Callable[[Names], str]  # what the refusal must say (the first refusing check's message holds it)
     fencing: bool = False  # only refused where the chart's fencing is on
-    on_any_cluster: bool = True  # the API server keeps the field on every version the chart supports (1.30+)
+    # the oldest Kubernetes whose API server hands the Pod as sent to the policy (the chart needs 1.30); None: none
+    # that the e2e suite sends it to (its own validation refuses it first)
+    since: tuple[int, int] | None = (1, 30)
 
     def pod(self, good: Pod, names: Names) -> Pod:
         pod = copy.deepcopy(good)
@@ -185,9 +194,15 @@ ATTEMPTS = [
     Attempt("seccomp Unconfined for a container", _set("c.securityContext.seccompProfile", {"type": "Unconfined"}),
             _says("not: container work (seccompProfile Unconfined)")),
     Attempt("AppArmor Unconfined for a container", _set("c.securityContext.appArmorProfile", {"type": "Unconfined"}),
-            _says("not: container work (appArmorProfile Unconfined)"), on_any_cluster=False),  # the field: GA in 1.31
+            _says("not: container work (appArmorProfile Unconfined)")),
+    # the API server refuses Unmasked without hostUsers false, and drops it where the ProcMountType gate is off
     Attempt("/proc unmasked", _set("c.securityContext.procMount", "Unmasked"), _says("not: container work (procMount Unmasked)"),
-            on_any_cluster=False),  # dropped by the API server where the ProcMountType gate is off
+            since=None),
+    # spec.resourceClaims is kept from 1.34 (resource.k8s.io/v1; earlier only behind the DynamicResourceAllocation gate)
+    Attempt("another workload's ResourceClaim, shared by name", _claim({"resourceClaimName": "domain-channel"}),
+            _says("this Pod claims stolen (ResourceClaim domain-channel)"), since=(1, 34)),
+    Attempt("a ResourceClaimTemplate not the release's work templates", _claim({"resourceClaimTemplateName": "any-gpus"}),
+            _says("this Pod claims stolen (ResourceClaimTemplate any-gpus)"), since=(1, 34)),
     Attempt("no work labels", _drop_labels("gpu-agent.io/work-item", "app.kubernetes.io/instance"),
             _says("this Pod has gpu-agent.io/work-item=(none) and app.kubernetes.io/instance=(none)")),
     Attempt("another release's instance label", _other_release,

@@ -284,10 +284,13 @@ def test_the_shape_policy_matches_the_cluster_agents_pod_creates_in_the_release_
     for wanted in ("variables.serviceAccount == 't-gpu-agent-work'", "object.spec.automountServiceAccountToken == false",
                    "size(variables.volumes) == 0", "size(variables.hostNamespaces) == 0", "size(variables.privileged) == 0",
                    "size(variables.escalation) == 0", "size(variables.capabilities) == 0", "size(variables.secretEnv) == 0",
-                   "variables.labels['app.kubernetes.io/instance'] == 't'", "size(variables.missingToken) == 0"):
+                   "size(variables.claims) == 0", "variables.labels['app.kubernetes.io/instance'] == 't'",
+                   "size(variables.missingToken) == 0"):
         assert wanted in checks, wanted
     admitted_volumes = next(v["expression"] for v in spec["variables"] if v["name"] == "volumes")
     assert "has(v.emptyDir) || has(v.configMap) || has(v.downwardAPI)" in admitted_volumes
+    claims = next(v["expression"] for v in spec["variables"] if v["name"] == "claims")
+    assert "startsWith('t-work-gpus-')" in claims and "substring(12)" in claims  # work_claims.py's template_name
     kinds = next(v["expression"] for v in spec["variables"] if v["name"] == "containers")
     assert "initContainers" in kinds and "ephemeralContainers" in kinds
 
