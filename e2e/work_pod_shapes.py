@@ -67,11 +67,11 @@ def _security(pod: Pod) -> dict[str, Any]:
     return _container(pod).setdefault("securityContext", {})
 
 
-def _volume(volume: dict[str, Any]) -> Callable[[Pod, Names], None]:
+def _volume(name: str, source: Callable[[Names], dict[str, Any]]) -> Callable[[Pod, Names], None]:
+    """The volume `name` of `source` (given the release's names), mounted in the work container."""
     def change(pod: Pod, names: Names) -> None:
-        source = {k: (v.replace("{tokens}", names.tokens_secret) if isinstance(v, str) else v) for k, v in volume.items()}
-        pod["spec"].setdefault("volumes", []).append(source)
-        _container(pod).setdefault("volumeMounts", []).append({"name": volume["name"], "mountPath": f"/{volume['name']}"})
+        pod["spec"].setdefault("volumes", []).append({"name": name, **source(names)})
+        _container(pod).setdefault("volumeMounts", []).append({"name": name, "mountPath": f"/{name}"})
     return change
 
 
@@ -165,14 +165,14 @@ ATTEMPTS = [
     # no token from the chart's account either (it does not automount), but a user's account may: the Pod must say
     Attempt("automountServiceAccountToken left to the account", _set("spec.automountServiceAccountToken", None),
             _says("does not set automountServiceAccountToken to false")),
-    Attempt("a Secret volume of the control plane's tokens", _volume({"name": "tokens", "secret": {"secretName": "{tokens}"}}),
+    Attempt("a Secret volume of the control plane's tokens", _volume("tokens", lambda n: {"secret": {"secretName": n.tokens_secret}}),
             _says("this Pod has volume tokens (secret)")),
-    Attempt("a projected ServiceAccount token", _volume({"name": "token", "projected": {"sources": [
+    Attempt("a projected ServiceAccount token", _volume("token", lambda _: {"projected": {"sources": [
         {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}}]}}),
             _says("this Pod has volume token (projected)")),
-    Attempt("a hostPath volume of /", _volume({"name": "host", "hostPath": {"path": "/"}}),
+    Attempt("a hostPath volume of /", _volume("host", lambda _: {"hostPath": {"path": "/"}}),
             _says("this Pod has volume host (hostPath)")),
-    Attempt("a persistentVolumeClaim", _volume({"name": "data", "persistentVolumeClaim": {"claimName": "data"}}),
+    Attempt("a persistentVolumeClaim", _volume("data", lambda _: {"persistentVolumeClaim": {"claimName": "data"}}),
             _says("this Pod has volume data (persistentVolumeClaim)")),
     Attempt("the admin token in its environment", _env_secret,
             _says("container work takes a Secret into its environment")),

@@ -168,6 +168,23 @@ def test_each_refused_feature_is_refused_by_the_check_that_names_it(policies, at
         assert not decide(policies["no fencing"], as_admitted(pod)).admitted, attempt.what
 
 
+# The chart's floor, DRA's (resource claims kept), and the CI cluster's (charts/tests/test_lint.py SCHEMA_VERSION).
+SCHEMA_VERSIONS = ((1, 30), (1, 34), (1, 36))
+
+
+@pytest.mark.parametrize("attempt", ATTEMPTS, ids=[a.what for a in ATTEMPTS])
+def test_each_attempt_is_a_pod_the_api_schema_takes_from_the_version_the_e2e_test_sends_it_to(attempt):
+    """What the e2e test sends must reach the policy: a Pod its schema refuses (a field misplaced or not served yet)
+    would be refused before it, 422, and prove nothing about it."""
+    import kubernetes_validate
+
+    good = work_pod(NAMES, LEADER)
+    for version in SCHEMA_VERSIONS:
+        if attempt.since is not None and version >= attempt.since:
+            kubernetes_validate.validate(good, f"{version[0]}.{version[1]}.0", strict=True)
+            kubernetes_validate.validate(attempt.pod(good, NAMES), f"{version[0]}.{version[1]}.0", strict=True)
+
+
 def test_every_check_decides_some_attempt_so_none_can_go_unnoticed(policies):
     """For each validation, an attempt that it refuses first (so without it the answer changes: admitted, or refused
     by a message that does not name the feature), and, but for the privileged check, one that it alone refuses (so
@@ -184,7 +201,8 @@ def test_every_check_decides_some_attempt_so_none_can_go_unnoticed(policies):
 
 
 def test_others_pods_are_not_matched_the_agents_account_of_another_namespace_included(policies):
-    hostile = as_admitted(ATTEMPTS[5].pod(work_pod(NAMES, LEADER), NAMES))  # the hostPath
+    host_path = next(a for a in ATTEMPTS if a.what == "a hostPath volume of /")
+    hostile = as_admitted(host_path.pod(work_pod(NAMES, LEADER), NAMES))
     for user in ("kubernetes-admin", "system:serviceaccount:ns:t-gpu-agent-node-agent",
                  "system:serviceaccount:other:t-gpu-agent-cluster-agent", "system:serviceaccount:ns:t-gpu-agent-work"):
         assert not decide(policies["fencing"], hostile, username=user).matched, user
