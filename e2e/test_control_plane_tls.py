@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 from kubernetes import client
@@ -102,7 +103,8 @@ def capture_result(api, core, namespace: str, pod: str, container: str) -> dict:
 def test_no_token_crosses_the_pod_network_in_clear_and_the_capture_finds_it_when_tls_is_off(
         api, core, apps, kubeconfig, namespace, fake_gpus, mode):
     fake_gpus.set(2)
-    release = Release(api, core, apps, kubeconfig, namespace, name="tls")
+    # A release name of its own: its cluster-scoped objects (the hooks' ClusterRole) are named after it.
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"tls{uuid.uuid4().hex[:5]}")
     extra = ["--set", "controlPlane.tls.enabled=false", "--set", "controlPlane.allowInsecure=true"] if mode == "tls-off" else []
     try:
         release.install("--set", "nodeAgent.enabled=false", *extra, "--wait", "--timeout", "3m")
