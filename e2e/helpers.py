@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,18 @@ def pod_bound_client(api: client.ApiClient, pod: client.V1Pod, seconds: int = 60
 def impersonating(api: client.ApiClient, user: str) -> client.ApiClient:
     """`api`'s credentials (an admin's), acting as `user` (e.g. system:serviceaccount:NS:NAME)."""
     return client.ApiClient(api.configuration, header_name="Impersonate-User", header_value=user)
+
+
+def admission(call: Callable[[], object]) -> tuple[int, str]:
+    """(201, "") when the API server admits `call()` (a create), else (its status, its message)."""
+    try:
+        call()
+        return 201, ""
+    except client.ApiException as e:
+        try:
+            return e.status, json.loads(e.body)["message"]
+        except (TypeError, ValueError, KeyError):
+            return e.status, str(e.body)
 
 
 def pod_http_get(core: client.CoreV1Api, namespace: str, pod: str, port: int, path: str,

@@ -18,7 +18,7 @@ import uuid
 
 from kubernetes import client
 
-from e2e.helpers import IMAGE, wait_until
+from e2e.helpers import IMAGE, admission, wait_until
 from e2e.release import WAIT, Release, WorkPods, enqueue, items
 from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
@@ -44,14 +44,8 @@ def work_pod(release: Release, name: str, marks: dict[str, str] | None) -> dict:
 
 def create(core, release: Release, name: str, marks: dict[str, str] | None, dry_run: bool = False) -> tuple[int, str]:
     """(201, "") when admitted, else (status, the API server's message). `dry_run`: admission only, nothing made."""
-    try:
-        core.create_namespaced_pod(release.namespace, work_pod(release, name, marks), **({"dry_run": "All"} if dry_run else {}))
-        return 201, ""
-    except client.ApiException as e:
-        try:
-            return e.status, json.loads(e.body)["message"]
-        except (TypeError, ValueError, KeyError):
-            return e.status, str(e.body)
+    return admission(lambda: core.create_namespaced_pod(release.namespace, work_pod(release, name, marks),
+                                                        **({"dry_run": "All"} if dry_run else {})))
 
 
 def release_and_delete(core, namespace: str, name: str) -> None:

@@ -18,10 +18,11 @@ or Service links, and the item is done. The table (attempt, status, message) is 
 from __future__ import annotations
 
 import json
+import uuid
 
 from kubernetes import client
 
-from e2e.helpers import pod_bound_client, wait_until
+from e2e.helpers import admission, pod_bound_client, wait_until
 from e2e.release import WAIT, Release, enqueue, items
 from e2e.work_pod_shapes import ATTEMPTS, Names, work_pod
 from gpu_agent.foundations.fencing import LeaderToken
@@ -33,20 +34,14 @@ def dry_run_create(core: client.CoreV1Api, namespace: str, pod: dict) -> tuple[i
     pod = json.loads(json.dumps(pod))
     pod["metadata"].pop("name", None)
     pod["metadata"]["generateName"] = "shape-check-"
-    try:
-        core.create_namespaced_pod(namespace, pod, dry_run="All")
-        return 201, ""
-    except client.ApiException as e:
-        try:
-            return e.status, json.loads(e.body)["message"]
-        except (TypeError, ValueError, KeyError):
-            return e.status, str(e.body)
+    return admission(lambda: core.create_namespaced_pod(namespace, pod, dry_run="All"))
 
 
 def test_the_cluster_agents_token_creates_only_work_pods_of_the_agents_shape(api, core, apps, kubeconfig, namespace,
                                                                             fake_gpus):
     fake_gpus.set(1)
-    release = Release(api, core, apps, kubeconfig, namespace, name="shape")
+    # A release name of its own: the policies and the hooks' ClusterRole are cluster-scoped, named after it.
+    release = Release(api, core, apps, kubeconfig, namespace, name=f"shape{uuid.uuid4().hex[:5]}")
     names = Names(release=release.name, namespace=namespace)
     try:
         release.install(*WAIT)
