@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pytest
+import trustme
 import yaml
 from kubernetes import client
 
@@ -354,14 +355,22 @@ def test_cluster_agent_and_control_plane_run_in_a_namespace_that_enforces_restri
     core.patch_namespace(namespace, {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted",
                                                              "pod-security.kubernetes.io/enforce-version": "latest"}}})
     fake_gpus.set(1)
-    # Tokens from a Secret made outside the chart, as a GitOps user would (sealed or external secrets).
+    # Tokens and the control plane's certificate from Secrets made outside the chart, as a GitOps user would (sealed
+    # or external secrets, the user's own PKI): the cluster agent verifies the control plane with that CA.
     core.create_namespaced_secret(namespace, client.V1Secret(metadata=client.V1ObjectMeta(name="gitops-tokens"), string_data={
         "registrationToken": uuid.uuid4().hex, "adminToken": uuid.uuid4().hex}))
     r = Release(api, core, apps, kubeconfig, namespace, name=f"ps{uuid.uuid4().hex[:5]}")
+    ca = trustme.CA()
+    service = f"{r.fullname}-control-plane"
+    leaf = ca.issue_cert(f"{service}.{namespace}.svc", "localhost", "127.0.0.1")
+    core.create_namespaced_secret(namespace, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="gitops-tls"), type="kubernetes.io/tls", string_data={
+            "tls.crt": leaf.cert_chain_pems[0].bytes().decode(), "tls.key": leaf.private_key_pem.bytes().decode(),
+            "ca.crt": ca.cert_pem.bytes().decode()}))
     r.install("--set", "gracefulNoGPU=true", "--set", "nodeAgent.enabled=false",  # the node agent needs a hostPath
-              "--set", "controlPlane.existingTokensSecret=gitops-tokens")
-    secrets = [s.metadata.name for s in core.list_namespaced_secret(namespace).items if s.type != "helm.sh/release.v1"]
-    assert secrets == ["gitops-tokens"]  # the chart made none of its own
+              "--set", "controlPlane.existingTokensSecret=gitops-tokens", "--set", "controlPlane.tls.existingSecret=gitops-tls")
+    secrets = sorted(s.metadata.name for s in core.list_namespaced_secret(namespace).items if s.type != "helm.sh/release.v1")
+    assert secrets == ["gitops-tls", "gitops-tokens"]  # the chart made none of its own
     wait_until(lambda: r.all_running(at_least=2), 90, "cluster agent and control plane Running under restricted")
     wait_until(lambda: r.healthz()[0] == 200, 60, "the cluster agent Ready")
     # A work Pod the agent creates is admitted too.

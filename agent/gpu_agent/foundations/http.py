@@ -90,6 +90,10 @@ FRESH_SECONDS = 0.05
 
 # How often, at most, a TLS listener looks (a stat of each file) whether its certificate or key file changed.
 RELOAD_CHECK_SECONDS = 1.0
+# How long, and for how many bytes, at most, a TLS connection whose request was refused while it was still arriving
+# (413) reads and drops the rest before it closes (see _TLSChannel.linger).
+LINGER_SECONDS = 5.0
+LINGER_BYTES = 64 << 20
 # What a socket error that ends the connection looks like (waitress's list: wasyncore._DISCONNECTED).
 _DISCONNECTED = frozenset({errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.ECONNABORTED, errno.EPIPE,
                            errno.EBADF})
@@ -139,6 +143,8 @@ class _JSONErrorTask(ErrorTask):
         self.status = f"{e.code} {e.reason}"
         self.response_headers = [*self.response_headers, ("Content-Type", "application/json")]
         self.set_close_on_finish()
+        # The client may still be sending what was refused (the 413 goes out once the headers announce the body).
+        self.channel.linger = True
         self.content_length = len(body)
         self.write(body)
 
@@ -220,7 +226,17 @@ class _TLSChannel(_Channel):
 
     waitress sends from its worker threads too (an answer written as the app returns it) while the loop reads: every
     call into the session holds `_tls_lock`, which is never held while waitress's `outbuf_lock` is taken (the
-    workers take them in the other order)."""
+    workers take them in the other order).
+
+    `linger`: the answer refused a request still arriving (a body over the limit). An HTTP client sends its whole body
+    before it reads the answer; closed at once, its next write fails (over TLS an SSL EOF, which clients do not take
+    for the early answer a broken pipe is) and it never reads the 413. So, once the answer is out, such a connection
+    reads and drops what arrives until the client closes, for at most LINGER_SECONDS and LINGER_BYTES (nginx's
+    lingering close)."""
+
+    linger = False
+    lingering_since = 0.0
+    _lingered = 0
 
     def __init__(self, server: Any, sock: socket.socket, addr: Any, adj: Adjustments, map: Any = None) -> None:
         self._tls_lock = threading.Lock()
@@ -236,10 +252,16 @@ class _TLSChannel(_Channel):
 
     # ---- reading ----
 
+    def readable(self) -> bool:
+        return True if self.lingering_since else bool(super().readable())
+
     def handle_read(self) -> None:
         # waitress takes an empty read for the client's disconnect; here it can also be a read that brought only
         # handshake records. recv closes the connection itself when the client has gone.
         if self._nothing_to_read():
+            return
+        if self.lingering_since:
+            self._drop_what_arrives()
             return
         try:
             data = self.recv(self.adj.recv_bytes)
@@ -289,6 +311,19 @@ class _TLSChannel(_Channel):
         if self._handshaken and not was_handshaken:
             self.arriving_since = 0.0  # the request's own deadline starts at its first byte (received)
         return plaintext
+
+    def _drop_what_arrives(self) -> None:
+        try:
+            raw = self.socket.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            raw = b""
+        self._lingered += len(raw)
+        if not raw or self._lingered > LINGER_BYTES:
+            self.handle_close()
+        else:
+            self.last_activity = time.time()
 
     def _read_plaintext(self, limit: int) -> bytes:
         """The handshake's next step, then every byte of plaintext the session can decrypt from what it holds (left
@@ -353,11 +388,12 @@ class _TLSChannel(_Channel):
         with self._tls_lock:
             broken = self._flush_ciphertext()
             pending = bool(self._ciphertext)
-        if broken or self.will_close or (self._close_when_sent and not pending):
-            # The sweep's closes (idle, read deadline), errors, and a graceful close once its ciphertext is out.
+        if broken or self.will_close or (self._close_when_sent and not pending and not self.lingering_since):
+            # The sweep's closes (idle, read deadline, lingering done), errors, and a graceful close once its
+            # ciphertext is out.
             self.handle_close()
             return
-        if pending:
+        if pending or self._close_when_sent:
             return  # waitress's plaintext goes after the ciphertext already made of its earlier plaintext
         self._graceful = True
         try:
@@ -378,6 +414,11 @@ class _TLSChannel(_Channel):
                 self._take_ciphertext()
                 broken = self._flush_ciphertext()
                 pending = bool(self._ciphertext)
+            if self.linger and not broken:
+                # Read and drop until the client closes (handle_read), the ciphertext sent meanwhile (handle_write).
+                self.will_close, self.close_when_flushed, self._close_when_sent = False, False, True
+                self.lingering_since = time.time()
+                return
             if pending and not broken:
                 self.will_close, self.close_when_flushed, self._close_when_sent = False, True, True
                 return
@@ -574,6 +615,8 @@ class _Server(_TcpWSGIServer):  # type: ignore[misc]  # untyped base, above
             if not channel.requests and 0.0 < channel.arriving_since < cutoff and not channel.will_close:
                 channel.will_close = True
                 self.closed_slow += 1
+            if 0.0 < getattr(channel, "lingering_since", 0.0) < now - LINGER_SECONDS:
+                channel.will_close = True  # closed by its next write turn (handle_write), or below
             if channel.will_close and channel.unsent():  # idle, its answer unread: see _shut_with_reset
                 _shut_with_reset(channel)
         closed = self.closed_slow or self.closed_evicted or self.closed_unread or self.closed_tls

@@ -402,3 +402,39 @@ def test_at_the_cap_of_tls_connections_a_probe_is_answered_and_the_stalest_makes
         for s in held:
             s.close()
         listener.stop()
+
+
+@pytest.mark.parametrize("body_mib", [1, 8])
+def test_a_body_over_the_limit_gets_its_413_over_https_while_the_client_is_still_sending(tmp_path, first, ca_file,
+                                                                                         body_mib):
+    """The 413 goes out when the headers announce too large a body, while the client is still sending it. Closed at
+    once, the client's next write fails (an SSL EOF, which HTTP clients do not take for the early answer a broken pipe
+    is) and it never reads the 413: the agent's registration over the limit saw an SSL error, not TooLarge. The
+    listener reads and drops the rest of the body before it closes, as nginx's lingering close does."""
+    served = http.Listener(answers, "127.0.0.1", 0, "tls", timeout=30.0, max_body=1 << 10, tls=first.write(tmp_path / "v1"))
+    served.start()
+    try:
+        r = requests.post(f"{served.url}/register", data=b"x" * (body_mib << 20), verify=ca_file, timeout=BOUND,
+                          headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert "over this server's limit of 1024 bytes" in r.json()["error"]
+    finally:
+        served.stop()
+
+
+def test_a_refused_body_is_read_and_dropped_for_at_most_the_linger_bound_then_closed(tmp_path, first, monkeypatch):
+    """A client that announced a body over the limit, sent some of it and then neither sends nor closes is not held
+    for the idle timeout (30 s here): the lingering close ends at LINGER_SECONDS. The 413 was sent before."""
+    monkeypatch.setattr(http, "LINGER_SECONDS", 0.5)
+    served = http.Listener(answers, "127.0.0.1", 0, "tls", timeout=30.0, max_body=1 << 10, tls=first.write(tmp_path / "v1"))
+    served.start()
+    try:
+        with tls_connect(served, first) as s:
+            s.sendall(b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Length: 10485760\r\n\r\n" + b"x" * (256 << 10))
+            started = time.monotonic()
+            status, _, body = read_answer(s.makefile("rb"))
+            assert status == 413 and b"limit of 1024 bytes" in body
+            wait_until(lambda: peer_closed(s), 0.5 + http.SWEEP_SECONDS + 2, "the server to end its lingering close")
+            assert time.monotonic() - started >= 0.4  # it lingered, and did not close the moment the answer was out
+    finally:
+        served.stop()
