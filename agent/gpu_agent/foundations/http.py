@@ -144,7 +144,8 @@ class _JSONErrorTask(ErrorTask):
         self.response_headers = [*self.response_headers, ("Content-Type", "application/json")]
         self.set_close_on_finish()
         # The client may still be sending what was refused (the 413 goes out once the headers announce the body).
-        self.channel.linger = True
+        channel: Any = self.channel  # a _TLSChannel lingers; a plain channel ignores the mark
+        channel.linger = True
         self.content_length = len(body)
         self.write(body)
 
