@@ -65,8 +65,6 @@ ROLES: dict[str, tuple[list[Setting], type[RoleConfig], str]] = {
 
 QUEUE_SETTINGS = [
     *LOGGING,
-    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL: https://, or http:// to a "
-            "loopback host (else see controlPlaneAllowInsecure)"),
     *TRANSPORT_SETTINGS,
     Setting("adminToken", "secret", "", "the control plane's admin token (env only; or adminTokenFile)"),
     Setting("adminTokenFile", "path", ".run/admin-token", "file holding the admin token (`make run` writes it there)",

@@ -168,8 +168,10 @@ URL_SETTING = "controlPlaneUrl"
 CA_FILE_SETTING = "controlPlaneCaFile"
 ALLOW_INSECURE_SETTING = "controlPlaneAllowInsecure"
 
-# What every client of the control plane takes beside its controlPlaneUrl (see check_transport).
+# What every client of the control plane takes: where it is, and how it is trusted (see check_transport).
 TRANSPORT_SETTINGS = [
+    Setting(URL_SETTING, "url", "http://127.0.0.1:8700", "control plane base URL: https://, or http:// to a loopback "
+            "host (else see controlPlaneAllowInsecure)"),
     Setting(CA_FILE_SETTING, "path", "", "PEM bundle of the CA(s) that signed the control plane's certificate, which "
             "an https:// controlPlaneUrl is verified against (read again at each new connection: a CA replaced in "
             "place is picked up without a restart); empty: the default trusted CAs (requests': certifi's bundle, or "

@@ -95,8 +95,6 @@ SETTINGS = [
     Setting("draDeviceClassName", "str", "", "work Pods (executor=pod) get their GPUs through a ResourceClaimTemplate "
             "asking this DeviceClass (one template per GPU count, made on first use); empty: nvidia.com/gpu limits",
             optional=True),
-    Setting("controlPlaneUrl", "url", "http://127.0.0.1:8700", "control plane base URL: https://, or http:// to a "
-            "loopback host (else see controlPlaneAllowInsecure)"),
     *TRANSPORT_SETTINGS,
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
     Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
