@@ -191,21 +191,42 @@ def among(item) -> str | None:
     return mark.kwargs.get("among") if mark is not None else None
 
 
-PHASES = ("serial", "grouped", "parallel")
+def lane_of(item) -> tuple[str, int] | None:
+    """(lane, nodes) of a test that runs in a lane, or None. `@pytest.mark.lane("name", nodes=N, reason=...)` says the
+    test cannot run beside the suite's other tests on the same nodes (the reason), but can on nodes of its own: the
+    lane's tests run one after another in a pytest process of their own (E2E_PHASE=lane), beside the parallel phase,
+    on the last N fake-GPU nodes, which no side-by-side worker owns. The lane's releases run on those nodes alone
+    (release.NODE_SCOPE), and `fake_gpus.nodes` are the nodes a test may change. A serial mark on the test itself
+    (or disruptive, ci_host) wins over its module's lane: that test runs in the serial phase."""
+    mark = item.get_closest_marker("lane")
+    if mark is None:
+        return None
+    name, nodes, reason = (mark.args[0] if mark.args else ""), mark.kwargs.get("nodes", 1), mark.kwargs.get("reason", "")
+    if not name or not reason or not isinstance(nodes, int) or nodes < 1:
+        raise pytest.UsageError(f'{item.nodeid}: @pytest.mark.lane needs a name, nodes=N (at least 1) and reason="why '
+                                f'it cannot run beside others on the same nodes"; got {mark.args} {mark.kwargs}')
+    return name, nodes
+
+
+PHASES = ("serial", "grouped", "lane", "parallel")
 SIDE_BY_SIDE = ("grouped", "parallel")  # phases whose workers each own a node
+LANE: list[tuple[str, int]] = []  # (name, nodes) of the lane this process runs (E2E_PHASE=lane), set at collection
 
 
 def phase_of(item) -> str:
     if among(item) is not None:
         return "grouped"
-    return "serial" if serial_reason(item) is not None else "parallel"
+    if serial_reason(item) is not None:
+        return "serial"
+    return "lane" if lane_of(item) is not None else "parallel"
 
 
 def pytest_collection_modifyitems(config, items):
     """A cluster the suite did not create is never disrupted: those tests skip, saying why. E2E_PHASE picks one phase's
     tests (phase_of): serial, the tests that cannot run beside others; grouped, those that can beside their own group
-    only (one group a run); parallel, the rest. ci/scripts/e2e.sh runs them in that order, the last two on E2E_JOBS
-    workers. Unset, every test."""
+    only (one group a run); lane, the tests of a lane (lane_of), on nodes of their own; parallel, the rest.
+    ci/scripts/e2e.sh runs serial, then grouped on E2E_JOBS workers, then parallel on E2E_JOBS workers and the lane
+    beside it. Unset, every test, one after another."""
     phase = os.environ.get("E2E_PHASE", "")
     if phase not in ("", *PHASES):
         raise pytest.UsageError(f"E2E_PHASE must be one of {', '.join(PHASES)} or unset; got {phase!r}")
@@ -215,6 +236,11 @@ def pytest_collection_modifyitems(config, items):
         if len(groups) > 1:
             raise pytest.UsageError(f"E2E_PHASE=grouped runs one group beside itself; found {groups}: give each group "
                                     f"a phase of its own in ci/scripts/e2e.sh")
+        lanes = {lane_of(i) for i in keep} - {None}
+        if len(lanes) > 1:
+            raise pytest.UsageError(f"E2E_PHASE=lane runs one lane (a name and a node count); found {sorted(lanes)}: "
+                                    f"give each lane a process of its own in ci/scripts/e2e.sh")
+        LANE[:] = list(lanes)
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
@@ -254,28 +280,48 @@ def fake_gpus(kubeconfig, core, apps):
     Side by side (the grouped and parallel phases), worker gwN owns the Nth fake-GPU node: its GPUs are the only ones its tests
     change, its releases' cluster agents count only that node's GPUs and place their work Pods there
     (clusterAgent.gpuNodeSelector), their node agents run there alone (nodeAgent.nodeSelector), and the GPU Pods the
-    tests make are bound to it (e2e/helpers.py GPU_NODE). One process alone owns the first node and counts them all."""
+    tests make are bound to it (e2e/helpers.py GPU_NODE). A lane (lane_of) owns the last nodes the same way, labelled
+    for its run. One process alone owns the first node and counts them all."""
     shared = os.environ.get("E2E_FAKE_GPU_NAMESPACE", "")
     ns = shared or fake_gpu_release.install(kubeconfig, core, apps)
     nodes = fake_gpu_release.labelled(core, apps, ns)
     index = worker_index() if os.environ.get("E2E_PHASE") in SIDE_BY_SIDE else None
-    if index is None:
-        node = nodes[0]  # gpu-ci-node (the control plane) on the CI cluster; kind: the worker
-    else:
+    owned = nodes  # the nodes this process's tests may change
+    if LANE:
+        name, count = LANE[0]
+        beside = int(os.environ.get("E2E_JOBS") or 0)  # the parallel phase's workers own the first nodes
+        if len(nodes) < beside + count:
+            raise pytest.UsageError(f"lane {name} needs {count} fake-GPU node(s) no side-by-side worker owns; the "
+                                    f"cluster has {len(nodes)} ({nodes}) for {beside} worker(s) (E2E_JOBS) and the "
+                                    f"lane: make cluster-up NODES={beside + count}, or E2E_JOBS=0")
+        owned = nodes[-count:]
+        for node in owned:
+            core.patch_node(node, {"metadata": {"labels": {LANE_LABEL: name}}})
+        release.NODE_SCOPE[:] = release.scope_to_label(LANE_LABEL, name)
+        helpers.GPU_NODE = owned[0]
+    elif index is not None:
         if index >= len(nodes):
             raise pytest.UsageError(f"worker gw{index} has no fake-GPU node of its own ({len(nodes)} nodes: {nodes}): "
                                     f"run at most {len(nodes)} workers (E2E_JOBS)")
-        node = nodes[index]
-        release.NODE_SCOPE[:] = release.scope_to(node)
-        helpers.GPU_NODE = node
-    yield FakeGPUs(kubeconfig, core, ns, node)
+        owned = [nodes[index]]
+        release.NODE_SCOPE[:] = release.scope_to(owned[0])
+        helpers.GPU_NODE = owned[0]
+    # gpu-ci-node (the control plane) on the CI cluster in the serial phase; kind: the worker
+    yield FakeGPUs(kubeconfig, core, ns, owned[0], owned)
+    if LANE:
+        for node in owned:
+            core.patch_node(node, {"metadata": {"labels": {LANE_LABEL: None}}})
     if not shared:
         fake_gpu_release.uninstall(kubeconfig, core, ns)
 
 
+LANE_LABEL = "gpu-agent.io/e2e-lane"  # on a lane's nodes while it runs: its releases' node selectors
+
+
 class FakeGPUs:
-    def __init__(self, kubeconfig, core, namespace, node):
+    def __init__(self, kubeconfig, core, namespace, node, nodes):
         self.kubeconfig, self.core, self.namespace, self.node = str(kubeconfig), core, namespace, node
+        self.nodes = list(nodes)  # the nodes this process's tests may change: every node, the worker's, or the lane's
         self.layout_configmap = "fg-fake-gpu-layout"  # the chart's, for release "fg"
 
     def command(self, *args: str) -> subprocess.CompletedProcess:

@@ -51,6 +51,12 @@ def scope_to(node: str) -> list[str]:
             "--set", f"nodeAgent.nodeSelector.kubernetes\\.io/hostname={node}"]
 
 
+def scope_to_label(key: str, value: str) -> list[str]:
+    """The values that keep a release on the nodes labelled key=value (a lane's: e2e/conftest.py lane_of)."""
+    escaped = key.replace(".", "\\.")
+    return ["--set", f"clusterAgent.gpuNodeSelector.{escaped}={value}", "--set", f"nodeAgent.nodeSelector.{escaped}={value}"]
+
+
 def without_gpu_node_selector(args: list[str]) -> list[str]:
     """`args` for the last stable chart, whose closed schema has no clusterAgent.gpuNodeSelector: that value dropped
     (its cluster agent counts every node's GPUs), the node agents' nodeSelector kept."""

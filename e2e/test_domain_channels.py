@@ -24,8 +24,9 @@ from e2e.artifacts import dump, failing_test
 from e2e.helpers import IMAGE, Sampler, apply, pod_log, wait_until
 from e2e.release import Release
 
-pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
-                                       "registry belongs to this module's release alone (test_dra.py's, at another time)")
+pytestmark = pytest.mark.lane("dra", nodes=2, reason="one DRA driver per node: its registration socket in each kubelet's "
+                                                     "plugin registry belongs to this module's release alone (test_dra.py's, "
+                                                     "at another time)")
 
 DRIVER = "gpu.gpu-agent.io"
 CHANNEL_CLASS = "channel.gpu-agent.io"
@@ -239,7 +240,7 @@ def test_a_deleted_domain_takes_its_channel_template_with_it(channels, api, core
 
 
 def second_gpu_node(core, fake_gpus):
-    return next(n.metadata.name for n in core.list_node().items if n.metadata.name != fake_gpus.node)
+    return next(n for n in fake_gpus.nodes if n != fake_gpus.node)
 
 
 def job_pods(core, ns, job):

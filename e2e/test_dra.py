@@ -27,8 +27,8 @@ from e2e.fake_gpu_release import RELEASE as FAKE_GPU_RELEASE
 from e2e.helpers import IMAGE, pod_log, wait_until
 from e2e.release import Release, helm
 
-pytestmark = pytest.mark.serial(reason="one DRA driver per node: its registration socket in each kubelet's plugin "
-                                       "registry belongs to this module's release alone")
+pytestmark = pytest.mark.lane("dra", nodes=2, reason="one DRA driver per node: its registration socket in each kubelet's "
+                                                     "plugin registry belongs to this module's release alone")
 
 DRIVER = "gpu.gpu-agent.io"
 CLASS = "gpu.gpu-agent.io"
@@ -125,7 +125,7 @@ def phase(core, ns, name):
 
 def test_the_slice_of_every_node_holds_as_many_devices_as_the_node_has_gpus(dra, core, fake_gpus, kubeconfig):
     _, resource = dra
-    nodes = [n.metadata.name for n in core.list_node().items]
+    nodes = fake_gpus.nodes
     others = [n for n in nodes if n != fake_gpus.node]
     for count, node in enumerate(others, start=1):  # each node a count of its own: 2, 1, 3 on three nodes
         fake_gpus.set(2 * count - 1 if count > 1 else 1, node=node)
@@ -262,7 +262,7 @@ def test_the_cluster_agent_counts_the_slices_devices_ready_within_2s_of_the_firs
     UUIDs in its /healthz are the slice's, which the node agent wrote: the device plugin's count carries none), a
     device tainted for an Xid counts for nothing, and readiness follows the slices both ways."""
     release, resource = dra
-    nodes = [n.metadata.name for n in core.list_node().items]
+    nodes = fake_gpus.nodes
     for node in nodes:
         fake_gpus.set(0, node=node)
     gpus = wait_until(lambda: gpus_when(release, 503), 20, "the cluster agent NotReady with no device in any slice",
@@ -644,6 +644,7 @@ def fake_gpu_device_plugin(fake_gpus, enabled: bool):
          "--reuse-values", "--set", f"devicePlugin.enabled={str(enabled).lower()}", "--wait", "--timeout", "120s")
 
 
+@pytest.mark.serial(reason="turns the shared fake-gpu release's device plugin off on every node")
 def test_a_legacy_nvidia_gpu_pod_is_served_by_dra_where_no_device_plugin_advertises_it(dra, api, core, namespace,
                                                                                         fake_gpus):
     """The upstream DRA suite: a pod asking `nvidia.com/gpu: 1` in its limits, as of a device plugin, is served by DRA

@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-TIMING = re.compile(r" ci: timing: (?P<what>.+?) (?P<seconds>\d+)s$")
+TIMING = re.compile(r" ci: timing: (?P<what>.+?) (?P<seconds>\d+)s(?: cpu (?P<cpu>\d+)%)?$")
 BUILT = re.compile(r" ci: (?P<part>.+?) built in (?P<seconds>\d+)s")
 CACHED = re.compile(r" ci: (?P<part>.+?) (?:binaries )?cached\b")
 
@@ -87,13 +87,15 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
         of_stage = [c for c in all_cases if c.stage == name or c.stage.startswith(name + "-")]
         counts = (f"{sum(c.outcome == 'passed' for c in of_stage)} passed, {sum(c.outcome == 'failed' for c in of_stage)} "
                   f"failed, {sum(c.outcome == 'skipped' for c in of_stage)} skipped") if of_stage else ""
-        rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "ok" if rc == 0 else f"FAILED ({rc})", counts))
+        rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "", "ok" if rc == 0 else f"FAILED ({rc})", counts))
         for line in logs[name]:
             if m := TIMING.search(line):
-                rows.append((f"  {m['what']}", f"{m['seconds']}s", f"{int(m['seconds']) / 60:.1f}", "", ""))
-    rows.append(("whole run", f"{elapsed}s", f"{elapsed / 60:.1f}", f"budget {budget_minutes:g} min", ""))
+                cpu = f"{m['cpu']}%" if m["cpu"] else ""
+                rows.append((f"  {m['what']}", f"{m['seconds']}s", f"{int(m['seconds']) / 60:.1f}", cpu, "", ""))
+    rows.append(("whole run", f"{elapsed}s", f"{elapsed / 60:.1f}", "", f"budget {budget_minutes:g} min", ""))
+    # cpu busy: the host's every core, where a step measured it; near 100% the step waits on the CPU, not the cluster
     parts.append(table("where the time went (stages, and the steps inside them)", ("stage", "seconds", "minutes",
-                                                                                   "result", "tests"), rows))
+                                                                                   "cpu busy", "result", "tests"), rows))
 
     built: dict[str, tuple[str, str]] = {}
     for lines in logs.values():

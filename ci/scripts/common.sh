@@ -23,6 +23,12 @@ export KSTATUS_BIN=$CI_CACHE/kstatus-$KSTATUS_VERSION-$_kstatus_src/kstatus
 export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+# The host's CPU time since boot, busy and all (jiffies, every core: /proc/stat's first line), for cpu_busy.
+cpu_mark() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9; exit}' /proc/stat; }
+# cpu_busy MARK: the share of every core's time spent busy since MARK, "cpu N%": a step at 95% waits on the CPU
+# (more side by side slows it), one at 20% waits on the cluster (more side by side is nearly free).
+cpu_busy() { local b0 t0 b1 t1; read -r b0 t0 <<< "$1"; read -r b1 t1 <<< "$(cpu_mark)"
+  echo "cpu $(( t1 > t0 ? 100 * (b1 - b0) / (t1 - t0) : 0 ))%"; }
 export BASE_ROOTFS_VERSION=${BASE_ROOTFS_VERSION:-bookworm-py3-1}
 export NODE_NAME=${NODE_NAME:-gpu-ci-node}
 # The node's address lives on lo as a /32: local to this machine only, so nothing the

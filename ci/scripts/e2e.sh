@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
-#   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 3: the control-plane node
-#             and two workers) brought up (idempotent), images built and imported, tests run (ci_suite
+#   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 4: the control-plane node
+#             and three workers) brought up (idempotent), images built and imported, tests run (ci_suite
 #             below: the cluster's qualification, the serial phase, the parallel phase on E2E_JOBS
-#             workers), torn down, the host checked to be exactly as before. E2E_NODES=1 for a quick
+#             workers with the lane beside it), torn down, the host checked to be exactly as before. E2E_NODES=1 for a quick
 #             local run (the tests that need several nodes skip, saying so; then E2E_JOBS=0).
 
 #             KEEP_CLUSTER=1: the running cluster (NODES nodes, default E2E_NODES), left running after
@@ -28,13 +28,14 @@ export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y
 rc=0
 
 run_suite() {  # run_suite WHAT PYTEST_ARGS...: one pytest run, its JUnit XML beside the others of `make test`
-  local what=$1 t=$SECONDS slug; shift
+  local what=$1 t=$SECONDS slug cpu; shift
+  cpu=$(cpu_mark)
   slug=$(tr -c 'a-z0-9\n' '-' <<< "${what,,}" | tr -s '-' | sed 's/-$//')
   local code=0
   "$pytest" -p no:cacheprovider ${TEST_JUNIT_DIR:+--junitxml="$TEST_JUNIT_DIR/$junit_prefix-$slug.xml"} "$@" || code=$?
   # 5: pytest selected nothing; a filtered run (make chaos, make handover: -k) leaves one phase empty
   if ((code == 5)); then log "e2e $what: no test selected"; elif ((code != 0)); then rc=$code; fi
-  log "timing: e2e $what $((SECONDS - t))s"
+  log "timing: e2e $what $((SECONDS - t))s $(cpu_busy "$cpu")"
 }
 
 kstatus() {
@@ -47,10 +48,12 @@ kstatus() {
 
 # The suite on the CI cluster. The cluster's own qualification first (e2e/test_smoke.py: pods, rollouts, DNS, RBAC,
 # helm), and nothing else if it fails. Then one fake-gpu release for the run (e2e/fake_gpu_release.py), and the
-# suite in three phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
+# suite in phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
 # serial_reason) one after another; those that can beside their own group only (serial with among=) on E2E_JOBS
-# pytest-xdist workers; then the rest on E2E_JOBS workers (default 2: one per core). Side by side each worker owns one
-# fake-GPU node. E2E_JOBS=0: every test in one process, one after another (no phases).
+# pytest-xdist workers; then the rest on E2E_JOBS workers (default 2: one per core), and beside them the lane (marked
+# lane: e2e/conftest.py lane_of), its tests one after another on the last nodes, which no worker owns. Side by side
+# each worker owns one fake-GPU node: the cluster needs E2E_JOBS nodes and the lane's. E2E_JOBS=0: every test in one
+# process, one after another (no phases).
 ci_suite() {  # ci_suite PYTEST_ARGS...
   local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-2} fake_ns t
   kstatus
@@ -65,8 +68,17 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
+    # The lane beside the parallel phase, on nodes no worker owns: its output kept apart and printed after the
+    # parallel phase's, so that neither is interleaved line by line with the other.
+    lane_log=$(mktemp)
+    (E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=lane E2E_JOBS=$jobs run_suite "lane (beside the parallel phase)" \
+      "$repo/e2e" --ignore="$smoke" "$@"; exit "$rc") > "$lane_log" 2>&1 &
+    lane=$!
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=parallel run_suite "parallel phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
+    log "waiting for the lane (it ran beside the parallel phase; its output follows)"
+    wait "$lane" || rc=$?
+    cat "$lane_log" >&2; rm -f "$lane_log"
   fi
   t=$SECONDS
   (cd "$repo" && "$python" -m e2e.fake_gpu_release down "$KUBECONFIG_PATH" "$fake_ns") || { rc=1; log "FAILED: fake-gpu uninstall"; }
@@ -82,7 +94,7 @@ cluster_up() {  # cluster_up NODES
 case $cluster in
   ci)
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
-      cluster_up "${NODES:-${E2E_NODES:-3}}"
+      cluster_up "${NODES:-${E2E_NODES:-4}}"
       ci_suite "${@:2}"
       exit $rc
     fi
@@ -101,7 +113,7 @@ case $cluster in
       log "teardown check passed: host state identical to before cluster-up"
     }
     trap 'code=$?; down_and_check || code=1; rm -f "$before" "$after"; exit $code' EXIT
-    cluster_up "${E2E_NODES:-3}"
+    cluster_up "${E2E_NODES:-4}"
     ci_suite "${@:2}"
     ;;
   existing)

@@ -31,7 +31,7 @@ def run_folder(tmp_path: Path, skipped: bool = False) -> Path:
     (tmp_path / "e2e.log").write_text("12:00:01 ci: kubernetes v1.36.2 built in 431s: kube-apiserver\n"
                                       "12:00:02 ci: coredns v1.12.4 cached\n"
                                       "12:00:03 ci: timing: cluster-up (3 node(s)) 460s\n"
-                                      "12:30:00 ci: timing: e2e serial phase 700s\n")
+                                      "12:30:00 ci: timing: e2e serial phase 700s cpu 23%\n")
     skip = '<skipped type="pytest.skip" message="kstatus not built: run bash ci/scripts/build-kstatus.sh"/>'
     (tmp_path / "junit" / "unit.xml").write_text(junit(
         '<testcase classname="agent.tests.unit.test_a" name="test_quick" time="0.2"/>',
@@ -50,6 +50,7 @@ def test_the_tables_show_each_stage_with_its_steps_the_parts_and_the_slowest_tes
     e2e = next(i for i, line in enumerate(lines) if line.startswith("e2e "))
     assert "1500s" in lines[e2e] and "1 passed, 1 failed, 0 skipped" in lines[e2e]
     assert lines[e2e + 1].split()[:4] == ["cluster-up", "(3", "node(s))", "460s"]
+    assert lines[e2e + 2].split() == ["e2e", "serial", "phase", "700s", "11.7", "23%"]  # the step's cpu busy
     assert any(line.startswith("whole run") and "1600s" in line for line in lines)
     assert any("kubernetes v1.36.2" in line and "built (cold)" in line and "431s" in line for line in lines)
     assert any("coredns v1.12.4" in line and "cached (warm)" in line for line in lines)
