@@ -196,8 +196,9 @@ def lane_of(item) -> tuple[str, int] | None:
     test cannot run beside the suite's other tests on the same nodes (the reason), but can on nodes of its own: the
     lane's tests run one after another in a pytest process of their own (E2E_PHASE=lane), beside the parallel phase,
     on the last N fake-GPU nodes, which no side-by-side worker owns. The lane's releases run on those nodes alone
-    (release.NODE_SCOPE), and `fake_gpus.nodes` are the nodes a test may change. A serial mark on the test itself
-    (or disruptive, ci_host) wins over its module's lane: that test runs in the serial phase."""
+    (release.NODE_SCOPE), and `fake_gpus.nodes` are the nodes a test may change. Every lane's tests run in that one
+    process (a lane's name says why its tests are there), on as many nodes as the most any of them asks. A serial mark
+    on the test itself (or disruptive, ci_host) wins over its module's lane: that test runs in the serial phase."""
     mark = item.get_closest_marker("lane")
     if mark is None:
         return None
@@ -210,7 +211,7 @@ def lane_of(item) -> tuple[str, int] | None:
 
 PHASES = ("serial", "grouped", "lane", "parallel")
 SIDE_BY_SIDE = ("grouped", "parallel")  # phases whose workers each own a node
-LANE: list[tuple[str, int]] = []  # (name, nodes) of the lane this process runs (E2E_PHASE=lane), set at collection
+LANE: list[tuple[str, int]] = []  # (names, nodes) of the lanes this process runs (E2E_PHASE=lane), set at collection
 
 
 def phase_of(item) -> str:
@@ -236,11 +237,9 @@ def pytest_collection_modifyitems(config, items):
         if len(groups) > 1:
             raise pytest.UsageError(f"E2E_PHASE=grouped runs one group beside itself; found {groups}: give each group "
                                     f"a phase of its own in ci/scripts/e2e.sh")
-        lanes = {lane_of(i) for i in keep} - {None}
-        if len(lanes) > 1:
-            raise pytest.UsageError(f"E2E_PHASE=lane runs one lane (a name and a node count); found {sorted(lanes)}: "
-                                    f"give each lane a process of its own in ci/scripts/e2e.sh")
-        LANE[:] = list(lanes)
+        lanes = [lane for lane in map(lane_of, keep) if lane is not None]
+        if lanes:  # one process runs them all, one after another, on as many nodes as the most any asks
+            LANE[:] = [(".".join(sorted({name for name, _ in lanes})), max(count for _, count in lanes))]
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
@@ -291,7 +290,7 @@ def fake_gpus(kubeconfig, core, apps):
         name, count = LANE[0]
         beside = int(os.environ.get("E2E_JOBS") or 0)  # the parallel phase's workers own the first nodes
         if len(nodes) < beside + count:
-            raise pytest.UsageError(f"lane {name} needs {count} fake-GPU node(s) no side-by-side worker owns; the "
+            raise pytest.UsageError(f"lane(s) {name} need {count} fake-GPU node(s) no side-by-side worker owns; the "
                                     f"cluster has {len(nodes)} ({nodes}) for {beside} worker(s) (E2E_JOBS) and the "
                                     f"lane: make cluster-up NODES={beside + count}, or E2E_JOBS=0")
         owned = nodes[-count:]

@@ -302,11 +302,12 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
     print("\n" + "\n".join(rows))
 
 
-@pytest.mark.serial(reason="sets GPUs on every node")
+@pytest.mark.lane("every-node", nodes=2, reason="sets GPUs on every node its release runs on: beside the "
+                                                          "parallel phase, a lane's nodes")
 def test_node_agents_form_the_charts_gpudomain_through_the_cluster_agent(release, fake_gpus, api):
     """Every node's agent (one GPU each) is a member, numbered 0..N-1; one node losing its GPU turns its
     member NotReady, and the domain with it."""
-    every = sorted(n.metadata.name for n in release.core.list_node().items)
+    every = fake_gpus.nodes  # every node, or its lane's
     for node in every:
         fake_gpus.set(1, node=node)
     release.install("--set", "domain.name=gpus", "--set", f"domain.expectedNodes={len(every)}")

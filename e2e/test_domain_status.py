@@ -18,14 +18,15 @@ from e2e.cluster import tool
 from e2e.helpers import wait_until
 from e2e.release import Release
 
-pytestmark = pytest.mark.serial(reason="sets GPUs on every node")
+pytestmark = pytest.mark.lane("every-node", nodes=2, reason="sets GPUs on every node its release runs on: beside the "
+                                                          "parallel phase, a lane's nodes")
 
 GROUP, VERSION = "gpu-agent.io", "v1beta1"
 
 
 @pytest.fixture
-def nodes(core) -> list[str]:
-    return sorted(n.metadata.name for n in core.list_node().items)
+def nodes(fake_gpus) -> list[str]:
+    return fake_gpus.nodes  # every node, or its lane's
 
 
 def test_a_gpudomains_ready_condition_events_kubectl_wait_and_gitops_health_follow_each_transition(

@@ -13,7 +13,8 @@ from kubernetes import client
 from e2e.helpers import domain_status, pod_log, wait_until
 from e2e.release import Release
 
-pytestmark = pytest.mark.serial(reason="sets GPUs on every node")
+pytestmark = pytest.mark.lane("every-node", nodes=2, reason="sets GPUs on every node its release runs on: beside the "
+                                                          "parallel phase, a lane's nodes")
 
 NA = "app.kubernetes.io/component=node-agent"
 SHOWN_FROM = {  # level -> lines of the node agent that appear from this level on
@@ -26,7 +27,7 @@ HIDDEN_UP_TO_3 = ["domain reconcile requested"]  # a level 4 line
 
 def test_node_agent_levels_0_and_3_show_their_lines_and_level_0_keeps_the_peer_list_and_addresses_out(
         api, core, apps, kubeconfig, namespace, fake_gpus):
-    nodes = sorted(n.metadata.name for n in core.list_node().items)
+    nodes = fake_gpus.nodes  # every node, or its lane's
     for node in nodes:
         fake_gpus.set(1, node=node)
     release = Release(api, core, apps, kubeconfig, namespace, name=f"lv{uuid.uuid4().hex[:5]}")

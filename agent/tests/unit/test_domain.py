@@ -37,6 +37,13 @@ def test_index_is_kept_and_gaps_are_filled_lowest_first():
     assert lowest_free_index([*nodes, node("b", 1)], "new") == 4
 
 
+def test_an_index_held_for_a_node_that_left_is_its_own_again_and_nobody_elses_meanwhile():
+    nodes = [node("a", 0)]
+    assert lowest_free_index(nodes, "b", {"b": 2, "c": 1}) == 2  # back: its own index
+    assert lowest_free_index(nodes, "new", {"b": 2, "c": 1}) == 3  # neither in use nor held for another
+    assert lowest_free_index([node("x", 2)], "b", {"b": 2}) == 0  # taken meanwhile: the lowest free one
+
+
 def test_with_entry_changes_only_its_own_entry_and_the_overall_status():
     obj = domain([node("a", 0), node("c", 2, "NotReady")])
     new = with_entry(obj, Entry("b", "10.0.0.2", ("GPU-1",), True))
@@ -548,6 +555,41 @@ def test_a_domain_whose_members_stream_in_is_written_once_when_it_turns_ready():
         d.arrive("b", kind="DELETED")  # loses readiness: at once too
         assert d.written == (3, "NotReady", ["a", "c", "d"])
         assert d.folding.write_reasons == {"prompt": 3}
+    finally:
+        d.stop()
+
+
+def test_node_agents_of_a_whole_domain_restarted_at_once_come_back_with_their_own_indices_in_any_order():
+    """The seed's "force-delete all IMEX daemons": every node agent's Pod deleted, each member with it, and the new
+    Pods' members back in whatever order they start. A workload's rank is its node's index, so each node gets the
+    index it had; a newcomer meanwhile takes another; after REJOIN_GRACE an index is free for anyone."""
+    from gpu_agent.mechanisms.domain.aggregate import REJOIN_GRACE
+
+    d = DomainOnClock(expected=2, quiet=0.5)
+
+    def indices():
+        return {n["name"]: n["index"] for n in d.fake.obj["status"]["nodes"]}
+    try:
+        d.arrive("w2")
+        d.arrive("w3")
+        assert indices() == {"w2": 0, "w3": 1}
+        d.arrive("w3", kind="DELETED")
+        d.arrive("w2", kind="DELETED")
+        d.step(0.6)
+        assert indices() == {}
+        d.arrive("w3")  # back first: still 1, not the lowest free 0
+        d.step(0.6)
+        assert indices() == {"w3": 1}
+        d.arrive("new")  # a newcomer takes neither held index
+        d.step(0.6)
+        assert indices() == {"w3": 1, "new": 2}
+        d.arrive("w2")
+        assert indices() == {"w2": 0, "w3": 1, "new": 2}
+        d.arrive("new", kind="DELETED")
+        d.step(REJOIN_GRACE + 1)
+        d.arrive("late")  # the grace passed: 2 is nobody's any more
+        d.step(0.6)
+        assert indices() == {"w2": 0, "w3": 1, "late": 2}
     finally:
         d.stop()
 

@@ -3,7 +3,12 @@
 Each node agent applies its own GPUDomainMember (server-side apply, one call, no read, no
 conflict: it is the object's only writer). One aggregator per domain watches the members and
 folds them into the GPUDomain's status: existing indices kept, new members given the lowest
-free index, departed members removed. It writes a change a reader waits for at once (the domain
+free index, departed members removed. A node whose member left lately (its node agent's Pod deleted, the
+member with it, and a new Pod's member back) gets the index it had again, if nobody took it: the aggregator
+holds a departed node's index for REJOIN_GRACE, and newcomers meanwhile take others. A workload's rank is its
+node's index (GPU_AGENT_DOMAIN_NODE_INDEX, set at prepare), and the node agents of a whole domain restarted
+at once (the IMEX daemons force-deleted) would otherwise come back numbered in the order they happened to
+rejoin. It writes a change a reader waits for at once (the domain
 turns Ready or loses readiness) and coalesces the rest until the arrivals pause or a bound passes
 (WriteSchedule), so the shared object takes about one write per state change instead of one per
 node (and its retries). As the only status writer it meets a conflict only if some
@@ -31,7 +36,7 @@ import functools
 import math
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -84,6 +89,10 @@ MAX_MESSAGE = 1024  # a member's spec.message, as the CRD bounds it: a longer on
 # handshake: measured with make bench-domain (64 domains) at 10 (the client's default on 2 CPUs), about
 # half of the folder's time in its status writes.
 FOLDER_CONNECTIONS = 128
+# Seconds a departed member's index stays held for its node (fold's `rejoining`): the kubelet's longest crash-loop
+# back-off, so that a node agent that crashes, or whose Pod is deleted, and comes back finds its index. Held in the
+# aggregator's memory: a cluster agent that restarts (or hands over) meanwhile holds none.
+REJOIN_GRACE = 300.0
 
 
 class MemberWriter(DomainView):
@@ -241,7 +250,7 @@ def _clique_of(spec: MemberSpec) -> str:
 
 
 def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] = frozenset(), *,
-         now: str | None = None) -> GPUDomain | None:
+         now: str | None = None, rejoining: Mapping[str, tuple[str, int]] | None = None) -> GPUDomain | None:
     """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
 
     The status carries the Ready condition (conditions.py) and the generation it answers; `now` is the
@@ -251,7 +260,8 @@ def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] 
     are per clique: a member keeps its index while it stays in its clique, a new one (or one that
     moved to another clique) gets the lowest free index of its clique, and a clique that already holds
     `spec.maxNodesPerClique` nodes admits no more: the rest wait, named in `status.cliques`, until a
-    place frees."""
+    place frees. `rejoining` (node -> (clique, index) of members that left lately): such a node, back in the same
+    clique, gets that index again if nobody uses it, and newcomers take other indices meanwhile."""
     members = {n: ({**m, "ready": False} if n in silent else m) for n, m in members.items()}
     domain_spec = spec_of(obj)
     limit = domain_spec.get("maxNodesPerClique")
@@ -270,8 +280,9 @@ def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] 
         if limit is not None and len(peers) >= limit:
             waiting.setdefault(_clique_of(spec), []).append(name)
             continue
-        nodes.append(status_entry(name, spec.get("ip", ""), lowest_free_index(peers, name), bool(spec.get("ready")),
-                                  spec.get("gpuUUIDs") or [], _clique_of(spec)))
+        held = {node: index for node, (clique, index) in (rejoining or {}).items() if clique == _clique_of(spec)}
+        nodes.append(status_entry(name, spec.get("ip", ""), lowest_free_index(peers, name, held),
+                                  bool(spec.get("ready")), spec.get("gpuUUIDs") or [], _clique_of(spec)))
     nodes.sort(key=lambda n: (n.get("clique") or "", n["index"]))
     expected = int(domain_spec.get("expectedNodes") or 0)
     status, ready = overall(nodes, expected)
@@ -437,6 +448,8 @@ class Aggregator:
         self.namespace = namespace
         self.domain = domain
         self.members: dict[str, MemberSpec] = {}  # node -> spec: the index's members() after each change
+        # node -> (clique, index, when it left on the monotonic clock): indices held for REJOIN_GRACE (see fold)
+        self.departed: dict[str, tuple[str, int, float]] = {}
         # No fold before the members' first list: a domain event (the watch of the domain itself) can wake the
         # loop first, and folding no members would empty the status a previous leader wrote, indices and all.
         self.members_listed = False
@@ -543,7 +556,8 @@ class Aggregator:
                 members = dict(self.members)
             current = self._current()
             stamp = timestamp(self.clock.wall())
-            new = fold(current, members, silent, now=stamp) if current is not None else None
+            rejoining = self._rejoining(self.clock.monotonic())
+            new = fold(current, members, silent, now=stamp, rejoining=rejoining) if current is not None else None
             if current is not None and new is None:
                 self.pending.written()  # the status already says so
                 self.folded_generation = generation_of(current)
@@ -558,12 +572,28 @@ class Aggregator:
                 continue
             self.pending.written()
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            change = functools.partial(fold, members=members, silent=silent, now=stamp)
+            change = functools.partial(fold, members=members, silent=silent, now=stamp, rejoining=rejoining)
             if self.writer.update(change, f"fold {len(members)} members ({why})", self._stop.is_set, None):
                 self.writes += 1
                 self.write_reasons[why] += 1
                 self.folded_generation = generation_of(self.writer.cached or {})
+                self._departures(current, self.writer.cached, self.clock.monotonic())
                 self._tell(current, self.writer.cached, silent)
+
+    def _rejoining(self, now: float) -> dict[str, tuple[str, int]]:
+        """The indices still held for nodes that left lately; those held past REJOIN_GRACE are let go."""
+        self.departed = {n: d for n, d in self.departed.items() if now - d[2] < REJOIN_GRACE}
+        return {n: (clique, index) for n, (clique, index, _) in self.departed.items()}
+
+    def _departures(self, before: GPUDomain | None, after: GPUDomain | None, now: float) -> None:
+        """Records the nodes a write took out of the status, with their clique and index; a node back is no longer
+        departed."""
+        present = {n.get("name") for n in nodes_of(after or {})}
+        for n in nodes_of(before or {}):
+            if n.get("name") not in present and isinstance(n.get("index"), int):
+                self.departed[str(n["name"])] = (str(n.get("clique") or ""), int(n["index"]), now)
+        for name in present:
+            self.departed.pop(str(name), None)
 
     def _current(self) -> GPUDomain | None:
         """The newest view of the domain: the writer's own last write, or a read the first time."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -129,14 +129,20 @@ def nodes_of(obj: GPUDomain) -> list[DomainNode]:
     return list(status_of(obj).get("nodes") or [])
 
 
-def lowest_free_index(nodes: list[DomainNode], me: str) -> int:
-    """This node's index: its current one if it has one, else the lowest not in use (gaps fill)."""
+def lowest_free_index(nodes: list[DomainNode], me: str, held: Mapping[str, int] | None = None) -> int:
+    """This node's index: its current one if it has one; else the one `held` for it (the index it had before it
+    left lately: node -> index), if nobody uses that; else the lowest neither in use nor held for another node
+    (gaps fill)."""
     for n in nodes:
         if n.get("name") == me and isinstance(index := n.get("index"), int):
             return index
     used = {n.get("index") for n in nodes if n.get("name") != me}
+    held = held or {}
+    if (mine := held.get(me)) is not None and mine not in used:
+        return mine
+    taken = used | {i for node, i in held.items() if node != me}
     index = 0
-    while index in used:
+    while index in taken:
         index += 1
     return index
 
