@@ -237,7 +237,8 @@ def pytest_collection_modifyitems(config, items):
         if len(groups) > 1:
             raise pytest.UsageError(f"E2E_PHASE=grouped runs one group beside itself; found {groups}: give each group "
                                     f"a phase of its own in ci/scripts/e2e.sh")
-        lanes = [lane for lane in map(lane_of, keep) if lane is not None]
+        # a serial test of a lane's module (its own serial mark wins) is no lane's: only E2E_PHASE=lane runs a lane
+        lanes = [lane for lane in map(lane_of, keep) if lane is not None] if phase == "lane" else []
         if lanes:  # one process runs them all, one after another, on as many nodes as the most any asks
             LANE[:] = [(".".join(sorted({name for name, _ in lanes})), max(count for _, count in lanes))]
         dropped = [i for i in items if i not in keep]
