@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client, config
+from kubernetes.utils import parse_quantity
 
 from e2e import cluster, fake_gpu_release, helpers, release
 from e2e.artifacts import dump
@@ -338,7 +339,8 @@ class FakeGPUs:
 
     def allocatable(self, node: str | None = None) -> int:
         status = self.core.read_node(node or self.node).status
-        return int((status.allocatable or {}).get("nvidia.com/gpu", "0"))
+        # a quantity: 5000 GPUs read "5k"
+        return int(parse_quantity((status.allocatable or {}).get("nvidia.com/gpu", "0")))
 
     def set(self, count: int, timeout: float = 10, node: str | None = None) -> float:
         """Set the count of one node (the first node unless named); returns seconds from the

@@ -8,6 +8,7 @@ partition) exist on the CI cluster only (ci/scripts/node.sh), as do the host's f
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -98,7 +99,7 @@ def test_a_daemonset_runs_one_pod_per_node_and_pods_reach_each_other_by_ip_servi
 
 
 def test_fake_gpus_per_node_allocatable_follows_on_each_within_2s(fake_gpus, nodes):
-    counts = {node: count for node, count in zip(nodes, (1, 2, 4), strict=False)}
+    counts = {node: count for node, count in zip(nodes, itertools.cycle((1, 2, 4)))}  # every node a count
     times = {node: fake_gpus.set(count, timeout=2, node=node) for node, count in counts.items()}
     assert {node: fake_gpus.allocatable(node) for node in nodes} == counts, "each node keeps its own count"
     times[nodes[1]] = fake_gpus.set(3, timeout=2, node=nodes[1])
@@ -227,7 +228,7 @@ def test_kubectl_drain_of_the_leaders_node_hands_over_once_and_the_budget_evicts
     hands over once with work running, nothing lost or doubled. The drained node's agent comes back
     beside the other, so draining that node next evicts two agents: the budget makes the second wait
     until the first's replacement is Ready, so some agent is Ready throughout."""
-    first, workers = nodes[0], nodes[1:]
+    first, workers = nodes[0], nodes[1:3]  # the two workers the pool label below lets the two agents on
     fake_gpus.set(4, node=first)  # work Pods ask for a GPU: they run on the node nobody drains
     pool = ("gpu-agent.io/e2e-pool", uuid.uuid4().hex[:8])
     release = Release(api, core, apps, kubeconfig, namespace, name=f"drain{uuid.uuid4().hex[:5]}")
