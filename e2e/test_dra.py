@@ -614,10 +614,12 @@ def test_an_xid_79_taints_its_device_within_2s_a_new_claim_never_gets_it_and_a_c
         assert {k: taint[k] for k in ("key", "value", "effect")} == {"key": f"{DRIVER}/unhealthy", "value": "Lost",
                                                                    "effect": "NoSchedule"}  # timeAdded: the API server's
         assert taints(resource, fake_gpus.node, "gpu-1") == []
-        for name in ("first", "second"):
-            core.create_namespaced_pod(namespace, pod(name, fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
+        # one after the other: created together, their claims (the resourceclaim controller's) may be made and
+        # scheduled in either order, and under load "second" took gpu-1 first
+        core.create_namespaced_pod(namespace, pod("first", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
         running(core, namespace, ["first"])
         assert devices_of_pod(core, resource, namespace, "first") == {"gpu": [(fake_gpus.node, "gpu-1")]}
+        core.create_namespaced_pod(namespace, pod("second", fake_gpus.node, [("gpu", {"resourceClaimTemplateName": "one-gpu"})]))
 
         def refused():  # the scheduler looked at "second" and found no untainted device for its claim
             conditions = core.read_namespaced_pod("second", namespace).status.conditions or []
