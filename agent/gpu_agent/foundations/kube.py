@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils import parse_quantity
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.klog import get_logger
@@ -134,6 +135,16 @@ def core_v1_list(api: client.ApiClient | None, plural: str) -> Callable[..., Any
         return json.loads(cast(bytes, response.data))  # read() above filled it
     list_namespaced.__name__ = f"list_namespaced_{plural}"
     return list_namespaced
+
+
+def device_count(resources: Any, name: str) -> int:
+    """How many of the extended resource `name` a node's capacity or allocatable map holds: a Kubernetes quantity,
+    which the API server writes in its canonical form (5000 reads "5k"). Missing, malformed or not a whole number: 0."""
+    try:
+        value = parse_quantity((resources or {}).get(name) or "0")
+    except ValueError:
+        return 0
+    return max(0, int(value)) if value == int(value) else 0
 
 
 def items_of(listed: Any) -> list[Any]:

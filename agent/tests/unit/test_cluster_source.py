@@ -27,6 +27,10 @@ def test_a_node_reads_allocatable_and_capacity_and_nothing_when_not_ready_or_cor
     assert node_gpus(node("0", "4")) == NodeGPUs(0, 4)
     assert node_gpus(node("4", None)) == NodeGPUs(4, 4)  # no capacity read: never fewer than allocatable
     assert node_gpus(node("x", "4")) == NodeGPUs(0, 4)  # unreadable allocatable: none of them usable
+    # quantities as the API server writes them: 5000 GPUs read "5k" (a 4-node cluster of 20000 counted none)
+    assert node_gpus(node("5k", "5k")) == NodeGPUs(5000, 5000)
+    assert node_gpus(node("1500", "2k")) == NodeGPUs(1500, 2000)
+    assert node_gpus(node("500m", "1")) == NodeGPUs(0, 1)  # not a whole number of devices: none
     assert node_gpus(node("4", "4", ready=False)) == NodeGPUs(0, 0)
     assert node_gpus(node("4", "4", cordoned=True)) == NodeGPUs(0, 0)
 

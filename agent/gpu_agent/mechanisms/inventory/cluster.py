@@ -41,7 +41,7 @@ from kubernetes import client
 
 from gpu_agent.foundations.gpus import GPU, HEALTHY, UNHEALTHY, Inventory
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.kube import device_count, items_of, list_then_watch
 from gpu_agent.foundations.slices import (
     MADE_UP_UUIDS,
     PoolSlice,
@@ -64,10 +64,7 @@ class NodeGPUs:
 
 
 def _count(resources: Any) -> int:
-    try:
-        return max(0, int((resources or {}).get(RESOURCE, "0")))
-    except ValueError:
-        return 0
+    return device_count(resources, RESOURCE)
 
 
 def node_gpus(node: Any) -> NodeGPUs:

@@ -54,7 +54,7 @@ from gpu_agent.foundations.config import parse_labels
 from gpu_agent.foundations.control_plane_client import ItemState, WorkItem
 from gpu_agent.foundations.fencing import LeaderToken
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_message
+from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_message, device_count
 from gpu_agent.foundations.kube import api_status as _status
 from gpu_agent.foundations.slices import node_usable
 from gpu_agent.foundations.threads import RunBlocking, in_daemon_thread
@@ -330,7 +330,7 @@ class PodExecutor:
         nodes = (await self._api(self.core.list_node, **selector)).items
         if self.claims is not None:
             return await self.claims.most_on_a_node({n.metadata.name for n in nodes if node_usable(n)}, self._api)
-        return max((int((n.status.allocatable or {}).get(GPU, "0") or 0) for n in nodes if n.status), default=0)
+        return max((device_count(n.status.allocatable, GPU) for n in nodes if n.status), default=0)
 
     async def _delete(self, name: str) -> None:
         """Remove the finalizer, then delete: the Pod is gone at once. Either call may fail (the next
