@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes import client, config, watch
-from kubernetes.utils import parse_quantity
 
 from e2e.cluster import CI_KUBECONFIG, host_paths, tool
 from e2e.helpers import api_server_requests, exec_in, wait_until
 from e2e.release import WAIT, Release
+from gpu_agent.foundations.kube import device_count
 from gpu_agent.mechanisms.queues.pod_executor import pod_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ def main() -> int:
         node = min(n.metadata.name for n in core.list_node().items)
         subprocess.run([sys.executable, "-m", "fake_gpu", "--kubeconfig", str(kubeconfig), "--namespace", ns, "set",
                         "--node", node, "--count", str(GPUS)], check=True, capture_output=True, timeout=60)
-        wait_until(lambda: int(parse_quantity((core.read_node(node).status.allocatable or {}).get("nvidia.com/gpu", "0"))) == GPUS, 60,
+        wait_until(lambda: device_count(core.read_node(node).status.allocatable, "nvidia.com/gpu") == GPUS, 60,
                    f"{node}: {GPUS} allocatable GPUs")
         release.install(*WAIT)
         wait_until(lambda: (release.healthz()[1] or {}).get("active"), 90, "the cluster agent active")

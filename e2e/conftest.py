@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client, config
-from kubernetes.utils import parse_quantity
 
 from e2e import cluster, fake_gpu_release, helpers, release
 from e2e.artifacts import dump
 from e2e.helpers import wait_until
+from gpu_agent.foundations.kube import device_count
 from gpu_agent.mechanisms.queues.pod_executor import FINALIZER, RELEASE_PATCH, RELEASE_PATCH_TYPE
 
 
@@ -339,8 +339,7 @@ class FakeGPUs:
 
     def allocatable(self, node: str | None = None) -> int:
         status = self.core.read_node(node or self.node).status
-        # a quantity: 5000 GPUs read "5k"
-        return int(parse_quantity((status.allocatable or {}).get("nvidia.com/gpu", "0")))
+        return device_count(status.allocatable, "nvidia.com/gpu")  # a quantity: 5000 GPUs read "5k"
 
     def set(self, count: int, timeout: float = 10, node: str | None = None) -> float:
         """Set the count of one node (the first node unless named); returns seconds from the

@@ -65,8 +65,6 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
   if ((jobs == 0)); then
     E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
   else
-    # scripts/test.sh starts the unit stage beside the serial phase (at nice 19) once told here that it began
-    [[ -z ${E2E_SERIAL_FLAG:-} ]] || touch "$E2E_SERIAL_FLAG"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"

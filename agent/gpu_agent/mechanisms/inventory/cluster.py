@@ -63,15 +63,11 @@ class NodeGPUs:
     capacity: int  # every device it reports; at least `allocatable`
 
 
-def _count(resources: Any) -> int:
-    return device_count(resources, RESOURCE)
-
-
 def node_gpus(node: Any) -> NodeGPUs:
     if not node_usable(node):
         return NodeGPUs(0, 0)
-    allocatable = _count(node.status.allocatable)
-    return NodeGPUs(allocatable, max(allocatable, _count(node.status.capacity)))
+    allocatable = device_count(node.status.allocatable, RESOURCE)
+    return NodeGPUs(allocatable, max(allocatable, device_count(node.status.capacity, RESOURCE)))
 
 
 def unallocatable_reason(node: str, gpus: NodeGPUs) -> str:
