@@ -7,7 +7,9 @@
 Settings (environment): E2E_CLUSTER_NAME (default gpu-agent-e2e), E2E_NODE_IMAGE (the node image; default the
 tool's own: kindest/node of the kind release, rancher/k3s of the k3d release), E2E_WORKERS (worker nodes beside
 the control plane, default 1), E2E_KUBECONFIG (where `up` writes the kubeconfig, default
-~/.kube/gpu-agent-e2e-<provider>.yaml), KIND / K3D (the binaries; default on PATH). With podman instead of
+~/.kube/gpu-agent-e2e-<provider>.yaml), E2E_POD_SUBNET / E2E_SERVICE_SUBNET (the cluster's pod and Service ranges;
+default the tool's own: kind's 10.244.0.0/16 and 10.96.0.0/16 are the CI cluster's too, so a kind cluster beside it
+takes others), KIND / K3D (the binaries; default on PATH). With podman instead of
 Docker, kind needs KIND_EXPERIMENTAL_PROVIDER=podman.
 
 The commands are built by the pure functions below (no side effects), so that a unit test can check each one
@@ -17,6 +19,7 @@ standard library: e2e.sh runs this with the system's python3, before the project
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -50,6 +53,8 @@ class Settings:
     workers: int = 1
     binary: str = ""
     kubeconfig: Path = Path()
+    pod_subnet: str = ""
+    service_subnet: str = ""
 
     @classmethod
     def from_env(cls, provider: str, env: dict[str, str] | None = None) -> Settings:
@@ -64,8 +69,17 @@ class Settings:
             raise SystemExit(f"E2E_WORKERS must be between 0 and 10; got {workers}")
         name = env.get("E2E_CLUSTER_NAME", "gpu-agent-e2e")
         default_kubeconfig = Path(env.get("HOME", "/root")) / ".kube" / f"{name}-{provider}.yaml"
+        subnets = {}
+        for key, field in (("E2E_POD_SUBNET", "pod_subnet"), ("E2E_SERVICE_SUBNET", "service_subnet")):
+            if value := env.get(key, ""):
+                try:
+                    ipaddress.ip_network(value)
+                except ValueError:
+                    raise SystemExit(f"{key} must be a network in CIDR form, e.g. 10.245.0.0/16; got {value!r}") from None
+                subnets[field] = value
         return cls(provider=provider, name=name, image=env.get("E2E_NODE_IMAGE", ""), workers=workers,
-                   binary=env.get(provider.upper(), provider), kubeconfig=Path(env.get("E2E_KUBECONFIG", default_kubeconfig)))
+                   binary=env.get(provider.upper(), provider), kubeconfig=Path(env.get("E2E_KUBECONFIG", default_kubeconfig)),
+                   **subnets)
 
 
 # --- kind ---------------------------------------------------------------------------------------------------
@@ -76,8 +90,11 @@ def kind_config(s: Settings, etcd_tag: str = "v3.6.8") -> str:
     if s.image.startswith(LOCAL_NODE_IMAGE_PREFIX):
         patches.append(local_images_patch(etcd_tag))
     nodes = "".join(f"- role: {role}\n" for role in ["control-plane"] + ["worker"] * s.workers)
+    subnets = "".join(f"  {key}: {value}\n" for key, value in (("podSubnet", s.pod_subnet),
+                                                              ("serviceSubnet", s.service_subnet)) if value)
+    networking = f"networking:\n{subnets}" if subnets else ""
     body = "".join("- |\n" + "".join(f"  {line}\n" for line in p.splitlines()) for p in patches)
-    return f"kind: Cluster\napiVersion: kind.x-k8s.io/v1alpha4\nnodes:\n{nodes}kubeadmConfigPatches:\n{body}"
+    return f"kind: Cluster\napiVersion: kind.x-k8s.io/v1alpha4\nnodes:\n{nodes}{networking}kubeadmConfigPatches:\n{body}"
 
 
 def kind_list(s: Settings) -> list[str]:
@@ -111,8 +128,10 @@ def k3d_list(s: Settings) -> list[str]:
 def k3d_create(s: Settings) -> list[str]:
     image = ["--image", s.image] if s.image else []
     # the default kubeconfig is left alone (the suite reads its own file); traefik is not needed by the suite
+    subnets = [arg for flag, value in (("--cluster-cidr", s.pod_subnet), ("--service-cidr", s.service_subnet)) if value
+               for arg in ("--k3s-arg", f"{flag}={value}@server:*")]
     return [s.binary, "cluster", "create", s.name, "--agents", str(s.workers), *image,
-            "--k3s-arg", "--disable=traefik@server:*", "--wait", "--timeout", "300s",
+            "--k3s-arg", "--disable=traefik@server:*", *subnets, "--wait", "--timeout", "300s",
             "--kubeconfig-update-default=false", "--kubeconfig-switch-context=false"]
 
 

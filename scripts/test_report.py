@@ -1,8 +1,8 @@
 """The closing report of `make test` (scripts/test.sh): where the time went, what was skipped, and the budget.
 
-Reads what the run left in its output folder: stages.tsv (one line a stage: name, seconds, exit code), each
-stage's log (the `ci: timing: WHAT Ns` lines and the `ci: PART built in Ns` / `ci: PART cached` lines that
-ci/scripts print) and the JUnit XML of every pytest run (junit/*.xml). Prints four tables and exits 1 when a
+Reads what the run left in its output folder: stages.tsv (one line a stage: name, seconds, exit code, and the stage
+it ran beside, if any), each stage's log (the `ci: timing: WHAT Ns` lines and the `ci: PART built in Ns` /
+`ci: PART cached` lines that ci/scripts print) and the JUnit XML of every pytest run (junit/*.xml). Prints four tables and exits 1 when a
 test was skipped (unless --allow-skips) or the run took longer than --budget-minutes; 0 otherwise. A stage
 that failed is test.sh's to report: this only adds the reasons above.
 """
@@ -30,12 +30,21 @@ class Case:
     reason: str = ""
 
 
-def stages(out: Path) -> list[tuple[str, int, int]]:
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    seconds: int
+    rc: int
+    beside: str = ""  # the stage it ran beside (its time overlaps that one's), or ""
+
+
+def stages(out: Path) -> list[Stage]:
+    """The ledger scripts/stage.sh writes: name, seconds, exit code and, for a stage run beside another, its name."""
     ledger = out / "stages.tsv"
     rows = []
     for line in ledger.read_text().splitlines() if ledger.exists() else []:
-        name, seconds, rc = line.split("\t")
-        rows.append((name, int(seconds), int(rc)))
+        name, seconds, rc, *beside = line.split("\t")
+        rows.append(Stage(name, int(seconds), int(rc), beside[0] if beside else ""))
     return rows
 
 
@@ -80,14 +89,16 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
     parts: list[str] = []
     failures: list[str] = []
     ran = stages(out)
-    logs = {name: log_lines(out, name) for name, _, _ in ran}  # each stage's log read once, for both tables
+    logs = {stage.name: log_lines(out, stage.name) for stage in ran}  # each stage's log read once, for both tables
     all_cases = cases(out)
     rows: list[tuple[object, ...]] = []
-    for name, seconds, rc in ran:
+    for stage in ran:
+        name, seconds, rc, beside = stage.name, stage.seconds, stage.rc, stage.beside
         of_stage = [c for c in all_cases if c.stage == name or c.stage.startswith(name + "-")]
         counts = (f"{sum(c.outcome == 'passed' for c in of_stage)} passed, {sum(c.outcome == 'failed' for c in of_stage)} "
                   f"failed, {sum(c.outcome == 'skipped' for c in of_stage)} skipped") if of_stage else ""
-        rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "", "ok" if rc == 0 else f"FAILED ({rc})", counts))
+        result = ("ok" if rc == 0 else f"FAILED ({rc})") + (f", beside {beside}" if beside else "")
+        rows.append((name, f"{seconds}s", f"{seconds / 60:.1f}", "", result, counts))
         for line in logs[name]:
             if m := TIMING.search(line):
                 cpu = f"{m['cpu']}%" if m["cpu"] else ""

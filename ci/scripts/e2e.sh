@@ -64,15 +64,17 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
   log "timing: fake-gpu install $((SECONDS - t))s"
   if ((jobs == 0)); then
     E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
+    beside
   else
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
     # The lane beside the parallel phase, on nodes no worker owns: its output kept apart and printed after the
-    # parallel phase's, so that neither is interleaved line by line with the other.
+    # parallel phase's, so that neither is interleaved line by line with the other. Then E2E_BESIDE, if set, in
+    # the time the parallel phase still runs.
     lane_log=$(mktemp)
     (E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=lane E2E_JOBS=$jobs run_suite "lane (beside the parallel phase)" \
-      "$repo/e2e" --ignore="$smoke" "$@"; exit "$rc") > "$lane_log" 2>&1 &
+      "$repo/e2e" --ignore="$smoke" "$@"; beside; exit "$rc") > "$lane_log" 2>&1 &
     lane=$!
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=parallel run_suite "parallel phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
@@ -83,6 +85,18 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
   t=$SECONDS
   (cd "$repo" && "$python" -m e2e.fake_gpu_release down "$KUBECONFIG_PATH" "$fake_ns") || { rc=1; log "FAILED: fake-gpu uninstall"; }
   log "timing: fake-gpu uninstall $((SECONDS - t))s"
+}
+
+# E2E_BESIDE: a command (bash) that needs none of this cluster's nodes and mostly waits, run once the lane has ended,
+# beside the rest of the parallel phase (make test's kind stage: scripts/test.sh). It reports for itself: its exit
+# code is logged, not this suite's. The cluster is torn down only after it ends.
+beside() {
+  [[ -n ${E2E_BESIDE:-} ]] || return 0
+  local t=$SECONDS code=0
+  log "beside the parallel phase: $E2E_BESIDE"
+  bash -c "$E2E_BESIDE" || code=$?
+  log "beside the parallel phase: exit $code (the command reports for itself)"
+  log "timing: beside the parallel phase $((SECONDS - t))s"
 }
 
 cluster_up() {  # cluster_up NODES

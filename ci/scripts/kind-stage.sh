@@ -6,7 +6,8 @@
 # worker), imports the project's image into both, runs the e2e tests of PYTEST_ARGS (default the `fast`
 # ones, the fake-GPU 0 -> 4 -> 0 readiness test among them) and deletes the cluster.
 #
-# The host is checked as after the CI cluster: what host-state.sh lists must be the same before and after.
+# The host is checked as after the CI cluster: what host-state.sh lists must be the same before and after (only what
+# this stage touches, host-state.sh --kind, while the CI cluster is up: make test runs this stage beside it).
 # The stage adds, and removes at the end: an empty /lib/modules where the host has none (kind mounts it into
 # every node), /etc/containers/containers.conf (runc cannot raise RLIMIT_NOFILE or
 # RLIMIT_NPROC above the host's hard limits without CAP_SYS_RESOURCE, which these machines' bounding set
@@ -21,7 +22,12 @@ t0=$SECONDS
 t=$SECONDS; bash "$here/scripts/install-deps.sh"; bash "$here/scripts/install-podman.sh"; log "timing: kind stage host packages $((SECONDS - t))s"
 
 state=$(mktemp -d)
-bash "$here/scripts/host-state.sh" > "$state/before"
+# Beside the CI cluster (make test starts this stage while its parallel phase runs), whose pods, links and rules
+# change meanwhile, the check covers what this stage touches; the CI cluster's own check after its cluster-down covers
+# the whole host, this stage's time included.
+scope=()
+if [[ -d $CLUSTER_DIR ]]; then scope=(--kind); log "the CI cluster is up: the host check covers what the kind stage touches"; fi
+bash "$here/scripts/host-state.sh" "${scope[@]}" > "$state/before"
 mountpoint -q /run/netns 2>/dev/null && touch "$state/run-netns-was-mounted"
 for key in net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables; do
   echo "$key=$(sysctl -n "$key" 2>/dev/null || echo absent)"
@@ -101,7 +107,7 @@ teardown() {
     umount /run/netns || code=1
   fi
   [[ ! -f $state/wrote-containers-conf ]] || rm -f "$conf"
-  bash "$here/scripts/host-state.sh" > "$state/after"
+  bash "$here/scripts/host-state.sh" "${scope[@]}" > "$state/after"
   if ! diff -u "$state/before" "$state/after"; then
     log "FAILED: the kind stage left the host changed (diff above)"; code=1
   else
@@ -121,6 +127,10 @@ log "timing: kind node image (and kind) $((SECONDS - t))s: $node_image"
 
 export KIND="$KIND_BIN" KIND_EXPERIMENTAL_PROVIDER=podman E2E_NODE_IMAGE=$node_image E2E_IMAGE_BUILD=ci
 export E2E_WORKERS=${KIND_STAGE_WORKERS:-1} E2E_CLUSTER_NAME=${KIND_STAGE_NAME:-gpu-agent-kind}
+# Pod and Service ranges apart from the CI cluster's (common.sh): kind's pods talk across podman's bridge, where the
+# host's iptables see bridged packets (bridge-nf-call-iptables=1), and the CI cluster's NetworkPolicy enforcer on
+# the host queues every flow of its own pod range.
+export E2E_POD_SUBNET=${KIND_STAGE_POD_SUBNET:-10.245.0.0/16} E2E_SERVICE_SUBNET=${KIND_STAGE_SERVICE_SUBNET:-10.97.0.0/16}
 export E2E_KUBECONFIG=$CI_CACHE/kind-$E2E_CLUSTER_NAME.kubeconfig
 # The `fast` tests, and those every cluster runs (a user's first install): PYTEST_ARGS replaces the selection, one
 # word per argument.

@@ -155,3 +155,18 @@ def test_bad_settings_are_refused_naming_the_variable():
         lc.Settings.from_env("kind", {"E2E_WORKERS": "99"})
     with pytest.raises(SystemExit, match="provider must be one of kind, k3d"):
         lc.Settings.from_env("minikube", {})
+    with pytest.raises(SystemExit, match="E2E_POD_SUBNET must be a network in CIDR form"):
+        lc.Settings.from_env("kind", {"E2E_POD_SUBNET": "10.245.0.0/33"})
+
+
+def test_pod_and_service_ranges_apart_from_the_ci_clusters_reach_kind_and_k3d_and_none_leaves_the_tools_own():
+    """A kind cluster beside the CI cluster (make test's kind stage) must not route the CI cluster's pod range: its
+    bridged pod traffic would be judged by the CI cluster's NetworkPolicy enforcer on the host."""
+    env = {"E2E_POD_SUBNET": "10.245.0.0/16", "E2E_SERVICE_SUBNET": "10.97.0.0/16"}
+    config = yaml.safe_load(lc.kind_config(lc.Settings.from_env("kind", env)))
+    assert config["networking"] == {"podSubnet": "10.245.0.0/16", "serviceSubnet": "10.97.0.0/16"}
+    assert "networking" not in yaml.safe_load(lc.kind_config(lc.Settings.from_env("kind", {})))
+    create = lc.k3d_create(lc.Settings.from_env("k3d", env))
+    args = [create[i + 1] for i, a in enumerate(create) if a == "--k3s-arg"]
+    assert "--cluster-cidr=10.245.0.0/16@server:*" in args and "--service-cidr=10.97.0.0/16@server:*" in args
+    assert not any("cidr" in a for a in lc.k3d_create(lc.Settings.from_env("k3d", {})))

@@ -72,3 +72,16 @@ def test_a_run_over_its_budget_fails_with_the_tables(tmp_path):
                         "90 min; see the tables above for where the time went"]
     assert "where the time went" in text
     assert report(run_folder(tmp_path / "x"), elapsed=80 * 60, budget_minutes=80, allow_skips=False)[1] == []
+
+
+def test_a_stage_run_beside_another_says_so_and_an_old_three_column_ledger_still_reads(tmp_path):
+    folder = run_folder(tmp_path)
+    with (folder / "stages.tsv").open("a") as ledger:  # as scripts/stage.sh appends it with STAGE_BESIDE=e2e
+        ledger.write("kind\t241\t0\te2e\n")
+    (folder / "kind.log").write_text("12:40:00 ci: timing: e2e suite (kind) 164s cpu 32%\n")
+    lines = report(folder, elapsed=1600, budget_minutes=80, allow_skips=False)[0].splitlines()
+    kind = next(i for i, line in enumerate(lines) if line.startswith("kind "))
+    assert "241s" in lines[kind] and "ok, beside e2e" in lines[kind]
+    assert lines[kind + 1].split()[:5] == ["e2e", "suite", "(kind)", "164s", "2.7"]
+    e2e = next(line for line in lines if line.startswith("e2e "))
+    assert "beside" not in e2e
