@@ -56,7 +56,7 @@ NAMESPACE = f"bench-domain-{random.Random().getrandbits(24):06x}"
 # In the many-domains case each writer's TLS connection is opened (one GET) before the timed release, on both sides,
 # as a node agent that has been running holds one. BENCH_WARM=0 opens them inside the timed window instead: 1,152
 # handshakes in the same second stalled the API server for seconds in 6 of 15 runs (either side), and the median of
-# five then said more about those stalls than about the folder (see README).
+# five then said more about those stalls than about the folder (see docs/domains.md).
 WARM = os.environ.get("BENCH_WARM", "1") != "0"
 
 

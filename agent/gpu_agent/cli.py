@@ -15,7 +15,7 @@ The listing commands (`queue list`, `inventory`) take `-o json|yaml|wide`: json 
 fixed shape (`queue list`'s is gpu_agent/schemas/queue-list.schema.json, `inventory`'s inventory.schema.json, both
 checked by the unit tests), wide a table with every column. Without -o each prints what it printed before.
 
-The process's exit codes are EXIT_CODES below, printed by `--help` and in the README: bad flags and bad values
+The process's exit codes are EXIT_CODES below, printed by `--help` and in docs/cli.md: bad flags and bad values
 exit with code 2 and a message naming the setting; a cluster agent (or `local` with --graceful-no-gpu=false) that
 starts with no GPUs and gracefulNoGPU off exits with code 3, its last log line saying why (roles/cluster_agent.py).
 """
@@ -85,7 +85,7 @@ class InventoryConfig(GPUSourceConfig, RoleConfig):
     """`gpu-agent inventory`'s settings."""
 
 
-# The process's exit codes: what `gpu-agent --help` prints and the README's table says (a unit test holds the
+# The process's exit codes: what `gpu-agent --help` prints and docs/cli.md's table says (a unit test holds the
 # three together, and one test per code makes a real process exit with it).
 EXIT_CODES: dict[int, str] = {
     0: "success; also --help, --version, and a serving role (local, cluster-agent, node-agent, control-plane) "

@@ -48,6 +48,19 @@ def test_links_to_files_folders_and_headings_in_the_repository_pass(tmp_path):
     assert problems(root) == []
 
 
+def test_pages_under_docs_are_checked_with_links_relative_to_their_own_folder(tmp_path):
+    # The README's long sections live in docs/: a link there climbs with ../ to reach the repository's files, and one
+    # written as from the README's folder is broken.
+    root = repository(tmp_path, {
+        "README.md": "# T\n\nSee [health](docs/gpu-health.md#recovery).\n",
+        "docs/gpu-health.md": "# GPU health\n\n## Recovery\n\n[schema](../agent/s.json), [top](../README.md#t),"
+                              " [moved](agent/s.json)\n",
+        "agent/s.json": "{}",
+    })
+    assert problems(root) == ["docs/gpu-health.md:5: agent/s.json: no such file docs/agent/s.json; fix the path, or "
+                              "drop the link if the file is gone"]
+
+
 def test_a_link_to_a_missing_file_is_named_with_its_file_and_line(tmp_path):
     root = repository(tmp_path, {"README.md": "# T\n\ntext\nsee [gone](docs/gone.md)\n"})
     assert problems(root) == ["README.md:4: docs/gone.md: no such file docs/gone.md; fix the path, or drop the link "

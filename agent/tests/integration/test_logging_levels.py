@@ -1,4 +1,4 @@
-"""What each verbosity shows and hides (klog levels, as the README promises), and the stack dump.
+"""What each verbosity shows and hides (klog levels, as docs/configuration.md promises), and the stack dump.
 
 For each level 0..7 the cluster agent runs the same scenario (GPUs arrive, one work item runs)
 and its log must hold the strings of every level up to it and none of the levels above.

@@ -1,5 +1,5 @@
-"""The exit codes `gpu-agent --help` and the README document (cli.EXIT_CODES) are the ones the command exits with:
-the table is printed by every command's --help and written in the README, and each code is made by a real process.
+"""The exit codes `gpu-agent --help` and docs/cli.md document (cli.EXIT_CODES) are the ones the command exits with:
+the table is printed by every command's --help and written in docs/cli.md, and each code is made by a real process.
 Code 3 (no GPUs at start, gracefulNoGPU off) is made by test_config's
 test_the_process_exits_3_when_it_starts_with_no_gpus_and_graceful_no_gpu_off_its_last_line_saying_why."""
 
@@ -36,13 +36,13 @@ def flat(text):
     return " ".join(text.split())
 
 
-def test_every_documented_code_is_in_the_top_level_help_and_the_readme():
+def test_every_documented_code_is_in_the_top_level_help_and_the_cli_doc():
     text = flat(cli.build_parser().format_help())
     assert "Exit codes:" in text
     for code, meaning in cli.EXIT_CODES.items():
         assert f" {code} {flat(meaning)}" in text, code
-    readme = (REPO / "README.md").read_text()
-    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", readme, re.M))
+    doc = (REPO / "docs" / "cli.md").read_text()
+    rows = dict(re.findall(r"^\| (\d+) \| (.+?) \|$", doc, re.M))
     assert {int(code): meaning for code, meaning in rows.items()} == cli.EXIT_CODES
 
 
