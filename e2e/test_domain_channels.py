@@ -260,8 +260,25 @@ def run_workload(api, core, ns, name, timeout=240, **values):
         return (status.succeeded or 0) == values["n"]
     started = time.monotonic()
     wait_until(done, timeout, f"job {name}: {values['n']} indexes succeeded", interval=0.5)
-    print(f"\njob {name} complete in {time.monotonic() - started:.1f}s")
+    took = time.monotonic() - started
+    print(f"\njob {name} complete in {took:.1f}s")
+    if took > SLOW_JOB:  # a job that usually takes seconds: what it waited on, for the next look (issue 47)
+        print_timeline(core, ns)
     return [pod_log(core, ns, p.metadata.name) for p in job_pods(core, ns, name) if p.status.phase == "Succeeded"]
+
+
+SLOW_JOB = 30.0
+
+
+def print_timeline(core, ns):
+    """The namespace's events in time order (scheduling, claim prepare, starts): where a slow job's time went."""
+    def when(e):
+        return e.event_time or e.last_timestamp or e.first_timestamp or e.metadata.creation_timestamp
+    events = sorted(core.list_namespaced_event(ns, _request_timeout=10).items, key=when)
+    for e in events:
+        count = f" x{e.count}" if (e.count or 1) > 1 else ""
+        print(f"  {when(e):%H:%M:%S} {e.involved_object.kind}/{e.involved_object.name} {e.reason}{count}: "
+              f"{(e.message or '')[:200]}")
 
 
 def delete_job(api, core, ns, name):

@@ -51,6 +51,10 @@ pytest_stage integration -n "$TEST_JOBS" agent/tests/integration || exit 1
 # apart from the CI cluster's. TEST_KIND_BESIDE=0: after the e2e stage, alone.
 kind_stage=(make -C "$repo/ci" kind-stage PYTEST="$BIN/pytest")
 if [[ ${TEST_KIND_BESIDE:-1} == 1 ]]; then
+  # What the kind stage builds (on a fresh machine: podman, kind, the node image; minutes of CPU) is built first,
+  # alone, so that beside the parallel phase it only runs its cluster and tests.
+  stage kind-image bash -c "bash ci/scripts/install-deps.sh && bash ci/scripts/install-podman.sh && \
+    KIND_ENGINE=podman bash ci/scripts/build-kind-node.sh" || exit 1
   export E2E_BESIDE="STAGE_BESIDE=e2e $(printf '%q ' bash "$repo/scripts/stage.sh" kind "${kind_stage[@]}")"
 fi
 stage e2e make -C ci e2e CLUSTER=ci PYTEST="$BIN/pytest" PYTEST_ARGS="-m 'not fast'"; e2e=$?
