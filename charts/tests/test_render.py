@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from e2e.release import APP_VERSION, BASE, CHART, helm
+from gpu_agent_hooks.cli import parser as hook_parser
 
 
 def render(*sets: str) -> list[dict]:
@@ -841,9 +842,10 @@ def pod_specs(docs):
                          ids=["default", "domain", "dra"])
 def test_log_format_reaches_every_container_that_runs_gpu_agent_and_is_absent_unless_set(extra):
     """logFormat=json reaches each container whose command is gpu-agent: the agents through the config file their
-    --config names (the ConfigMap), the control plane through its --log-format flag. The hook Jobs run
-    gpu-agent-hook, which prints plain lines of its own (not klog) and takes no log format. Unset, nothing about
-    the format is rendered: the agents' default, text, and the same pod templates as before the value existed."""
+    --config names (the ConfigMap), the control plane through its --log-format flag; and the hook Jobs, which run
+    gpu-agent-hook, through its --log-format (issue 50, part 2: the same value, so that one setting makes every line
+    of the release JSON). Unset, nothing about the format is rendered: the agents' and the hooks' default, text, and
+    the same pod templates as before the value existed."""
     docs = render("--set", "logFormat=json", *extra)
     configs = {f"t-gpu-agent-{a}": agent_config(docs, a) for a in ("cluster-agent", "node-agent")}
     reached, hooks, tests = [], [], []
@@ -851,7 +853,8 @@ def test_log_format_reaches_every_container_that_runs_gpu_agent_and_is_absent_un
         for c in spec.get("initContainers", []) + spec["containers"]:
             if c.get("command") == ["gpu-agent-hook"]:
                 hooks.append(name)
-                assert not any("log-format" in a for a in c.get("args", [])), (name, c["args"])
+                assert [a for a in c["args"] if "log-format" in a] == ["--log-format=json"], (name, c["args"])
+                assert hook_parser().parse_args(c["args"]).log_format == "json"  # where the hook's CLI takes it
                 continue
             args = c.get("args", [])
             if args[:1] == ["chart-test"]:  # `helm test`'s Pod prints plain ok/note/FAIL lines, no klog

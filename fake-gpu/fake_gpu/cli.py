@@ -25,12 +25,18 @@ node it refuses and idles unless `daemon --allow-real-gpu-nodes`; `--resource-na
 `fake-gpu --release R unlabel-nodes` (the chart's post-delete hook) and
 `fake-gpu smi -L` (in a workload).
 Bad input is refused with a message and changes nothing (exit code 2).
+
+`--log-format text|json` (before or after the command; the chart's value logFormat): text, the default, is the lines
+as they always were; json writes every log line (the daemon's, unlabel-nodes' report, an error) as gpu-agent's
+`--log-format json` does, one JSON object a line on stderr with the same keys, secrets redacted alike. A command's
+output (status's JSON, set's, cycle's and fault's report, smi's list) stays on stdout as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import sys
@@ -53,6 +59,7 @@ from fake_gpu.layout_source import LEGACY_CONFIGMAP
 from fake_gpu.real_gpu_guard import DEFAULT_RESOURCE, check_resource_name
 from gpu_agent.foundations import fake_state, klog
 from gpu_agent.foundations.gpus import GPU, HEALTHY, Inventory
+from gpu_agent.foundations.secrets import REDACTOR
 from gpu_agent.foundations.version import VersionAction
 
 if TYPE_CHECKING:
@@ -177,78 +184,108 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("unlabel-nodes", help="(the chart's post-delete hook) remove the GPU labels release --release put on nodes")
     p_smi = sub.add_parser("smi", help="(in a workload) list the fake GPUs this container was given, like nvidia-smi -L")
     p_smi.add_argument("-L", action="store_true", dest="list_gpus", required=True)
+    log_help = ("the log line format: text (as always) or json (one JSON object a line on stderr, as gpu-agent's "
+                "--log-format json: ts, level, v, logger, caller, msg, pid, thread, err), secrets redacted in both; a "
+                "command's output stays on stdout as it is (default text)")
+    parser.add_argument("--log-format", choices=klog.FORMATS, default="text", dest="log_format", help=log_help)
+    for p in sub.choices.values():  # also after the command, as -v and gpu-agent's own --log-format
+        p.add_argument("--log-format", choices=klog.FORMATS, default=argparse.SUPPRESS, dest="log_format", help=log_help)
     return parser
+
+
+# The logger of the command's own lines in JSON (the daemon's modules have theirs): under klog's root, which
+# klog.setup points at stderr.
+log = logging.getLogger(f"{klog.ROOT}.fake_gpu.cli")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    path = args.state_file or fake_state.default_path()
+    as_json = args.log_format == "json"
+    if as_json:  # from the first line on (the daemon sets it up again with its verbosity)
+        klog.setup(0, log_format="json")
     try:
-        if args.command == "smi":
-            from fake_gpu.smi import list_gpus
-
-            print("\n".join(list_gpus()))
-            return 0
-        if args.command in ("daemon", "unlabel-nodes") and (why := check_resource_name(args.resource_name)):
-            raise LayoutError(f"--resource-name: {why}")
-        if args.command == "daemon":
-            from fake_gpu.daemon import run
-
-            klog.setup(args.verbosity)
-            return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
-                       args.default_count, args.release or "", device_plugin=args.device_plugin,
-                       resource=args.resource_name, allow_real_gpu_nodes=args.allow_real_gpu_nodes,
-                       refusal_file=args.refusal_file)
-        if args.command == "unlabel-nodes":
-            from fake_gpu.cluster import unlabel_nodes
-
-            if not args.release:
-                raise LayoutError("unlabel-nodes needs --release NAME (the fake-gpu release whose labels to remove)")
-            names = unlabel_nodes(args.kubeconfig, args.release, args.resource_name)
-            print(f"removed release {args.release}'s GPU labels from {len(names)} node(s)" + (f": {', '.join(names)}" if names else ""))
-            return 0
-        cluster = None
-        if args.node:
-            from fake_gpu.cluster import ClusterLayout
-
-            cluster = ClusterLayout(args.namespace, args.kubeconfig, args.release)
-        if args.command == "fault":
-            return _fault(args, path, cluster)
-        if args.command == "status":
-            if cluster is not None:
-                print(json.dumps(cluster.status(), indent=2))
-            else:
-                inventory = fake_state.read(path)
-                print(json.dumps({"stateFile": str(path), "count": inventory.count,
-                                  "gpus": fake_state.gpus_json(inventory)}, indent=2))
-            return 0
-
-        def set_count(count: int) -> str:
-            if cluster is not None:
-                layout = cluster.set(args.node, count, args.product, args.memory_mib, args.clique)
-                return f"node {args.node}: {layout.count} fake GPUs" + (f", clique {layout.clique}" if layout.clique else "")
-            return _set_local(path, count, args.product, args.memory_mib, args.max_gpus, args.clique)
-
-        if not 1 <= args.max_gpus <= fake_state.MAX_GPUS:
-            raise LayoutError(f"--max must be between 1 and {fake_state.MAX_GPUS} (the most GPUs the agent reads from one "
-                              f"node's state file), got {args.max_gpus}")
-        if args.command == "set":
-            print(set_count(args.count))
-        else:
-            if args.times < 1:
-                raise LayoutError(f"--times must be 1 or more, got {args.times}")
-            if not 0 <= args.interval <= 3600:  # NaN fails too
-                raise LayoutError(f"--interval must be between 0 and 3600 seconds, got {args.interval}")
-            for flag, value in (("--from", args.low), ("--to", args.high)):
-                if not 0 <= value <= args.max_gpus:
-                    raise LayoutError(f"{flag} must be between 0 and --max ({args.max_gpus}), got {value}")
-            for k in range(args.times):
-                for count in (args.high, args.low):
-                    print(f"cycle {k + 1}/{args.times}: {set_count(count)}", flush=True)
-                    time.sleep(args.interval)
+        return _run(args)
     except (LayoutError, fake_state.FakeStateError) as e:
-        print(f"fake-gpu: error: {e}", file=sys.stderr)
+        if as_json:
+            log.error("%s", e)
+        else:
+            print(REDACTOR.scrub(f"fake-gpu: error: {e}"), file=sys.stderr)
         return 2
+    except Exception:
+        if not as_json:
+            raise  # text: Python's traceback, as always
+        log.error("fake-gpu %s failed", args.command, exc_info=True)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = args.state_file or fake_state.default_path()
+    if args.command == "smi":
+        from fake_gpu.smi import list_gpus
+
+        print("\n".join(list_gpus()))
+        return 0
+    if args.command in ("daemon", "unlabel-nodes") and (why := check_resource_name(args.resource_name)):
+        raise LayoutError(f"--resource-name: {why}")
+    if args.command == "daemon":
+        from fake_gpu.daemon import run
+
+        klog.setup(args.verbosity, log_format=args.log_format)
+        return run(args.node_name, args.namespace, args.layout_configmap, path, args.host_state_file or str(path), args.plugin_dir,
+                   args.default_count, args.release or "", device_plugin=args.device_plugin,
+                   resource=args.resource_name, allow_real_gpu_nodes=args.allow_real_gpu_nodes,
+                   refusal_file=args.refusal_file)
+    if args.command == "unlabel-nodes":
+        from fake_gpu.cluster import unlabel_nodes
+
+        if not args.release:
+            raise LayoutError("unlabel-nodes needs --release NAME (the fake-gpu release whose labels to remove)")
+        names = unlabel_nodes(args.kubeconfig, args.release, args.resource_name)
+        said = f"removed release {args.release}'s GPU labels from {len(names)} node(s)" + (f": {', '.join(names)}" if names else "")
+        if args.log_format == "json":
+            log.info("%s", said)  # a hook Job's report: a log line
+        else:
+            print(said)
+        return 0
+    cluster = None
+    if args.node:
+        from fake_gpu.cluster import ClusterLayout
+
+        cluster = ClusterLayout(args.namespace, args.kubeconfig, args.release)
+    if args.command == "fault":
+        return _fault(args, path, cluster)
+    if args.command == "status":
+        if cluster is not None:
+            print(json.dumps(cluster.status(), indent=2))
+        else:
+            inventory = fake_state.read(path)
+            print(json.dumps({"stateFile": str(path), "count": inventory.count,
+                              "gpus": fake_state.gpus_json(inventory)}, indent=2))
+        return 0
+
+    def set_count(count: int) -> str:
+        if cluster is not None:
+            layout = cluster.set(args.node, count, args.product, args.memory_mib, args.clique)
+            return f"node {args.node}: {layout.count} fake GPUs" + (f", clique {layout.clique}" if layout.clique else "")
+        return _set_local(path, count, args.product, args.memory_mib, args.max_gpus, args.clique)
+
+    if not 1 <= args.max_gpus <= fake_state.MAX_GPUS:
+        raise LayoutError(f"--max must be between 1 and {fake_state.MAX_GPUS} (the most GPUs the agent reads from one "
+                          f"node's state file), got {args.max_gpus}")
+    if args.command == "set":
+        print(set_count(args.count))
+    else:
+        if args.times < 1:
+            raise LayoutError(f"--times must be 1 or more, got {args.times}")
+        if not 0 <= args.interval <= 3600:  # NaN fails too
+            raise LayoutError(f"--interval must be between 0 and 3600 seconds, got {args.interval}")
+        for flag, value in (("--from", args.low), ("--to", args.high)):
+            if not 0 <= value <= args.max_gpus:
+                raise LayoutError(f"{flag} must be between 0 and --max ({args.max_gpus}), got {value}")
+        for k in range(args.times):
+            for count in (args.high, args.low):
+                print(f"cycle {k + 1}/{args.times}: {set_count(count)}", flush=True)
+                time.sleep(args.interval)
     return 0
 
 

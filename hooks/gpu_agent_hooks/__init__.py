@@ -14,4 +14,10 @@
               first: the agent keeps it until the item's ack); bounded in time, never blocks an uninstall
 
 Each check is a pure function (unit-tested); the commands only fetch and apply.
+
+`--log-format text|json` (before or after the hook's name; the chart passes its value logFormat): text, the default,
+is the plain `gpu-agent-hook: ...` lines as they always were (stdout; a failure's on stderr); json writes each line
+as gpu-agent's `--log-format json` does (gpu_agent.foundations.klog's formatter: one object a line on stderr, keys ts,
+level, v, logger, caller, msg, pid, thread, err). The agent's secret redactor scrubs both: the registration token
+the cleanup reads never shows in a line.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 import time
@@ -12,10 +13,11 @@ from typing import Any, cast
 import yaml
 from kubernetes import client
 
+from gpu_agent.foundations import klog
 from gpu_agent.foundations.config import ConfigError
 from gpu_agent.foundations.control_plane_client import ControlPlaneClient, ControlPlaneError, check_transport
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
-from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.secrets import REDACTOR, Secret
 from gpu_agent.mechanisms.domain.writer import GROUP, VERSION
 from gpu_agent.mechanisms.queues.pod_executor import LABEL, RELEASE_PATCH, RELEASE_PATCH_TYPE
 from gpu_agent.mechanisms.queues.work_claims import CLAIM_LABEL as WORK_CLAIM_LABEL
@@ -31,8 +33,45 @@ from gpu_agent_hooks.skew import SkewError, check_stored_versions, check_version
 FIELD_MANAGER = "helm"
 
 
-def say(msg: str) -> None:
-    print(f"gpu-agent-hook: {msg}", flush=True)
+PREFIX = "gpu-agent-hook: "
+# --log-format json: every line goes through the agent's JSON formatter (klog.JsonFormatter, on stderr) under this
+# logger. None (text, the default): the plain `gpu-agent-hook: ...` lines of every release, on stdout (errors on
+# stderr). Both pass through the agent's secret redactor: the registration token is a Secret once read.
+_json_log: logging.Logger | None = None
+
+
+def say(msg: str, level: int = logging.INFO) -> None:
+    """One line of the hook's report; `level` shows in JSON only (a text line is the same at every level)."""
+    if _json_log is not None:
+        _json_log.log(level, "%s", msg, stacklevel=2)
+    else:
+        print(REDACTOR.scrub(f"{PREFIX}{msg}"), flush=True)
+
+
+def warn(msg: str) -> None:
+    if _json_log is not None:
+        _json_log.warning("%s", msg, stacklevel=2)
+    else:
+        say(f"warning: {msg}")
+
+
+def fail(msg: str) -> None:
+    """The line that says why the hook failed: stderr in text, an error line in JSON."""
+    if _json_log is not None:
+        _json_log.error("%s", msg.removeprefix(PREFIX), stacklevel=2)
+    else:
+        print(REDACTOR.scrub(msg if msg.startswith(PREFIX) else f"{PREFIX}{msg}"), file=sys.stderr, flush=True)
+
+
+def setup_logging(log_format: str) -> None:
+    """--log-format: json sets up the agent's JSON logging (every gpu_agent logger, this hook's lines among them);
+    text leaves everything as it always was."""
+    global _json_log
+    if log_format == "json":
+        klog.setup(0, log_format="json")
+        _json_log = logging.getLogger(f"{klog.ROOT}.gpu_agent_hooks")
+    else:
+        _json_log = None
 
 
 def load_crds(folder: Path) -> list[dict[str, Any]]:
@@ -183,7 +222,8 @@ def _bounded(name: str, seconds: float, fn: Any) -> None:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(max(0.1, seconds))
-    say(f"cleanup {name}: {outcome[0] if outcome else f'gave up after {seconds:.0f}s'}")
+    done = outcome[0] if outcome else f"gave up after {seconds:.0f}s"
+    say(f"cleanup {name}: {done}", logging.INFO if done == "ok" else logging.WARNING)
 
 
 
@@ -265,11 +305,11 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
     steps: list[tuple[str, Any]] = [("deregister", deregister)]
     try:
         if insecure := check_transport(url, ca_file, allow_insecure):
-            say(f"warning: {insecure}")
+            warn(insecure)
     except ConfigError as e:
         # Said whole (a failed step's message is cut short), and only this step is skipped: a failed hook would fail
         # the uninstall before the steps that let the namespace go (the work pods' finalizers).
-        say(f"cleanup deregister: refused: {e}")
+        say(f"cleanup deregister: refused: {e}", logging.WARNING)
         steps = []
     steps += [("GPUDomain entries", clear_domains), ("work pods", delete_work_pods),
               ("work claim templates", delete_templates), ("GPUDomain members", delete_members)]
@@ -277,9 +317,13 @@ def cleanup(api: client.ApiClient, namespace: str, release: str, cluster_id: str
         _bounded(name, deadline - time.monotonic(), step)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpu-agent-hook", description="Helm hooks of the gpu-agent chart")
     p.add_argument("--kubeconfig", default="", help="kubeconfig; empty: in-cluster")
+    log_help = ("the line format: text (the plain `gpu-agent-hook: ...` lines, on stdout) or json (one JSON object a "
+                "line on stderr, as gpu-agent's --log-format json: ts, level, v, logger, caller, msg, pid, thread, err), "
+                "secrets redacted in both (default text)")
+    p.add_argument("--log-format", choices=klog.FORMATS, default="text", help=log_help)
     sub = p.add_subparsers(dest="hook", required=True)
     c = sub.add_parser("crds", help="server-side apply the chart's CRDs; then replace a cluster agent that does not elect")
     c.add_argument("--dir", type=Path, required=True)
@@ -310,12 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("--domain", default="", help="GPUDomain whose leftover members to delete")
     u.add_argument("--work-claim-templates", choices=("true", "false"), default="false",
                    help="true: also delete the ResourceClaimTemplates the cluster agent made for work Pods (dra.enabled)")
-    a = p.parse_args(argv)
+    for hook in sub.choices.values():  # also after the hook's name, as gpu-agent takes it after the command's
+        hook.add_argument("--log-format", choices=klog.FORMATS, default=argparse.SUPPRESS, help=log_help)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    setup_logging(a.log_format)
     # No client-side rate limit: a hook is a short-lived Job bounded by its activeDeadlineSeconds, its waits already
     # pause 0.5 s between polls, and the cleanup's two calls per work Pod must fit in its timeout however many
     # Pods a large release leaves (300 Pods: 600 calls, which 20/s would stretch to 30 s of its 60).
-    api = api_client(a.kubeconfig, limit=None)
     try:
+        api = api_client(a.kubeconfig, limit=None)
         if a.hook == "crds":
             # One Job for both on every upgrade: a hook Job's pod costs seconds of each `helm upgrade`.
             if a.skew_check_to_version:
@@ -330,9 +381,19 @@ def main(argv: list[str] | None = None) -> int:
                     a.work_claim_templates == "true", ca_file=a.control_plane_ca_file,
                     allow_insecure=a.control_plane_allow_insecure == "true")
     except SkewError as e:
-        print(f"gpu-agent-hook: refused: {e}", file=sys.stderr, flush=True)
+        fail(f"refused: {e}")
         return 1
     except MigrationError as e:
-        print(f"gpu-agent-hook: storage migration failed: {e}", file=sys.stderr, flush=True)
+        fail(f"storage migration failed: {e}")
+        return 1
+    except SystemExit as e:
+        if _json_log is None or not isinstance(e.code, str):
+            raise
+        fail(e.code)  # one JSON line rather than Python's plain one
+        return 1
+    except Exception:
+        if _json_log is None:
+            raise  # text: Python's traceback, as always
+        _json_log.error("hook %s failed", a.hook, exc_info=True)
         return 1
     return 0

@@ -79,7 +79,7 @@ def test_the_default_text_line_is_byte_for_byte_klogs():
 
 
 def test_setup_without_a_format_writes_text(logs):
-    logs(0)  # for the fixture's restore; then as every caller before logFormat (fake-gpu's daemon still) calls it
+    logs(0)  # for the fixture's restore; then as every caller before logFormat called it
     stream = io.StringIO()
     klog.setup(0, stream)
     klog.get_logger("roles.x").info("started %s", "ok")

@@ -232,6 +232,9 @@ render, as the agent refuses it at start, unless controlPlane.allowInsecure says
 
 {{/* Hook Jobs: bounded in time and retries, deleted before re-creation and on success. */}}
 {{- define "gpu-agent.hookJobSpec" -}}
+{{- $args := .args -}}
+{{- /* The hooks log as the agents do: logFormat, unset (the default) renders nothing (gpu-agent-hook's text). */ -}}
+{{- with .ctx.Values.logFormat }}{{ $args = append $args (printf "--log-format=%s" .) }}{{ end -}}
 backoffLimit: {{ .ctx.Values.hooks.backoffLimit }}
 activeDeadlineSeconds: {{ .ctx.Values.hooks.activeDeadlineSeconds }}
 template:
@@ -258,7 +261,7 @@ template:
       image: {{ include "gpu-agent.image" (dict "ctx" .ctx "image" .ctx.Values.hooks.image) }}
       imagePullPolicy: {{ include "gpu-agent.imagePullPolicy" (dict "ctx" .ctx "image" .ctx.Values.hooks.image) }}
       command: [gpu-agent-hook]
-      args: {{- toYaml .args | nindent 8 }}
+      args: {{- toYaml $args | nindent 8 }}
       securityContext: {{- toYaml .ctx.Values.hooks.securityContext | nindent 8 }}
       resources: {{- toYaml .ctx.Values.hooks.resources | nindent 8 }}
       {{- with .volumeMounts }}
