@@ -55,7 +55,10 @@ if [[ ${TEST_KIND_BESIDE:-1} == 1 ]]; then
   # alone, so that beside the parallel phase it only runs its cluster and tests.
   stage kind-image bash -c "bash ci/scripts/install-deps.sh && bash ci/scripts/install-podman.sh && \
     KIND_ENGINE=podman bash ci/scripts/build-kind-node.sh" || exit 1
-  export E2E_BESIDE="STAGE_BESIDE=e2e $(printf '%q ' bash "$repo/scripts/stage.sh" kind "${kind_stage[@]}")"
+  # started from inside `make -C ci e2e ... PYTEST_ARGS=...`, whose command-line variables reach it through the
+  # environment and MAKEFLAGS: without them the kind stage runs its own selection, as when test.sh runs it
+  export E2E_BESIDE="$(printf '%q ' env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES -u PYTEST_ARGS -u CLUSTER \
+    STAGE_BESIDE=e2e bash "$repo/scripts/stage.sh" kind "${kind_stage[@]}")"
 fi
 stage e2e make -C ci e2e CLUSTER=ci PYTEST="$BIN/pytest" PYTEST_ARGS="-m 'not fast'"; e2e=$?
 if cut -f1 "$ledger" | grep -qx kind; then
