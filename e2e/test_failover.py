@@ -507,11 +507,11 @@ def cut_off_api_server(cluster: Cluster, pod: str, seconds: float, until) -> Non
     ip = cluster.core.read_namespaced_pod(pod, cluster.namespace).status.pod_ip
     rule = ["INPUT", "-s", ip, "-d", API_SERVER[0], "-p", "tcp", "--dport", str(API_SERVER[1]),
             "-m", "comment", "--comment", "gpu-agent-e2e-cut", "-j", "DROP"]
-    subprocess.run(["iptables", "-I", *rule], check=True, timeout=10)
+    subprocess.run(["iptables", "-w", "5", "-I", *rule], check=True, timeout=10)
     try:
         wait_until(until, seconds, "the cut-off leader replaced", interval=0.2)
     finally:
-        subprocess.run(["iptables", "-D", *rule], check=True, timeout=10)
+        subprocess.run(["iptables", "-w", "5", "-D", *rule], check=True, timeout=10)
 
 
 def test_the_overlap_measure_counts_leaderships_creating_pods_at_once():
