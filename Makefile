@@ -43,12 +43,14 @@ e2e-split: setup
 
 ## lint: the layers (import-linter), ruff over every Python file and mypy --strict over the three packages (both
 ## configured in pyproject.toml), and every relative link of the Markdown files landing inside the repository
-## (scripts/check-doc-links.py: a file, a heading for #anchor; no citation of a file the repository lacks)
+## (scripts/check-doc-links.py: a file, a heading for #anchor; no citation of a file the repository lacks), and the
+## runtime's rules (scripts/check-runtime-rules.py: every API call names its timeout; no thread outside its owner)
 lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python scripts/check-doc-links.py
+	$(BIN)/python scripts/check-runtime-rules.py
 
 ## test-unit / test-integration: on TEST_JOBS workers (pytest-xdist; default auto, one per core; 0 runs in-process)
 TEST_JOBS ?= auto

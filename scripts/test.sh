@@ -41,7 +41,8 @@ pytest_stage() {  # pytest_stage NAME PYTEST_ARGS...
 }
 
 stage tools bash -c 'bash ci/scripts/build-kstatus.sh && bash ci/scripts/install-tools.sh' || exit 1
-stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/python scripts/check-doc-links.py" || exit 1
+stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/python scripts/check-doc-links.py && \
+  $BIN/python scripts/check-runtime-rules.py" || exit 1
 pytest_stage unit -n "$TEST_JOBS" agent/tests/unit fake-gpu/tests hooks/tests ci/tests charts/tests || exit 1
 pytest_stage integration -n "$TEST_JOBS" agent/tests/integration || exit 1
 # The e2e stages: the CI cluster runs every test but the `fast` ones (`make e2e` alone runs them all); the kind

@@ -84,7 +84,8 @@ def load_crds(folder: Path) -> list[dict[str, Any]]:
 def installed_crd(api: client.ApiClient, ext: client.ApiextensionsV1Api, name: str) -> dict[str, Any] | None:
     """The cluster's CRD `name` as a dict, or None when it is not installed."""
     try:
-        return cast("dict[str, Any]", api.sanitize_for_serialization(ext.read_custom_resource_definition(name)))
+        return cast("dict[str, Any]", api.sanitize_for_serialization(ext.read_custom_resource_definition(
+            name, _request_timeout=REQUEST_TIMEOUT)))
     except client.ApiException as e:
         if e.status != 404:
             raise
@@ -103,10 +104,11 @@ def apply_crds(api: client.ApiClient, folder: Path, timeout: float = 60) -> None
     for crd in crds:
         name = crd["metadata"]["name"]
         ext.patch_custom_resource_definition(name, crd, field_manager=FIELD_MANAGER, force=True,
-                                             _content_type="application/apply-patch+yaml")
+                                             _content_type="application/apply-patch+yaml",
+                                             _request_timeout=REQUEST_TIMEOUT)
         deadline = time.monotonic() + timeout
         while True:
-            status = ext.read_custom_resource_definition(name).status
+            status = ext.read_custom_resource_definition(name, _request_timeout=REQUEST_TIMEOUT).status
             conds = (status.conditions if status else None) or []
             if any(c.type == "Established" and c.status == "True" for c in conds):
                 break

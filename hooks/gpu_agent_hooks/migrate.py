@@ -40,7 +40,7 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
     one-line report; raises MigrationError (storedVersions untouched) if any object fails."""
     name, group = crd["metadata"]["name"], crd["spec"]["group"]
     plural, storage = crd["spec"]["names"]["plural"], storage_version(crd)
-    stored = list(ext.read_custom_resource_definition(name).status.stored_versions or [])
+    stored = list(ext.read_custom_resource_definition(name, _request_timeout=REQUEST_TIMEOUT).status.stored_versions or [])
     if stored in ([storage], []):
         return f"{name}: stored at {storage} only; nothing to migrate"
     items = custom.list_cluster_custom_object(group, storage, plural, _request_timeout=REQUEST_TIMEOUT * 6)["items"]  # every object
@@ -72,6 +72,7 @@ def migrate(ext: Any, custom: Any, crd: dict[str, Any]) -> str:
             raise MigrationError(f"{name}: {namespace}/{obj_name} kept changing ({CONFLICT_RETRIES} conflicts); "
                                  f"storedVersions left at {stored}: run the upgrade again")
     ext.patch_custom_resource_definition_status(name, {"status": {"storedVersions": [storage]}},
-                                                _content_type="application/merge-patch+json")
+                                                _content_type="application/merge-patch+json",
+                                                _request_timeout=REQUEST_TIMEOUT)
     return (f"{name}: migrated {rewritten} object(s) to {storage} ({gone} deleted meanwhile); "
             f"storedVersions {stored} -> [{storage}]")

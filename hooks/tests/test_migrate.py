@@ -23,29 +23,30 @@ class Refused(Exception):
 
 class ScriptedApi:
     """Records every call in order; `failures` maps an object name to the statuses its next
-    replace calls raise, one per call."""
+    replace calls raise, one per call. Every call must name its timeout (`_request_timeout`, keyword-only and
+    required here): a hook's call that a hung API server holds would hold the upgrade."""
 
     def __init__(self, stored, names, failures=None):
         self.stored, self.names, self.failures, self.calls = stored, names, failures or {}, []
 
-    def read_custom_resource_definition(self, name):
+    def read_custom_resource_definition(self, name, *, _request_timeout):
         return SimpleNamespace(status=SimpleNamespace(stored_versions=list(self.stored)))
 
-    def list_cluster_custom_object(self, group, version, plural, _request_timeout=None):
+    def list_cluster_custom_object(self, group, version, plural, *, _request_timeout):
         self.calls.append(("list", version))
         return {"items": [{"metadata": {"namespace": "ns", "name": n, "resourceVersion": "1"}} for n in self.names]}
 
-    def replace_namespaced_custom_object(self, group, version, namespace, plural, name, body, _request_timeout=None):
+    def replace_namespaced_custom_object(self, group, version, namespace, plural, name, body, *, _request_timeout):
         self.calls.append(("replace", name, version, body["metadata"]["resourceVersion"]))
         pending = self.failures.get(name) or []
         if pending:
             raise Refused(pending.pop(0))
 
-    def get_namespaced_custom_object(self, group, version, namespace, plural, name, _request_timeout=None):
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name, *, _request_timeout):
         self.calls.append(("get", name))
         return {"metadata": {"namespace": namespace, "name": name, "resourceVersion": "2"}}
 
-    def patch_custom_resource_definition_status(self, name, body, _content_type):
+    def patch_custom_resource_definition_status(self, name, body, _content_type, *, _request_timeout):
         self.calls.append(("trim", body["status"]["storedVersions"], _content_type))
 
 

@@ -24,6 +24,7 @@ from gpu_agent.foundations.control_plane_client import ControlPlaneClient
 from gpu_agent.foundations.gpus import Inventory
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.threads import in_daemon_thread
 from gpu_agent.roles import cluster_agent
 from gpu_agent.roles.control_plane.main import STORE_SETTINGS, ServerConfig, build_server
 
@@ -128,7 +129,7 @@ async def run(cfg: LocalConfig, stop: asyncio.Event) -> int:
     try:
         client = ControlPlaneClient(server.url)
         for n in range(cfg.demoItems):
-            await asyncio.to_thread(client.enqueue, admin_token, f"demo-{n}", {"kind": "demo", "n": n})
+            await in_daemon_thread(client.enqueue, admin_token, f"demo-{n}", {"kind": "demo", "n": n})
         client.close()
         agent = cluster_agent.ClusterAgent(cfg.replace(controlPlaneUrl=server.url, controlPlaneToken=registration_token))
 

@@ -42,7 +42,7 @@ from kubernetes import client
 from gpu_agent.foundations.domain_view import DomainNotReady, MemberView
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
-from gpu_agent.foundations.threads import StopEvent, start_thread
+from gpu_agent.foundations.threads import StopEvent, in_daemon_thread, start_thread
 from gpu_agent.mechanisms.domain.entries import GPUDomain, nodes_of, status_of
 from gpu_agent.mechanisms.domain.members import domain_name_problem
 from gpu_agent.mechanisms.domain.reconciler import DomainReconciler
@@ -244,7 +244,7 @@ class DomainMembership:
         reconciler, task = self.joined.pop(name)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        removed = await asyncio.to_thread(reconciler.remove_entry, reconciler.clock.monotonic() + self.leave_timeout)
+        removed = await in_daemon_thread(reconciler.remove_entry, reconciler.clock.monotonic() + self.leave_timeout)
         with self._views:
             self.views.pop(name, None)
         if self.view_root is not None:
@@ -256,5 +256,5 @@ class DomainMembership:
         and by one deadline, so that `seconds` (shutdownTimeout, inside the kubelet's grace period) bounds the
         whole removal however many domains were joined, not each in turn."""
         reconcilers = [reconciler for _, (reconciler, _) in sorted(self.joined.items())]
-        await asyncio.gather(*(asyncio.to_thread(r.remove_entry, r.clock.monotonic() + seconds) for r in reconcilers))
+        await asyncio.gather(*(in_daemon_thread(r.remove_entry, r.clock.monotonic() + seconds) for r in reconcilers))
 

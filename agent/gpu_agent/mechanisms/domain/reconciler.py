@@ -30,7 +30,7 @@ from gpu_agent.foundations.files import write_atomic
 from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
-from gpu_agent.foundations.threads import StopEvent, start_thread
+from gpu_agent.foundations.threads import StopEvent, in_daemon_thread, start_thread
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.entries import Entry, GPUDomain, has_entry, in_clique, nodes_of
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, VERSION, DomainWriter
@@ -159,7 +159,7 @@ class DomainReconciler:
                     self.trigger("resync")
                 self._wake.clear()
                 generation, entry = self.generation, self.entry
-                ok = await asyncio.to_thread(self._ensure, entry, generation)
+                ok = await in_daemon_thread(self._ensure, entry, generation)
                 # "my entry is missing" is never success: ready only once the domain shows it
                 if ok and self.writer.cached is not None and has_entry(self.writer.cached, entry):
                     self._health(True, self._entry_shown(entry), **self.writer.stats.__dict__)
