@@ -15,10 +15,11 @@ from e2e.release import BASE, CHART, helm
 
 FAKE_GPU_CHART = CHART.parent / "fake-gpu"
 # Every optional object of the gpu-agent chart that renders without a cluster: the control plane with its claim,
-# two cluster agents (disruption budget), the quota, a domain (member policy), DRA, both monitors.
+# two cluster agents (disruption budget), the quota, a domain (member policy), DRA, both monitors, the alerts.
 EVERYTHING = ["--set", "controlPlane.persistence.enabled=true", "--set", "clusterAgent.replicas=2",
               "--set", "nodeAgent.priorityQuota.enabled=true", "--set", "domain.name=d1", "--set", "dra.enabled=true",
-              "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true"]
+              "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true",
+              "--set", "metrics.prometheusRule.enabled=true"]
 CHARTS = {"gpu-agent": (CHART, [*BASE, *EVERYTHING]), "fake-gpu": (FAKE_GPU_CHART, [])}
 
 

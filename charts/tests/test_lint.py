@@ -30,7 +30,7 @@ SCHEMA_VERSION = "1.36.0"
 # dra.enabled renders resource.k8s.io/v1 (DeviceClass), served from 1.34; templates/checks.yaml refuses it below.
 DRA_MIN_VERSION = "1.34.0"
 # monitoring.coreos.com kinds: no schema for them is available offline; everything else is checked.
-NO_SCHEMA_KINDS = "ServiceMonitor,PodMonitor"
+NO_SCHEMA_KINDS = "ServiceMonitor,PodMonitor,PrometheusRule"
 
 EXTERNAL_CP = ["--set", "controlPlane.url=https://cp.example:8700", "--set", "controlPlane.existingSecret=cp-token"]
 MATRIX = {
@@ -42,7 +42,7 @@ MATRIX = {
         "--set", "controlPlane.enabled=true", "--set", "controlPlane.persistence.enabled=true",
         "--set", "controlPlane.existingTokensSecret=tokens", "--set", "gracefulNoGPU=true",
         "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.podMonitor.enabled=true",
-        "--set", "image.digest=sha256:" + "0" * 64, "--set", "image.pullPolicy=Always",
+        "--set", "metrics.prometheusRule.enabled=true", "--set", "image.digest=sha256:" + "0" * 64, "--set", "image.pullPolicy=Always",
         "--set", "clusterAgent.serviceAccount.annotations.example\\.com/role=agent",
         "--set", "imagePullSecrets[0].name=regcred", "--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
         "--set", "clusterAgent.extraVolumes[0].name=ca", "--set", "clusterAgent.extraVolumes[0].configMap.name=ca",

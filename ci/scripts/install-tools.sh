@@ -6,7 +6,9 @@
 #  - checkov (the chart lint test): its own virtual environment, apart from the project's (its
 #    pinned dependencies are not ours);
 #  - zsh (the CLI's completion test runs the zsh script in a real zsh, as the bash one in bash): Debian's package,
-#    so a fresh machine skips nothing a warm one runs.
+#    so a fresh machine skips nothing a warm one runs;
+#  - promtool (the chart's alert tests, `promtool check rules` and `promtool test rules`): taken out of Debian's
+#    prometheus package (apt-get download, no install: the server, its user and its service stay off the host).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -34,6 +36,32 @@ if [[ ! -x $TOOLS_BIN/checkov || ! -f $TOOLS_BIN/.checkov-$checkov_version ]]; t
   log "checkov $checkov_version built in $((SECONDS - t))s"
 else
   log "checkov $checkov_version cached"
+fi
+
+# Debian 12's prometheus is 2.42.0 (+ds-5+debNuM: a point release's rebuild is the same promtool). A stable
+# release moves no further, so another upstream version means another Debian: check the tests, then bump this.
+promtool_version=2.42.0
+if [[ ! -x $TOOLS_BIN/promtool || ! -f $TOOLS_BIN/.promtool-$promtool_version ]]; then
+  log "fetching promtool $promtool_version (Debian's prometheus package)"; t=$SECONDS
+  candidate=$(apt-cache policy prometheus 2>/dev/null | awk '/Candidate:/{print $2}')
+  if [[ -z $candidate || $candidate == "(none)" ]]; then
+    apt-get update -qq
+    candidate=$(apt-cache policy prometheus | awk '/Candidate:/{print $2}')
+  fi
+  if [[ $candidate != "$promtool_version"+* ]]; then
+    log "Debian offers prometheus ${candidate:-(none)}, not $promtool_version: set promtool_version in $0"; exit 1
+  fi
+  deb=$(mktemp -d)
+  # As root: apt's sandbox user (_apt) may not write into a private temporary folder.
+  (cd "$deb" && apt-get download -qq -o APT::Sandbox::User=root "prometheus=$candidate")
+  dpkg-deb -x "$deb"/prometheus_*.deb "$deb/root"
+  install -m 0755 "$deb/root/usr/bin/promtool" "$TOOLS_BIN/promtool"
+  rm -rf "$deb"
+  rm -f "$TOOLS_BIN"/.promtool-*
+  touch "$TOOLS_BIN/.promtool-$promtool_version"
+  log "promtool $promtool_version built in $((SECONDS - t))s"
+else
+  log "promtool $promtool_version cached"
 fi
 
 wheel_version=2.2.2

@@ -32,6 +32,7 @@ import ipaddress
 import json
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, TypeVar, overload
@@ -262,8 +263,11 @@ def tls_failure(error: BaseException, ca_file: str) -> tuple[str, str] | None:
 
 class ControlPlaneClient:
     def __init__(self, base_url: str, timeout: float = 10.0, session: requests.Session | None = None,
-                 ca_file: str = "") -> None:
+                 ca_file: str = "", on_call: Callable[[str], None] | None = None) -> None:
+        """`on_call`: told each call's outcome, "ok" or the failure's `kind` (the cluster agent's metric
+        gpu_agent_control_plane_requests, on which the alert that the control plane is unreachable stands)."""
         self.base_url = base_url.rstrip("/")
+        self.on_call = on_call
         self.timeout = timeout
         self._session = session or requests.Session()
         self.ca_file = ca_file
@@ -276,6 +280,18 @@ class ControlPlaneClient:
         self._session.close()
 
     def _call(self, method: str, path: str, token: Secret | None, body: Any = None,
+              extra_timeout: float = 0.0) -> tuple[int, Any]:
+        if self.on_call is None:
+            return self._send(method, path, token, body, extra_timeout)
+        try:
+            answer = self._send(method, path, token, body, extra_timeout)
+        except ControlPlaneError as e:
+            self.on_call(e.kind)
+            raise
+        self.on_call("ok")
+        return answer
+
+    def _send(self, method: str, path: str, token: Secret | None, body: Any = None,
               extra_timeout: float = 0.0) -> tuple[int, Any]:
         headers = {"Accept": "application/json"}
         if token is not None:

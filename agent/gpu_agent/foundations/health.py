@@ -75,6 +75,11 @@ class HealthRegistry:
         with self._lock:
             return all(e.ready for e in self._entries.values())
 
+    def components_ready(self) -> dict[str, bool]:
+        """component -> ready: what holds readiness down (the metric gpu_agent_component_ready)."""
+        with self._lock:
+            return {name: e.ready for name, e in self._entries.items()}
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             entries = dict(self._entries)

@@ -7,7 +7,7 @@ exports registration, credentials and the work queue. A node agent that exported
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,9 +18,33 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gpu_agent.foundations.gpus import HEALTH_STATES
 from gpu_agent.foundations.version import version_info
+
+# The outcomes of a control plane call: answered (2xx) or the kind of its ControlPlaneError
+# (foundations/control_plane_client.py); unavailable and tls are the calls that got no usable answer.
+CONTROL_PLANE_OUTCOMES = ("ok", "unavailable", "tls", "protocol", "unauthorized", "fenced", "rejected", "too-large")
+
+
+class _ReadAtScrape(Collector):
+    """A gauge family read at each scrape from what `read` returns (label values -> value): the state a registry
+    or a folder holds now, never a copy of it that could go stale (as Gauge.set_function, with labels)."""
+
+    def __init__(self, name: str, documentation: str, labels: list[str],
+                 read: Callable[[], Mapping[tuple[str, ...], float]]) -> None:
+        self.name, self.documentation, self.labels, self.read = name, documentation, labels, read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+        for values, value in sorted(self.read().items()):
+            family.add_metric(list(values), value)
+        yield family
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
 
 
 class NodeMetrics:
@@ -103,6 +127,8 @@ class AgentMetrics(NodeMetrics):
         self.active = Gauge("gpu_agent_active", "1 while this agent leads and its queues are open (it leases work)",
                             registry=r)
         self.items = Counter("gpu_agent_items_processed", "Work items processed", ["outcome"], registry=r)
+        for outcome in ("executed", "duplicate", "failed", "gave-up"):  # from 0: an alert's rate sees the first one
+            self.items.labels(outcome)
         self.work_path_refusals = Counter(
             "gpu_agent_work_path_refusals", "Work Pods, real or dry-run checks, the API server refused for a reason "
             "that is not the item's (fencing policy, quota, ServiceAccount, webhook)", registry=r)
@@ -110,4 +136,33 @@ class AgentMetrics(NodeMetrics):
                                     "longer than the bound (its queues NotReady)", registry=r)
         self.gate_wait = Histogram("gpu_agent_gate_wait_seconds", "Time spent waiting for the registration gate", ["purpose"],
                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
+        self.control_plane_requests = Counter(
+            "gpu_agent_control_plane_requests", "Calls to the control plane, by outcome: ok (answered) or why not: "
+            "unavailable (no answer, a timeout, 5xx or 429), tls (the handshake failed), protocol, unauthorized, "
+            "fenced, rejected, too-large", ["outcome"], registry=r)
+        for outcome in CONTROL_PLANE_OUTCOMES:
+            self.control_plane_requests.labels(outcome)
+        # Read at each scrape from what the role hands in (read_components, read_domains); nothing until then.
+        self._components: Callable[[], Mapping[str, bool]] = dict
+        self._domains: Callable[[], Mapping[str, tuple[bool, str]]] = dict
+        r.register(_ReadAtScrape(
+            "gpu_agent_component_ready", "1 while the /healthz component is ready, by component: which of them "
+            "holds gpu_agent_ready at 0 (/healthz says why)", ["component"],
+            lambda: {(name,): 1 if ok else 0 for name, ok in self._components().items()}))
+        r.register(_ReadAtScrape(
+            "gpu_agent_domain_ready", "1 while the GPUDomain's Ready condition is True, by domain and the "
+            "condition's reason; only the agent that folds the domains (the leader) exports it", ["domain", "reason"],
+            lambda: {(name, reason): 1 if ok else 0 for name, (ok, reason) in self._domains().items()}))
         self.queue_paused.set(1)
+
+    def read_components(self, ready: Callable[[], Mapping[str, bool]]) -> None:
+        """component -> ready, asked at each scrape (HealthRegistry.components_ready)."""
+        self._components = ready
+
+    def read_domains(self, ready: Callable[[], Mapping[str, tuple[bool, str]]]) -> None:
+        """domain -> (Ready, the Ready condition's reason), asked at each scrape (the aggregator's readiness)."""
+        self._domains = ready
+
+    def control_plane_call(self, outcome: str) -> None:
+        """ControlPlaneClient's on_call."""
+        self.control_plane_requests.labels(outcome).inc()

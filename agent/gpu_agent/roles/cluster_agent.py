@@ -283,10 +283,13 @@ class ClusterAgent:
         CURRENT.set(self.threads)
         self.metrics = AgentMetrics()
         self.metrics.ready.set_function(lambda: 1 if self.health.ready() else 0)  # /healthz's answer, whatever set it
+        self.metrics.read_components(self.health.components_ready)  # which component holds it down
+        self.metrics.read_domains(self._domains_ready)
         # Each API client this agent builds gets a bucket of its own from this (foundations/ratelimit.py).
         self.api_limit = ApiLimit(cfg.kubeApiQps, cfg.kubeApiBurst, clock=self.clock, observer=self.metrics)
         self.gate = Gate(self.clock, self._gate_observed)
-        self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout, ca_file=cfg.controlPlaneCaFile)
+        self.client = ControlPlaneClient(cfg.controlPlaneUrl, cfg.requestTimeout, ca_file=cfg.controlPlaneCaFile,
+                                         on_call=self.metrics.control_plane_call)
         # The parts, as the module docstring draws them (the elector and the aggregator are made when
         # they start: both need the Kubernetes API).
         self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),
@@ -367,6 +370,12 @@ class ClusterAgent:
                          "namespace": self.cfg.leaderElectionNamespace}
             self.path_events.record(regarding, "Normal" if ok else "Warning",
                                     "WorkPodsAdmitted" if ok else "WorkPodsRefused", "ProveWorkPath", why[:1000])
+
+    def _domains_ready(self) -> dict[str, tuple[bool, str]]:
+        """The domains this agent folds (while it leads), each (Ready, reason) as last written: the metric
+        gpu_agent_domain_ready; a standby folds none, so only the leader exports it."""
+        aggregator = self.aggregator
+        return aggregator.readiness() if aggregator is not None else {}
 
     def _holds_lease(self) -> bool:
         # No elector yet (it is made when the agent runs): nothing has led, so the queues are closed anyway.

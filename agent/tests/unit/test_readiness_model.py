@@ -73,3 +73,34 @@ async def test_losing_the_lease_closes_the_executor_so_its_watch_of_the_work_pod
     assert closed == []
     await a._stopped_leading("deadline")
     assert closed == ["closed"]
+
+
+async def test_the_metrics_name_the_component_that_holds_readiness_down_the_leaders_domains_and_its_calls(tmp_path):
+    """The series the chart's alerts stand on (templates/prometheusrule.yaml): gpu_agent_component_ready follows
+    /healthz, gpu_agent_domain_ready what the aggregator folds (a standby folds nothing) and the control plane client
+    counts its calls into gpu_agent_control_plane_requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def series(name):
+        families = {f.name: f for f in text_string_to_metric_families(a.metrics.render().decode())}
+        return {tuple(s.labels.values()): s.value for s in families[name].samples if s.name.startswith(name)}
+
+    a = agent(tmp_path)
+    assert series("gpu_agent_component_ready") == {(c,): 0 for c in ("credentials", "gpus", "queues", "registration")} | {
+        ("leadership",): 1, ("threads",): 1}
+    for component in ("gpus", "registration", "credentials"):
+        a.health.set(component, True, "ok")
+    await a._readiness_changed(True, "registered")
+    assert set(series("gpu_agent_component_ready").values()) == {1}
+
+    class Folding:
+        def readiness(self):
+            return {"d1": (False, "MembersMissing")}
+
+    assert series("gpu_agent_domain_ready") == {}
+    a.aggregator = Folding()
+    assert series("gpu_agent_domain_ready") == {("d1", "MembersMissing"): 0}
+    a.aggregator = None
+    assert series("gpu_agent_domain_ready") == {}
+    a.client.on_call("unavailable")
+    assert series("gpu_agent_control_plane_requests")[("unavailable",)] == 1

@@ -639,3 +639,29 @@ on install and upgrade; under `helm template` it is --kube-version, or the versi
 {{- fail (printf "dra.enabled=true needs Kubernetes 1.34 or later (resource.k8s.io/v1: DeviceClass, ResourceSlice, ResourceClaimTemplate), and this cluster is %s: set dra.enabled=false (GPUs through the device plugin), or upgrade the cluster to 1.34+ (under `helm template`, pass --kube-version)" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* gpu-agent.alertSelector: the PromQL label matchers (no braces) of this release's agents' series, for the
+alerts of templates/prometheusrule.yaml: metrics.prometheusRule.selector, else the release's namespace and the jobs
+its ServiceMonitors (job: the Service's name) or PodMonitors (job: namespace/name) give both agents. The cluster
+agent's own metrics (readiness, leadership, registration, queue, domains, control plane) only it exports. */}}
+{{- define "gpu-agent.alertSelector" -}}
+{{- $rule := .Values.metrics.prometheusRule -}}
+{{- if $rule.selector -}}
+{{- $rule.selector -}}
+{{- else -}}
+{{- $ns := .Release.Namespace -}}
+{{- printf "namespace=%q,job=~%q" $ns (printf "(%s/)?%s-(cluster|node)-agent" (regexQuoteMeta $ns) (regexQuoteMeta (include "gpu-agent.fullname" .))) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* gpu-agent.alertLabels: an alert's labels, its severity and metrics.prometheusRule.alertLabels; call with
+(dict "ctx" $ "severity" .severity). */}}
+{{- define "gpu-agent.alertLabels" -}}
+{{- toYaml (merge (dict "severity" .severity) (deepCopy (.ctx.Values.metrics.prometheusRule.alertLabels | default dict))) -}}
+{{- end -}}
+
+{{/* gpu-agent.runbookUrl: an alert's runbook, its section of docs/alerts.md (the heading is the alert's name, whose
+GitHub anchor is that name in lower case); call with (dict "ctx" $ "alert" "GPUAgentNoActiveLeader"). */}}
+{{- define "gpu-agent.runbookUrl" -}}
+{{- printf "%s#%s" .ctx.Values.metrics.prometheusRule.runbookUrl (lower .alert) -}}
+{{- end -}}

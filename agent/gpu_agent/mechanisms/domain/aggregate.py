@@ -48,7 +48,7 @@ from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.kube import items_of, list_then_watch
 from gpu_agent.foundations.threads import StopEvent, start_thread
-from gpu_agent.mechanisms.domain.conditions import generation_of, timestamp
+from gpu_agent.mechanisms.domain.conditions import find, generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
     DomainClique,
     DomainNode,
@@ -580,6 +580,13 @@ class Aggregator:
                 self._departures(current, self.writer.cached, self.clock.monotonic())
                 self._tell(current, self.writer.cached, silent)
 
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """{domain: (Ready, the Ready condition's reason)} as the newest view holds it; {} before one has it."""
+        ready = find(status_of(self.writer.cached or {}).get("conditions"))
+        if ready is None:
+            return {}
+        return {self.domain: (ready.get("status") == "True", str(ready.get("reason") or ""))}
+
     def _rejoining(self, now: float) -> dict[str, tuple[str, int]]:
         """The indices still held for nodes that left lately; those held past REJOIN_GRACE are let go."""
         self.departed = {n: d for n, d in self.departed.items() if now - d[2] < REJOIN_GRACE}
@@ -687,6 +694,12 @@ class EveryDomainAggregator:
             for name in sorted(set(self.aggregators) - names):
                 self.aggregators.pop(name).stop()
                 log.info("stopped folding GPUDomain %s/%s (deleted)", self.namespace, name)
+
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """Each folded domain's (Ready, reason), as Aggregator.readiness."""
+        with self._lock:
+            aggregators = list(self.aggregators.values())
+        return {name: ready for agg in aggregators for name, ready in agg.readiness().items()}
 
     def _event(self, kind: str, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]
