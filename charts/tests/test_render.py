@@ -327,6 +327,11 @@ def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_in_n
         assert event_rules(docs, "node-agent") == [("Role", "default", events)], "no other right on events"
     off = render("--set", "nodeAgent.gpuHealthEvents=false")
     assert setting(off) is False and events_rbac(off) == {} and event_rules(off, "node-agent") == []
+    # The token goes with the right: without a domain, DRA or Events the node agent needs no API access.
+    for docs, mounted in ((render(), True), (off, False)):
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "t-gpu-agent-node-agent"]
+        assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is mounted
     assert events_rbac(render("--set", "nodeAgent.enabled=false")) == {}
     named = render("--set", "nodeAgent.serviceAccount.create=false", "--set", "nodeAgent.serviceAccount.name=gpu-nodes")
     assert events_rbac(named)["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-nodes", "namespace": "ns"}]
@@ -592,7 +597,7 @@ def test_dra_is_off_by_default_and_renders_nothing_of_its_own():
     host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
     assert not [p for p in host_paths if p.startswith(("/var/lib/kubelet", "/var/run/cdi"))], host_paths
     assert not [v for v in pod["volumes"] if v["name"].startswith("dra-")]
-    assert pod["automountServiceAccountToken"] is False  # no domain, no DRA: no API access
+    assert pod["automountServiceAccountToken"] is True  # GPU health Events on its Node (the default)
     assert not [k for k in agent_config(docs, "node-agent") if k.startswith("dra")]
     rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
     assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]]
