@@ -282,6 +282,9 @@ def can_i(api, namespace, sa, verb, resource, ns=None, group=""):
     return client.AuthorizationV1Api(api).create_subject_access_review(review).status.allowed
 
 
+EVENTS = "events.k8s.io"
+
+
 def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(release, api):
     release.install(*GRACEFUL)
     ns, other = release.namespace, f"other-{uuid.uuid4().hex[:4]}"
@@ -292,12 +295,18 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
         ("cluster-agent", "create", "pods", other, False), ("cluster-agent", "get", "secrets", ns, False),
         ("cluster-agent", "patch", "nodes", None, False), ("cluster-agent", "delete", "nodes", None, False),
         ("node-agent", "list", "pods", ns, False), ("node-agent", "get", "nodes", None, False),
+        # nodeAgent.gpuHealthEvents (the default): its Node's Events, in namespace default only, events.k8s.io only
+        ("node-agent", "create", "events", "default", True, EVENTS), ("node-agent", "patch", "events", "default", True, EVENTS),
+        ("node-agent", "delete", "events", "default", False, EVENTS), ("node-agent", "list", "events", "default", False, EVENTS),
+        ("node-agent", "create", "events", ns, False, EVENTS), ("node-agent", "create", "events", other, False, EVENTS),
+        ("node-agent", "create", "events", "default", False),  # the core group's: not granted
         ("control-plane", "get", "secrets", ns, False), ("control-plane", "list", "pods", ns, False),
     ]
     rows = []
-    for component, verb, resource, where, expected in table:
-        allowed = can_i(api, ns, f"{release.fullname}-{component}", verb, resource, where)
-        rows.append(f"{component:<14}{verb:<8}{resource:<10}{where or '(cluster)':<44}{'yes' if allowed else 'no'}")
+    for component, verb, resource, where, expected, *group in table:
+        allowed = can_i(api, ns, f"{release.fullname}-{component}", verb, resource, where, *group)
+        rows.append(f"{component:<14}{verb:<8}{(group[0] + '/' if group else '') + resource:<18}{where or '(cluster)':<44}"
+                    f"{'yes' if allowed else 'no'}")
         assert allowed == expected, rows[-1]
     print("\n" + "\n".join(rows))
 

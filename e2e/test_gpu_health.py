@@ -339,6 +339,69 @@ def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_withi
     assert after == plugin_restarts, "the fake device plugin restarted"
 
 
+EVENT_GOAL = 5.0  # seconds from a fault (or its clear) to its Event on the Node
+EVENTS_CONTROLLER = "gpu-agent.io/node-agent"
+
+
+def test_gpu_health_changes_are_events_on_the_node_naming_the_xid_and_the_recovery(health_release, fake_gpus, api):
+    """nodeAgent.gpuHealthEvents (the default): what `kubectl events -n default --for node/NAME` shows a platform team.
+    Xid 79 on GPU 1 (fallen off the bus: the fake, as NVML, makes the GPU Lost) is a Warning GPULost naming the Xid,
+    Xid 48 on GPU 2 a Warning GPUUnhealthy naming it and its class; the clear is a Normal GPUHealthy for each, saying
+    what it was. Read through events.k8s.io in namespace default (where a Node's Events go), each within EVENT_GOAL
+    of its cause. Events of the node from earlier releases (the same faults, the same notes) are told apart by name:
+    this release's node agent records each anew."""
+    r, faults = health_release
+    node = fake_gpus.node
+    custom, events = client.CustomObjectsApi(api), client.EventsV1Api(api)
+
+    def member() -> dict:
+        try:
+            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", r.namespace, "gpudomainmembers",
+                                                       f"{DOMAIN}.{node}")["spec"]
+        except client.ApiException:
+            return {}
+
+    def about_node() -> list:
+        listed = events.list_namespaced_event("default", field_selector=f"regarding.name={node}", _request_timeout=10)
+        return [e for e in listed.items if e.reporting_controller == EVENTS_CONTROLLER and e.regarding.kind == "Node"]
+
+    # The node agent has read the node's 4 GPUs healthy (its member says so) before anything breaks.
+    wait_until(lambda: member().get("ready") is True and member().get("healthyGPUs") == 4, 30, "the member Ready on 4")
+    before = {e.metadata.name for e in about_node()}
+
+    def new(type_: str, reason: str, *words: str):
+        return next((e for e in about_node() if e.metadata.name not in before and (e.type, e.reason) == (type_, reason)
+                     and all(w in (e.note or "") for w in words)), None)
+
+    def seen(started: float, type_: str, reason: str, *words: str):
+        event = wait_until(lambda: new(type_, reason, *words), 30, f"a {type_} {reason} Event on node {node} "
+                           f"saying {' ... '.join(words)}", interval=0.1)
+        return event, time.monotonic() - started
+
+    lost_at = faults.fault(1, xid=79)
+    unhealthy_at = faults.fault(2, xid=48)
+    lost, to_lost = seen(lost_at, "Warning", "GPULost", "GPU 1 (GPU-", "Lost: Xid 79 (GPU has fallen off the bus)")
+    unhealthy, to_unhealthy = seen(unhealthy_at, "Warning", "GPUUnhealthy", "GPU 2 (GPU-",
+                                   "Unhealthy: Xid 48 (double-bit ECC error) [critical Xid]")
+    for e in (lost, unhealthy):
+        assert e.metadata.namespace == "default" and e.regarding.name == node and e.regarding.api_version == "v1", e
+        assert e.reporting_instance == node and e.action == "CheckGPUHealth", e
+    # The faults hold over many reads of the node's state file (the member follows them meanwhile).
+    wait_until(lambda: member().get("healthyGPUs") == 2, 10, "the member on 2 healthy GPUs")
+    cleared = faults.clear()
+    back_1, to_back_1 = seen(cleared, "Normal", "GPUHealthy", "GPU 1 (GPU-", "was Lost: Xid 79")
+    back_2, to_back_2 = seen(cleared, "Normal", "GPUHealthy", "GPU 2 (GPU-", "was Unhealthy: Xid 48")
+    # A fault that holds is one occurrence, not one per read: no Event of these four turned into a series.
+    notes = {e.note for e in (lost, unhealthy, back_1, back_2)}
+    mine = [e for e in about_node() if e.metadata.name not in before and e.note in notes]
+    assert len(mine) >= 4 and not [e for e in mine if e.series is not None], [(e.reason, e.series) for e in mine]
+    print(f"\nXid 79 -> Warning GPULost on node {node} in {to_lost:.2f} s, Xid 48 -> Warning GPUUnhealthy in "
+          f"{to_unhealthy:.2f} s; clear -> Normal GPUHealthy in {to_back_1:.2f} s and {to_back_2:.2f} s")
+    for e in (lost, unhealthy, back_1, back_2):
+        print(f"  {e.type} {e.reason}: {e.note}")
+    assert max(to_lost, to_unhealthy, to_back_1, to_back_2) <= EVENT_GOAL
+
+
 WORK = ["sh", "-c", 'fake-gpu smi -L; echo STATE-BEGIN; cat "$FAKE_GPU_STATE_FILE"; echo; echo STATE-END; sleep 5']
 
 

@@ -78,6 +78,7 @@ BAD_VALUES = [
     (["--set", "clusterAgent.kubeAPI.burst=0"], "/clusterAgent/kubeAPI/burst"),  # a bucket of 0 admits nothing
     (["--set", "nodeAgent.kubeAPI.qps=-2"], "/nodeAgent/kubeAPI/qps"),
     (["--set", "nodeAgent.kubeAPI.limit=1"], "additional properties 'limit' not allowed"),
+    (["--set", "nodeAgent.gpuHealthEvents=sometimes"], "/nodeAgent/gpuHealthEvents"),
 ]
 
 
@@ -212,12 +213,13 @@ def test_a_default_install_renders_a_handful_of_args_and_only_the_settings_a_use
         mounts = d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
         assert {"name": "config", "mountPath": "/etc/gpu-agent", "readOnly": True} in mounts
     # Only the chart's wiring: no tuning setting is rendered when nobody set it (the agent's default applies).
-    # gracefulNoGPU is a value of the chart's own, always passed (test_graceful_no_gpu_reaches_...).
+    # gracefulNoGPU is a value of the chart's own, always passed (test_graceful_no_gpu_reaches_...), and so is
+    # gpuHealthEvents, which the Role that lets the node agents record them goes with (test_gpu_health_events_...).
     assert set(ca_config) == {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                               "workImage", "releaseName", "controlPlaneUrl", "controlPlaneTokenFile", "controlPlaneCaFile", "gracefulNoGPU",
                               "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence",
                               "workServiceAccount"}
-    assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile"}
+    assert set(na_config) == {"listenAddress", "gpuSource", "fakeGpuStateFile", "gpuHealthEvents"}
     assert ca_config["listenAddress"] == "0.0.0.0:8080" and ca_config["leaderElectionLeaseName"] == "t-gpu-agent-cluster-agent"
 
     (ca2, na2), (ca2_config, na2_config) = agents(
@@ -246,6 +248,7 @@ CONFIG_REFUSED = [
      "retryPeriod < renewDeadline < leaseDuration"),
     (["--set", "nodeAgent.kubeAPI.qps=5", "--set", "nodeAgent.config.kubeApiQps=6"],
      "nodeAgent.config.kubeApiQps (6) and nodeAgent.kubeAPI.qps (5)"),
+    (["--set", "nodeAgent.config.gpuHealthEvents=false"], "gpuHealthEvents"),  # wired: nodeAgent.gpuHealthEvents
 ]
 
 
@@ -285,6 +288,53 @@ def test_the_kube_api_limit_values_reach_each_agents_settings(tmp_path):
     assert limits(docs) == {"cluster-agent": (40.0, 60), "node-agent": (-1.0, 3)}  # -1: no limit
     docs = render("--set", "clusterAgent.config.kubeApiBurst=7")  # or through the free-form config
     assert limits(docs)["cluster-agent"] == (100.0, 7)
+
+
+def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_in_namespace_default_alone(tmp_path):
+    """nodeAgent.gpuHealthEvents (on by default): the setting reaches the node agent, and a Role in namespace default
+    (where a Node's Events live) lets its ServiceAccount create and patch events.k8s.io Events there and nothing else;
+    off: the setting says so and no such Role or binding renders."""
+    import argparse
+
+    from gpu_agent.foundations.config import load
+    from gpu_agent.roles import node_agent
+
+    def setting(docs):
+        path = tmp_path / "node-agent.yaml"
+        path.write_text(yaml.safe_dump(agent_config(docs, "node-agent")))
+        return load(node_agent.SETTINGS, argparse.Namespace(config=str(path)), environ={},
+                    as_=node_agent.NodeAgentConfig).gpuHealthEvents
+
+    def events_rbac(docs):
+        return {d["kind"]: d for d in docs if d["metadata"]["name"] == "t-gpu-agent-node-agent-events"}
+
+    def event_rules(docs, who):
+        return [(d["kind"], d["metadata"].get("namespace"), r) for d in docs if d["kind"] in ("Role", "ClusterRole")
+                and who in d["metadata"]["name"] for r in d["rules"] if "events" in r["resources"]]
+
+    events = {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
+    for sets in ([], ["--set", "domain.name=d1", "--set", "dra.enabled=true", "--set", "domain.joinMatching=true"]):
+        docs = render(*sets)
+        assert setting(docs) is True, sets
+        rbac = events_rbac(docs)
+        assert sorted(rbac) == ["Role", "RoleBinding"], sets
+        assert rbac["Role"]["metadata"]["namespace"] == rbac["RoleBinding"]["metadata"]["namespace"] == "default"
+        assert rbac["Role"]["rules"] == [events]
+        assert rbac["RoleBinding"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                  "name": "t-gpu-agent-node-agent-events"}
+        assert rbac["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "t-gpu-agent-node-agent",
+                                                    "namespace": "ns"}]
+        assert event_rules(docs, "node-agent") == [("Role", "default", events)], "no other right on events"
+    off = render("--set", "nodeAgent.gpuHealthEvents=false")
+    assert setting(off) is False and events_rbac(off) == {} and event_rules(off, "node-agent") == []
+    # The token goes with the right: without a domain, DRA or Events the node agent needs no API access.
+    for docs, mounted in ((render(), True), (off, False)):
+        (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+        (sa,) = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "t-gpu-agent-node-agent"]
+        assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is mounted
+    assert events_rbac(render("--set", "nodeAgent.enabled=false")) == {}
+    named = render("--set", "nodeAgent.serviceAccount.create=false", "--set", "nodeAgent.serviceAccount.name=gpu-nodes")
+    assert events_rbac(named)["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-nodes", "namespace": "ns"}]
 
 
 def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
@@ -547,7 +597,7 @@ def test_dra_is_off_by_default_and_renders_nothing_of_its_own():
     host_paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
     assert not [p for p in host_paths if p.startswith(("/var/lib/kubelet", "/var/run/cdi"))], host_paths
     assert not [v for v in pod["volumes"] if v["name"].startswith("dra-")]
-    assert pod["automountServiceAccountToken"] is False  # no domain, no DRA: no API access
+    assert pod["automountServiceAccountToken"] is True  # GPU health Events on its Node (the default)
     assert not [k for k in agent_config(docs, "node-agent") if k.startswith("dra")]
     rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
     assert not [r for r in rules if "resource.k8s.io" in r["apiGroups"]]

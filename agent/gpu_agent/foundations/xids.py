@@ -54,6 +54,18 @@ def describe_xid(xid: int) -> str:
     return f"Xid {xid} ({meaning})" if meaning else f"Xid {xid}"
 
 
+def reason_class(reason: str) -> str:
+    """The class of error a health reason names, as a GPU health Event states it: `critical Xid` (an Xid that
+    acts, `Xid 79 (...)`), `uncorrectable ECC error`, `GPU lost` (NVML's GPU_IS_LOST), else `fault`."""
+    if reason.startswith("Xid "):
+        return "critical Xid"
+    if reason == ECC_DOUBLE_REASON:
+        return "uncorrectable ECC error"
+    if reason == LOST_REASON:
+        return "GPU lost"
+    return "fault"
+
+
 def xid_acts(xid: int, ignored: frozenset[int] | tuple[int, ...] = DEFAULT_IGNORED_XIDS) -> bool:
     """Whether a critical Xid takes the GPU out of service (every Xid not ignored does)."""
     return xid not in ignored

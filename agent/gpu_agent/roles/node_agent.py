@@ -14,6 +14,14 @@ whose nodeSelector matches this node's labels, and leaves one that stops matchin
 channel device too, and preparing a channel claim joins that claim's domain: the membership is the
 DRA driver's gate (mechanisms/dra/channels.py), wired here, as the two mechanisms know nothing of
 each other.
+
+With `gpuHealthEvents` (the default) each GPU health change the source's tracker reports
+(mechanisms/inventory/gpu_health.py) is an Event on this node's Node, through an EventRecorder
+(foundations/events.py: series, spam filter, sent on its own thread): Warning GPUUnhealthy or GPULost,
+Normal GPUHealthy. The Node is cluster-scoped, so its Events go to namespace `default`, and their
+`regarding` carries the node's name as its UID, as the kubelet's do (so `kubectl describe node` finds
+them without this agent reading the Node). The tracker's hook only queues: the health path never waits
+on the API server.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import asyncio
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.config import LOGGING, RoleConfig, Setting
@@ -31,19 +39,31 @@ from gpu_agent.foundations.health import HealthRegistry
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.foundations.ratelimit import ApiLimit, kube_api_settings
-from gpu_agent.foundations.threads import CURRENT, Threads
+from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
 from gpu_agent.mechanisms.domain.entries import OCC_STRATEGIES
+from gpu_agent.mechanisms.inventory.gpu_health import HealthChange, health_event
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.roles.endpoints import EndpointServer
 
+if TYPE_CHECKING:
+    from gpu_agent.foundations.events import EventRecorder
+
 log = get_logger(__name__)
+
+# Who records the GPU health Events on a Node (reportingController; reportingInstance is the node's name), and
+# their action.
+EVENTS_CONTROLLER = "gpu-agent.io/node-agent"
+HEALTH_ACTION = "CheckGPUHealth"
 
 SETTINGS = [
     *LOGGING,
     Setting("listenAddress", "address", "127.0.0.1:8081", "HOST:PORT for /livez, /healthz, /version, /metrics"),
     Setting("nodeName", "str", os.environ.get("NODE_NAME") or socket.gethostname(), "this node's name"),
     *GPU_SOURCE_SETTINGS,
+    Setting("gpuHealthEvents", "bool", True, "record each GPU health change as an Event on this node's Node (namespace "
+            "default, as the kubelet's; `kubectl events -n default --for node/NAME`): Warning GPUUnhealthy (the Xid or "
+            "ECC error and its class) or GPULost, Normal GPUHealthy when it recovers; repeats count into one Event's series"),
     Setting("domainName", "str", "", "GPUDomain to publish this node's entry into (empty: none)", optional=True),
     Setting("joinMatchingDomains", "bool", False, "also join every GPUDomain of domainNamespace whose spec.nodeSelector "
             "matches this node's labels (users create them at run time), and leave one that stops matching"),
@@ -100,6 +120,7 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     """The settings above, typed (`Config.problems` holds the two to each other)."""
     listenAddress: str
     nodeName: str
+    gpuHealthEvents: bool
     domainName: str
     joinMatchingDomains: bool
     domainNamespace: str
@@ -123,6 +144,12 @@ class NodeAgentConfig(GPUSourceConfig, RoleConfig):
     draChannelHostDevice: str
     kubeApiQps: float
     kubeApiBurst: int
+
+
+def node_reference(node: str) -> dict[str, str]:
+    """The `regarding` of an Event about Node `node`: cluster-scoped (no namespace), and its name as its UID, as the
+    kubelet refers to its Node (`kubectl describe node` looks for Events by the Node's UID and by its name)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
 
 
 def member_message(event: InventoryEvent) -> str:
@@ -155,7 +182,8 @@ class NodeAgent:
         self.domain: Any = None
         channels = bool(cfg.draDriverName and cfg.draDomainChannels)
         if cfg.domainName or cfg.joinMatchingDomains or channels:
-            # Kubernetes' client costs ~15 MiB of RSS: loaded only when a domain is configured.
+            # Kubernetes' client costs ~15 MiB of RSS: loaded only where it is used (a domain here; DRA, and the GPU
+            # health Events, on by default, below).
             from gpu_agent.foundations.kube import api_client
             from gpu_agent.mechanisms.domain.aggregate import MemberWriter
             from gpu_agent.mechanisms.domain.membership import DomainMembership
@@ -199,12 +227,40 @@ class NodeAgent:
                                  cleanup_interval=cfg.draCleanupInterval,
                                  channels=Channels(self.domain if channels else None, cfg.draChannelReadyWait,
                                                    cfg.draChannelCount, host_device))
-        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit),
+        # The GPU health Events on this node's Node (None: not recorded).
+        self.events: EventRecorder | None = self._health_events() if cfg.gpuHealthEvents else None
+        self.node_ref = node_reference(cfg.nodeName)
+        self.monitor = InventoryMonitor(make_source(cfg, metrics=self.metrics, clock=self.clock, api_limit=self.api_limit,
+                                                    on_health=self._health_changed if self.events is not None else None),
                                         clock=self.clock, health=self.health, poll_interval=cfg.gpuPollInterval,
                                         on_change=self._gpus_changed, zero_is_ready=True, loss_debounce=loss_debounce(cfg),
                                         on_drop=lambda outcome: self.metrics.gpu_drops.labels(outcome).inc())
         host, _, port = cfg.listenAddress.rpartition(":")
         self.endpoints = EndpointServer(host, int(port), self.health, self.metrics)
+
+    def _health_events(self) -> EventRecorder | None:
+        from kubernetes.config import ConfigException
+
+        from gpu_agent.foundations.events import EventRecorder
+        from gpu_agent.foundations.kube import api_client
+
+        try:
+            api = api_client(self.cfg.kubeconfig, limit=self.api_limit.named("events"))
+        except ConfigException as e:
+            if self.cfg.kubeconfig:
+                raise
+            # Outside a cluster with no kubeconfig (a node agent run by hand on the fake source): nowhere to record.
+            log.warning("GPU health Events are not recorded: no Kubernetes API to record them with (not in a "
+                        "cluster, no kubeconfig: %s); gpuHealthEvents=false turns them off", e)
+            return None
+        return EventRecorder(api, controller=EVENTS_CONTROLLER, instance=self.cfg.nodeName, clock=self.clock)
+
+    def _health_changed(self, change: HealthChange) -> None:
+        """The tracker's hook (under its lock, on the source's thread): only queues."""
+        if self.events is None:
+            return
+        type_, reason, note = health_event(change)
+        self.events.record(self.node_ref, type_, reason, HEALTH_ACTION, note)
 
     async def _gpus_changed(self, event: InventoryEvent) -> None:
         healthy = len(event.inventory.healthy)
@@ -223,6 +279,8 @@ class NodeAgent:
         for line in self.cfg.describe():
             log.info("  %s", line)
         self.endpoints.start()
+        if self.events is not None:
+            start_thread("gpu-health-events", self.events.run)
         log.info("node agent for %s serving on http://%s", self.cfg.nodeName, self.endpoints.address)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -239,5 +297,7 @@ class NodeAgent:
                 await self.domain.remove_entries(self.cfg.shutdownTimeout)
 
         finally:
+            if self.events is not None:
+                self.events.stop()  # what it has queued is dropped: events are best effort
             self.endpoints.stop()
             self.monitor.source.close()

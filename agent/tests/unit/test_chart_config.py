@@ -17,7 +17,8 @@ CHART = Path(__file__).resolve().parents[3] / "charts" / "gpu-agent"
 # or what the agent reads from the pod's environment (identity, nodeName, nodeIp, podName, podUid), or a flag
 # (leaderElection, which the hooks look for). workPods and workServiceAccount come from the chart's workPods values;
 # controlPlaneCaFile and controlPlaneAllowInsecure from its controlPlane TLS values (set only where a CA is mounted, or
-# plain HTTP allowed).
+# plain HTTP allowed). gpuHealthEvents comes from nodeAgent.gpuHealthEvents, with the Role that lets the node agents
+# record them.
 WIRED = {
     "cluster-agent": {"listenAddress", "clusterId", "gpuSource", "executor", "executorJournal", "workNamespace",
                       "workImage", "releaseName", "controlPlaneUrl", "controlPlaneCaFile", "controlPlaneAllowInsecure",
@@ -26,7 +27,7 @@ WIRED = {
                       "draDriverName", "draDeviceClassName", "channelDeviceClassName",
                       "domainNamespace", "foldAllDomains", "kubeconfig", "identity", "leaderElection",
                       "leaderElectionLeaseName", "leaderElectionNamespace", "leaderElectionOwner", "workPodFence"},
-    "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "domainName", "joinMatchingDomains",
+    "node-agent": {"listenAddress", "gpuSource", "fakeGpuStateFile", "gpuHealthEvents", "domainName", "joinMatchingDomains",
                    "domainNamespace", "domainWriteStrategy", "peersFile", "kubeconfig", "nodeName", "nodeIp",
                    "podName", "podUid", "draDriverName", "draRegistryDir", "draPluginDir", "draCdiDir", "draDomainChannels"},
 }

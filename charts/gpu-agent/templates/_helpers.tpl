@@ -279,6 +279,7 @@ its reason (the test command runs checkov and allows no other finding); call wit
   "CKV_K8S_11" "no CPU limit: a limit throttles the agent under load; its request reserves what it needs"
   "CKV_K8S_15" "the pull policy is a value (image.pullPolicy); IfNotPresent suits pinned and locally imported images"
   "CKV_K8S_16" "nodeAgent.nvml.driverRoot: without the NVIDIA container runtime only a privileged container may open the host's GPU device nodes (the device cgroup)"
+  "CKV_K8S_21" "a Node's Events live in namespace default (a Node has no namespace): the right to record them is granted there alone"
   "CKV_K8S_20" "privileged (nodeAgent.nvml.driverRoot) escalates anyway: the API server refuses privileged with allowPrivilegeEscalation false"
   "CKV_K8S_23" "root without capabilities or privilege: the GPU driver's device nodes are root's (NVML), as are the kubelet's plugin folders (DRA)"
   "CKV_K8S_38" "this component talks to the API server"
@@ -600,8 +601,9 @@ is no silent winner. A setting nobody set is absent, so the agent's own default 
 
 {{- define "gpu-agent.nodeAgentConfig" -}}
 {{- $v := .Values -}}
+{{- /* gpuHealthEvents is wired, not named: the Role that lets the agents record them is rendered with it. */ -}}
 {{- $wiring := dict "listenAddress" "0.0.0.0:8081" "gpuSource" $v.nodeAgent.gpuSource
-  "fakeGpuStateFile" "/var/run/fake-gpu/fake-gpus.json" -}}
+  "fakeGpuStateFile" "/var/run/fake-gpu/fake-gpus.json" "gpuHealthEvents" $v.nodeAgent.gpuHealthEvents -}}
 {{- $named := list
   (list "verbosity" $v.logVerbosity "logVerbosity")
   (list "logFormat" $v.logFormat "logFormat")

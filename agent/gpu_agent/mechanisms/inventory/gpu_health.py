@@ -18,20 +18,26 @@ change nothing; they are counted. An event for a GPU the source does not list is
 ignored. Time is the injected clock's: recovery on the monotonic clock, `health_since` on the wall.
 
 Each transition is one log line at -v 0 and counts in the metrics (by target state; the gauge of
-GPUs by health); no label carries a UUID, so the label sets stay bounded.
+GPUs by health); no label carries a UUID, so the label sets stay bounded. It is also handed to
+`on_change`, if given, as a HealthChange, and so is a critical event NVML delivers again for a GPU
+already Unhealthy (a repeat: the node agent's Event counts it into its series) or a new reason it
+stays Unhealthy for (a fault a read reports holds: told once, not at each read). The hook runs
+under the tracker's lock on the caller's thread, so it must only queue (the node agent's
+EventRecorder does); one that raises is logged and the state machine goes on. `health_event` is
+the Event a change is on the GPU's Node.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gpu_agent.foundations.clock import Clock
 from gpu_agent.foundations.gpus import GPU, HEALTH_STATES, HEALTHY, LOST, UNHEALTHY
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.xids import DEFAULT_IGNORED_XIDS, ECC_DOUBLE_REASON, describe_xid, xid_acts
+from gpu_agent.foundations.xids import DEFAULT_IGNORED_XIDS, ECC_DOUBLE_REASON, describe_xid, reason_class, xid_acts
 
 log = get_logger(__name__)
 
@@ -43,6 +49,11 @@ ECC_DOUBLE = "ecc_double"
 # GPUs the tracker remembers while the source does not list them (a Lost GPU may come back listed);
 # a handful per node, bounded so that a fake cycling through new UUIDs cannot grow it.
 MAX_UNLISTED = 64
+
+# The reasons of the Events a node agent records on its Node for its GPUs' health (health_event).
+GPU_UNHEALTHY = "GPUUnhealthy"
+GPU_LOST = "GPULost"
+GPU_HEALTHY = "GPUHealthy"
 
 
 class HealthMetrics(Protocol):
@@ -66,6 +77,37 @@ class NoHealthMetrics:
         return None
 
 
+@dataclass(frozen=True)
+class HealthChange:
+    """A GPU's health changing from `before` to `health`, or (before == health == Unhealthy) a critical event
+    delivered again for a GPU already Unhealthy, or a new reason it stays Unhealthy for."""
+    uuid: str
+    index: int
+    before: str
+    health: str
+    reason: str  # why it is `health` now; for Healthy, how it recovered
+    error_class: str  # reason_class of the error behind it ("" for Healthy)
+    was: str  # the reason it had before ("" when it was Healthy)
+    recovery: float  # the tracker's recovery window, seconds
+
+
+def health_event(change: HealthChange) -> tuple[str, str, str]:
+    """(type, reason, note) of the Event a change is on the GPU's Node. The note names the GPU, the error and its
+    class, and no time or count: a repeat of the same error is the same note, which the recorder counts into the
+    first Event's series."""
+    gpu = f"GPU {change.index} ({change.uuid})"
+    if change.health == HEALTHY:
+        was = f" (was {change.before}: {change.was})" if change.was else f" (was {change.before})"
+        return "Normal", GPU_HEALTHY, f"{gpu} Healthy again{was}: {change.reason}"
+    if change.health == LOST:
+        return ("Warning", GPU_LOST,
+                f"{gpu} Lost: {change.reason} [{change.error_class}]; out of service until it answers again")
+    back = (f"after answering normally with no new critical event for {change.recovery:g}s" if change.recovery > 0
+            else "once it answers normally")
+    return ("Warning", GPU_UNHEALTHY,
+            f"{gpu} Unhealthy: {change.reason} [{change.error_class}]; out of service until it counts again {back}")
+
+
 @dataclass
 class _Track:
     health: str = HEALTHY
@@ -79,7 +121,9 @@ class _Track:
 
 class HealthTracker:
     def __init__(self, *, clock: Clock, recovery: float, ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
-                 source: str = "", metrics: HealthMetrics | None = None) -> None:
+                 source: str = "", metrics: HealthMetrics | None = None,
+                 on_change: Callable[[HealthChange], None] | None = None) -> None:
+        """`on_change`: handed each transition and each repeated critical event (see the module's docstring)."""
         self.clock = clock
         self.recovery = recovery
         self.ignored_xids = frozenset(ignored_xids)
@@ -89,6 +133,8 @@ class HealthTracker:
         self._tracks: dict[str, _Track] = {}
         self._listed: frozenset[str] = frozenset()
         self._unknown_logged: set[str] = set()
+        self.on_change = on_change
+        self._hook_failed = False
 
     # -- events (any thread) ------------------------------------------------------------------------------------
 
@@ -112,16 +158,24 @@ class HealthTracker:
             if kind == XID and not xid_acts(xid, self.ignored_xids):
                 log.v(1, "GPU %s: %s ignored (gpuHealthIgnoredXids: an application error, the GPU is fine)", uuid, what)
                 return
-            self._critical(uuid, self._tracks[uuid], describe_xid(xid) if kind == XID else ECC_DOUBLE_REASON)
+            self._critical(uuid, self._tracks[uuid], describe_xid(xid) if kind == XID else ECC_DOUBLE_REASON,
+                           delivered=True)
 
-    def _critical(self, uuid: str, track: _Track, reason: str) -> None:
+    def _critical(self, uuid: str, track: _Track, reason: str, delivered: bool = False) -> None:
+        """A critical event (`delivered`: by NVML, each one an occurrence) or a fault a read reports (it holds
+        while the source says so: not an occurrence at each read)."""
         track.last_critical = self.clock.monotonic()
         track.critical_reason = reason
         if track.health == HEALTHY:
             self._move(uuid, track, UNHEALTHY, reason)
-        elif track.health == UNHEALTHY and track.reason != reason:
-            log.v(1, "GPU %s stays Unhealthy: %s (was: %s)", uuid, reason, track.reason)
-            track.reason = reason
+        elif track.health == UNHEALTHY:
+            was = track.reason
+            if was != reason:
+                log.v(1, "GPU %s stays Unhealthy: %s (was: %s)", uuid, reason, was)
+                track.reason = reason
+            if delivered or was != reason:  # a fault that holds at each read is told once, an event each time
+                self._tell(HealthChange(uuid, track.index, UNHEALTHY, UNHEALTHY, reason, reason_class(reason), was,
+                                        self.recovery))
 
     # -- reads (the source's thread) ----------------------------------------------------------------------------
 
@@ -181,8 +235,20 @@ class HealthTracker:
             track = self._tracks.get(uuid)
             return track.health if track else None
 
+    def _tell(self, change: HealthChange) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(change)
+        except Exception as e:  # noqa: BLE001 - the hook only reports: the state machine goes on without it
+            if not self._hook_failed:
+                log.warning("reporting GPU %s's health change failed (later failures at -v 2): %s", change.uuid, e)
+            else:
+                log.v(2, "reporting GPU %s's health change failed: %s", change.uuid, e)
+            self._hook_failed = True
+
     def _move(self, uuid: str, track: _Track, to: str, reason: str) -> None:
-        before = track.health
+        before, was = track.health, track.reason
         track.health = to
         track.reason = "" if to == HEALTHY else reason
         track.since = self.clock.wall()
@@ -192,3 +258,7 @@ class HealthTracker:
             log.info("GPU %s (index %d) %s -> Healthy: %s", uuid, track.index, before, reason)
         else:
             log.warning("GPU %s (index %d) %s -> %s: %s", uuid, track.index, before, to, reason)
+        # The class of the error behind it: back from Lost to Unhealthy, the critical event's, not "answering again".
+        cls = "" if to == HEALTHY else reason_class(
+            track.critical_reason if to == UNHEALTHY and track.critical_reason else reason)
+        self._tell(HealthChange(uuid, track.index, before, to, reason, cls, was, self.recovery))

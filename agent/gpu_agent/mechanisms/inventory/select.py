@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from gpu_agent.foundations import fake_state
@@ -10,7 +11,7 @@ from gpu_agent.foundations.config import Config, Setting
 from gpu_agent.foundations.ratelimit import ApiLimit
 from gpu_agent.foundations.xids import DEFAULT_IGNORED_XIDS
 from gpu_agent.mechanisms.inventory.fake import FakeFileSource
-from gpu_agent.mechanisms.inventory.gpu_health import HealthMetrics, HealthTracker
+from gpu_agent.mechanisms.inventory.gpu_health import HealthChange, HealthMetrics, HealthTracker
 from gpu_agent.mechanisms.inventory.nvml import NVMLSource
 from gpu_agent.mechanisms.inventory.source import GPUSource
 
@@ -64,11 +65,13 @@ def health_recovery(cfg: GPUSourceConfig) -> float:
 
 
 def make_source(cfg: GPUSourceConfig, *, metrics: HealthMetrics | None = None, clock: Clock | None = None,
-                api_limit: ApiLimit | None = None) -> GPUSource:
-    """The configured source; `metrics` receives its GPUs' health transitions and counts (nvml and fake).
-    `api_limit`: the client-side rate limit of the cluster source's API client; None: none (a one-shot command)."""
+                api_limit: ApiLimit | None = None, on_health: Callable[[HealthChange], None] | None = None) -> GPUSource:
+    """The configured source; `metrics` receives its GPUs' health transitions and counts (nvml and fake), and
+    `on_health` each change (gpu_health.py: it must only queue). `api_limit`: the client-side rate limit of the
+    cluster source's API client; None: none (a one-shot command)."""
     tracker = HealthTracker(clock=clock or SystemClock(), recovery=health_recovery(cfg),
-                            ignored_xids=cfg.gpuHealthIgnoredXids, source=cfg.gpuSource, metrics=metrics)
+                            ignored_xids=cfg.gpuHealthIgnoredXids, source=cfg.gpuSource, metrics=metrics,
+                            on_change=on_health)
     if cfg.gpuSource == "nvml":
         return NVMLSource(tracker=tracker)
     if cfg.gpuSource == "cluster":
