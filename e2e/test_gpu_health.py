@@ -361,17 +361,21 @@ def test_gpu_health_changes_are_events_on_the_node_naming_the_xid_and_the_recove
         except client.ApiException:
             return {}
 
-    def about_node() -> list:
-        listed = events.list_namespaced_event("default", field_selector=f"regarding.name={node}", _request_timeout=10)
-        return [e for e in listed.items if e.reporting_controller == EVENTS_CONTROLLER and e.regarding.kind == "Node"]
+    def about_node() -> list[dict]:
+        # As JSON: the kubelet's own Events of the node (core/v1, no eventTime) fail the client's EventsV1Event model.
+        listed = json.loads(events.list_namespaced_event("default", field_selector=f"regarding.name={node}",
+                                                         _request_timeout=10, _preload_content=False).data)
+        return [e for e in listed["items"] if e.get("reportingController") == EVENTS_CONTROLLER
+                and e["regarding"].get("kind") == "Node"]
 
     # The node agent has read the node's 4 GPUs healthy (its member says so) before anything breaks.
     wait_until(lambda: member().get("ready") is True and member().get("healthyGPUs") == 4, 30, "the member Ready on 4")
-    before = {e.metadata.name for e in about_node()}
+    before = {e["metadata"]["name"] for e in about_node()}
 
     def new(type_: str, reason: str, *words: str):
-        return next((e for e in about_node() if e.metadata.name not in before and (e.type, e.reason) == (type_, reason)
-                     and all(w in (e.note or "") for w in words)), None)
+        return next((e for e in about_node() if e["metadata"]["name"] not in before
+                     and (e.get("type"), e.get("reason")) == (type_, reason)
+                     and all(w in (e.get("note") or "") for w in words)), None)
 
     def seen(started: float, type_: str, reason: str, *words: str):
         event = wait_until(lambda: new(type_, reason, *words), 30, f"a {type_} {reason} Event on node {node} "
@@ -384,21 +388,22 @@ def test_gpu_health_changes_are_events_on_the_node_naming_the_xid_and_the_recove
     unhealthy, to_unhealthy = seen(unhealthy_at, "Warning", "GPUUnhealthy", "GPU 2 (GPU-",
                                    "Unhealthy: Xid 48 (double-bit ECC error) [critical Xid]")
     for e in (lost, unhealthy):
-        assert e.metadata.namespace == "default" and e.regarding.name == node and e.regarding.api_version == "v1", e
-        assert e.reporting_instance == node and e.action == "CheckGPUHealth", e
+        assert e["metadata"]["namespace"] == "default" and e["regarding"]["name"] == node, e
+        assert e["regarding"].get("apiVersion") == "v1" and e.get("reportingInstance") == node, e
+        assert e.get("action") == "CheckGPUHealth", e
     # The faults hold over many reads of the node's state file (the member follows them meanwhile).
     wait_until(lambda: member().get("healthyGPUs") == 2, 10, "the member on 2 healthy GPUs")
     cleared = faults.clear()
     back_1, to_back_1 = seen(cleared, "Normal", "GPUHealthy", "GPU 1 (GPU-", "was Lost: Xid 79")
     back_2, to_back_2 = seen(cleared, "Normal", "GPUHealthy", "GPU 2 (GPU-", "was Unhealthy: Xid 48")
     # A fault that holds is one occurrence, not one per read: no Event of these four turned into a series.
-    notes = {e.note for e in (lost, unhealthy, back_1, back_2)}
-    mine = [e for e in about_node() if e.metadata.name not in before and e.note in notes]
-    assert len(mine) >= 4 and not [e for e in mine if e.series is not None], [(e.reason, e.series) for e in mine]
+    notes = {e.get("note") for e in (lost, unhealthy, back_1, back_2)}
+    mine = [e for e in about_node() if e["metadata"]["name"] not in before and e.get("note") in notes]
+    assert len(mine) >= 4 and not [e for e in mine if e.get("series")], [(e.get("reason"), e.get("series")) for e in mine]
     print(f"\nXid 79 -> Warning GPULost on node {node} in {to_lost:.2f} s, Xid 48 -> Warning GPUUnhealthy in "
           f"{to_unhealthy:.2f} s; clear -> Normal GPUHealthy in {to_back_1:.2f} s and {to_back_2:.2f} s")
     for e in (lost, unhealthy, back_1, back_2):
-        print(f"  {e.type} {e.reason}: {e.note}")
+        print(f"  {e.get('type')} {e.get('reason')}: {e.get('note')}")
     assert max(to_lost, to_unhealthy, to_back_1, to_back_2) <= EVENT_GOAL
 
 
