@@ -244,15 +244,9 @@ def test_an_xid_79_takes_one_gpu_out_of_allocatable_and_registration_within_2s_a
     assert max(to_allocatable, to_registered, back_allocatable, back_registered) <= GOAL
 
 
-@pytest.mark.serial(reason="measures a 2 s goal of /healthz through the API server's proxy: beside another worker's "
-                           "installs (CI, 2026-12-06) the first 200 after the clear was sampled 6.0 s late")
-def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_within_2s_with_nothing_restarted(
-        health_release, fake_gpus, api, core):
-    r, faults = health_release
-    node = fake_gpus.node
+def member_of(api, r: Release, node: str):
+    """A reader of the node's member of the release's domain (its spec; {} while it is not there)."""
     custom = client.CustomObjectsApi(api)
-    plugin = fake_gpus.plugin_pod()
-    plugin_restarts = {c.name: c.restart_count for c in plugin.status.container_statuses}
 
     def member() -> dict:
         try:
@@ -260,6 +254,18 @@ def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_withi
                                                        f"{DOMAIN}.{node}")["spec"]
         except client.ApiException:
             return {}
+    return member
+
+
+@pytest.mark.serial(reason="measures a 2 s goal of /healthz through the API server's proxy: beside another worker's "
+                           "installs (CI, 2026-12-06) the first 200 after the clear was sampled 6.0 s late")
+def test_all_gpus_faulted_is_notready_with_the_reason_and_a_clear_is_ready_within_2s_with_nothing_restarted(
+        health_release, fake_gpus, api, core):
+    r, faults = health_release
+    node = fake_gpus.node
+    plugin = fake_gpus.plugin_pod()
+    plugin_restarts = {c.name: c.restart_count for c in plugin.status.container_statuses}
+    member = member_of(api, r, node)
 
     wait_until(lambda: member().get("ready") is True and member().get("healthyGPUs") == 4, 30, "the member Ready on 4")
     with Sampler(lambda: r.healthz()[0], 0.1) as health, Sampler(fake_gpus.allocatable, 0.05) as allocatable, \
@@ -352,14 +358,8 @@ def test_gpu_health_changes_are_events_on_the_node_naming_the_xid_and_the_recove
     this release's node agent records each anew."""
     r, faults = health_release
     node = fake_gpus.node
-    custom, events = client.CustomObjectsApi(api), client.EventsV1Api(api)
-
-    def member() -> dict:
-        try:
-            return custom.get_namespaced_custom_object("gpu-agent.io", "v1beta1", r.namespace, "gpudomainmembers",
-                                                       f"{DOMAIN}.{node}")["spec"]
-        except client.ApiException:
-            return {}
+    events = client.EventsV1Api(api)
+    member = member_of(api, r, node)
 
     def about_node() -> list[dict]:
         # As JSON: the kubelet's own Events of the node (core/v1, no eventTime) fail the client's EventsV1Event model.
