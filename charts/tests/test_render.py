@@ -290,10 +290,12 @@ def test_the_kube_api_limit_values_reach_each_agents_settings(tmp_path):
     assert limits(docs)["cluster-agent"] == (100.0, 7)
 
 
-def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_in_namespace_default_alone(tmp_path):
-    """nodeAgent.gpuHealthEvents (on by default): the setting reaches the node agent, and a Role in namespace default
-    (where a Node's Events live) lets its ServiceAccount create and patch events.k8s.io Events there and nothing else;
-    off: the setting says so and no such Role or binding renders."""
+def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_alone_with_no_object_outside_the_namespace(
+        tmp_path):
+    """nodeAgent.gpuHealthEvents (on by default): the setting reaches the node agent, and a ClusterRole lets its
+    ServiceAccount create and patch events.k8s.io Events and nothing else (a Node's Events live in namespace default,
+    where a Role would be the chart's one object outside its namespace: `kubectl apply -n` of the rendered chart, the
+    GitOps path, refuses such an object); off: the setting says so and no such ClusterRole or binding renders."""
     import argparse
 
     from gpu_agent.foundations.config import load
@@ -317,14 +319,16 @@ def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_in_n
         docs = render(*sets)
         assert setting(docs) is True, sets
         rbac = events_rbac(docs)
-        assert sorted(rbac) == ["Role", "RoleBinding"], sets
-        assert rbac["Role"]["metadata"]["namespace"] == rbac["RoleBinding"]["metadata"]["namespace"] == "default"
-        assert rbac["Role"]["rules"] == [events]
-        assert rbac["RoleBinding"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                                  "name": "t-gpu-agent-node-agent-events"}
-        assert rbac["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "t-gpu-agent-node-agent",
-                                                    "namespace": "ns"}]
-        assert event_rules(docs, "node-agent") == [("Role", "default", events)], "no other right on events"
+        assert sorted(rbac) == ["ClusterRole", "ClusterRoleBinding"], sets
+        assert "namespace" not in rbac["ClusterRole"]["metadata"] and "namespace" not in rbac["ClusterRoleBinding"]["metadata"]
+        assert rbac["ClusterRole"]["rules"] == [events]
+        assert rbac["ClusterRoleBinding"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                                         "name": "t-gpu-agent-node-agent-events"}
+        assert rbac["ClusterRoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "t-gpu-agent-node-agent",
+                                                           "namespace": "ns"}]
+        assert event_rules(docs, "node-agent") == [("ClusterRole", None, events)], "no other right on events"
+        # every namespaced object of the chart is in the release's namespace (kubectl apply -n ns takes them all)
+        assert {d["metadata"].get("namespace") for d in docs} <= {None, "ns"}, sets
     off = render("--set", "nodeAgent.gpuHealthEvents=false")
     assert setting(off) is False and events_rbac(off) == {} and event_rules(off, "node-agent") == []
     # The token goes with the right: without a domain, DRA or Events the node agent needs no API access.
@@ -334,7 +338,7 @@ def test_gpu_health_events_grant_the_node_agents_create_and_patch_on_events_in_n
         assert ds["spec"]["template"]["spec"]["automountServiceAccountToken"] is sa["automountServiceAccountToken"] is mounted
     assert events_rbac(render("--set", "nodeAgent.enabled=false")) == {}
     named = render("--set", "nodeAgent.serviceAccount.create=false", "--set", "nodeAgent.serviceAccount.name=gpu-nodes")
-    assert events_rbac(named)["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-nodes", "namespace": "ns"}]
+    assert events_rbac(named)["ClusterRoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "gpu-nodes", "namespace": "ns"}]
 
 
 def test_two_cluster_agents_get_a_disruption_budget_and_prefer_different_nodes():
