@@ -57,21 +57,27 @@ kstatus() {
 ci_suite() {  # ci_suite PYTEST_ARGS...
   local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-2} fake_ns t
   kstatus
-  run_suite "cluster qualification" "$smoke"  # whole, whatever the run selects: a -k would deselect it
+  # whole, whatever the run selects (a -k would deselect it); its five tests side by side, each in its namespace: they
+  # wait on Pods and rollouts, the CPU mostly idle (14% of both cores one after another)
+  run_suite "cluster qualification" "$smoke" -n 5 --dist load
   if ((rc != 0)); then log "FAILED: the cluster's qualification (e2e/test_smoke.py): the product suite did not run"; return; fi
   t=$SECONDS
   fake_ns=$(cd "$repo" && "$python" -m e2e.fake_gpu_release up "$KUBECONFIG_PATH") || { rc=1; log "FAILED: fake-gpu install"; return; }
   log "timing: fake-gpu install $((SECONDS - t))s"
   if ((jobs == 0)); then
+    phase_mark "suite in one process"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
     beside
   else
+    phase_mark serial
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
+    phase_mark grouped
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
     # The lane beside the parallel phase, on nodes no worker owns: its output kept apart and printed after the
     # parallel phase's, so that neither is interleaved line by line with the other. Then E2E_BESIDE, if set, in
     # the time the parallel phase still runs.
+    phase_mark parallel
     lane_log=$(mktemp)
     (E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=lane E2E_JOBS=$jobs run_suite "lane (beside the parallel phase)" \
       "$repo/e2e" --ignore="$smoke" "$@"; beside; exit "$rc") > "$lane_log" 2>&1 &
@@ -85,6 +91,12 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
   t=$SECONDS
   (cd "$repo" && "$python" -m e2e.fake_gpu_release down "$KUBECONFIG_PATH" "$fake_ns") || { rc=1; log "FAILED: fake-gpu uninstall"; }
   log "timing: fake-gpu uninstall $((SECONDS - t))s"
+}
+
+# E2E_PHASE_FILE: a file each phase's name is appended to as it starts: what runs beside the suite waits on it (make
+# test's unit and integration stages start with the serial phase, after the cluster's builds: scripts/unit-stages.sh)
+phase_mark() {
+  [[ -z ${E2E_PHASE_FILE:-} ]] || echo "$1" >> "$E2E_PHASE_FILE"
 }
 
 # E2E_BESIDE: a command (bash) that needs none of this cluster's nodes and mostly waits, run once the lane has ended,
