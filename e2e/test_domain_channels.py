@@ -11,6 +11,7 @@ status the cluster agent writes, and what the workload got is what it prints its
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import sys
 import time
@@ -263,22 +264,33 @@ def run_workload(api, core, ns, name, timeout=240, **values):
     took = time.monotonic() - started
     print(f"\njob {name} complete in {took:.1f}s")
     if took > SLOW_JOB:  # a job that usually takes seconds: what it waited on, for the next look (issue 47)
-        print_timeline(core, ns)
+        print_timeline(core, ns, int(took) + 30)
     return [pod_log(core, ns, p.metadata.name) for p in job_pods(core, ns, name) if p.status.phase == "Succeeded"]
 
 
 SLOW_JOB = 30.0
 
 
-def print_timeline(core, ns):
-    """The namespace's events in time order (scheduling, claim prepare, starts): where a slow job's time went."""
+def print_timeline(core, ns, seconds):
+    """Where a slow job's time went: the namespace's events of the last `seconds` in time order (scheduling, the
+    kubelet's claim prepare, starts), then the node agents' lines of the same time about claims and domains (when the
+    kubelet called NodePrepareResources, how long a channel's prepare waited for its node to be Ready)."""
     def when(e):
         return e.event_time or e.last_timestamp or e.first_timestamp or e.metadata.creation_timestamp
-    events = sorted(core.list_namespaced_event(ns, _request_timeout=10).items, key=when)
+    since = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)
+    events = sorted((e for e in core.list_namespaced_event(ns, _request_timeout=10).items if when(e) >= since), key=when)
     for e in events:
         count = f" x{e.count}" if (e.count or 1) > 1 else ""
-        print(f"  {when(e):%H:%M:%S} {e.involved_object.kind}/{e.involved_object.name} {e.reason}{count}: "
-              f"{(e.message or '')[:200]}")
+        print(f"  {when(e):%H:%M:%S} {e.involved_object.kind}/{e.involved_object.name} {e.reason}{count}: {e.message or ''}")
+    for pod in core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=node-agent", _request_timeout=10).items:
+        try:
+            text = core.read_namespaced_pod_log(pod.metadata.name, ns, since_seconds=seconds, _request_timeout=10)
+        except ApiException as e:
+            print(f"  node agent {pod.metadata.name}: its log unread ({e.status} {e.reason})")
+            continue
+        for line in text.splitlines():
+            if "claim" in line or "GPUDomain" in line:
+                print(f"  [{pod.spec.node_name}] {line}")
 
 
 def delete_job(api, core, ns, name):

@@ -139,6 +139,8 @@ class ClaimPreparer:
     def prepare(self, claims: list[ClaimRef], deadline: float) -> dict[str, Outcome]:
         """`deadline`: on this preparer's clock's monotonic time; answers come back before it."""
         out: dict[str, Outcome] = {}
+        # when the kubelet called, beside the pod's events: where a slow start's time went (a kubelet retry, our wait)
+        log.info("NodePrepareResources: %d claim(s): %s", len(claims), ", ".join(str(ref) for ref in claims))
         for ref in claims:
             try:
                 out[ref.uid] = Outcome(self._prepare(ref, deadline))  # it takes the lock itself, twice for a channel
@@ -210,10 +212,15 @@ class ClaimPreparer:
                                       domain=channel.config.domain))
             gate.join(channel.config.domain, ref.uid)
         # the wait holds no lock: other claims of this node prepare and unprepare meanwhile
-        until = min(self.clock.monotonic() + self.channels.wait, deadline)
+        began = self.clock.monotonic()
+        until = min(began + self.channels.wait, deadline)
+        log.info("claim %s: a channel of GPUDomain %s/%s: joined; waiting up to %.0f s for this node to be Ready in it",
+                 ref, ref.namespace, channel.config.domain, until - began)
         try:
             view = gate.wait_ready(channel.config.domain, max(0.0, until - self.clock.monotonic()))
             self._wait_for_channel(ref, until)
+            log.info("claim %s: this node Ready in GPUDomain %s/%s after %.1f s", ref, ref.namespace,
+                     channel.config.domain, self.clock.monotonic() - began)
         except (DomainNotReady, RuntimeError):
             pods = [(ref.namespace, str(r.get("name"))) for r in (claim.get("status") or {}).get("reservedFor") or []
                     if r.get("resource") == "pods" and r.get("name")]
