@@ -6,9 +6,9 @@
 # TEST_BUDGET_MINUTES (default 80: CI kills a run at 90 and says nothing, so the run fails itself first).
 #
 # Stages: tools (what the unit stage's chart and GitOps tests run: helm, kubectl, kubeconform, checkov,
-# kstatus; ci/ builds them once per version, the CI cluster reuses them), lint, unit and integration (beside the e2e
-# stage's serial phase, below), e2e on the CI cluster (make -C ci e2e: the cluster's qualification, then the suite),
-# the kind stage (beside the e2e stage's parallel phase, below).
+# kstatus; ci/ builds them once per version, the CI cluster reuses them), lint, unit, integration, unit-compute
+# (the unit tests that only compute, beside the e2e stage's serial phase, below), e2e on the CI cluster (make -C ci
+# e2e: the cluster's qualification, then the suite), the kind stage (beside the e2e stage's parallel phase, below).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -22,25 +22,23 @@ export TEST_JUNIT_DIR=$out/junit  # the e2e stages write theirs here too (ci/scr
 export TEST_OUT=$out
 started=$SECONDS
 failed=0
-unit_pid=  # the unit and integration stages' process, while they run beside the e2e stage
+unit_pid=  # the unit-compute stage's process, while it runs beside the e2e stage
 
 stage() {  # stage NAME CMD...: scripts/stage.sh (its output in $out/NAME.log, its time and code in the ledger)
   bash "$repo/scripts/stage.sh" "$@" && return 0
   local rc=$?; failed=1; return "$rc"
 }
 
-finish_beside() {  # the unit and integration stages beside the e2e stage: started if they wait still, waited for, judged
+finish_beside() {  # the compute-only unit tests beside the e2e stage: started if they wait still, waited for, judged
   [[ -n $unit_pid ]] || return 0
   local pid=$unit_pid; unit_pid=
   echo ended >> "$E2E_PHASE_FILE"
-  printf '%s test: waiting for the unit and integration stages (beside the e2e stage; their output follows)\n' \
-    "$(date -u +%H:%M:%S)" >&2
+  printf '%s test: waiting for the unit tests beside the e2e stage (their output follows)\n' "$(date -u +%H:%M:%S)" >&2
   wait "$pid"
   local name
-  for name in unit-beside unit integration; do [[ ! -s $out/$name.log ]] || cat "$out/$name.log" >&2; done
+  for name in unit-compute-beside unit-compute; do [[ ! -s $out/$name.log ]] || cat "$out/$name.log" >&2; done
   # judged by the ledger, which stage.sh writes as each stage ends: a stage missing from it did not run or end
-  if ! awk -F'\t' '$1 == "unit" || $1 == "integration" {ran[$1] = 1; if ($3 != 0) bad = 1}
-      END {exit bad || !ran["unit"] || !ran["integration"]}' "$ledger"; then
+  if ! awk -F'\t' '$1 == "unit-compute" {ran = 1; if ($3 != 0) bad = 1} END {exit bad || !ran}' "$ledger"; then
     failed=1
   fi
 }
@@ -53,27 +51,22 @@ report() {
 }
 trap report EXIT
 
-pytest_stage() {  # pytest_stage NAME PYTEST_ARGS...
-  local name=$1; shift
-  stage "$name" "$BIN/pytest" --junitxml="$out/junit/$name.xml" "$@"
-}
-
 stage tools bash -c 'bash ci/scripts/build-kstatus.sh && bash ci/scripts/install-tools.sh' || exit 1
 stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/python scripts/check-doc-links.py && \
   $BIN/python scripts/check-runtime-rules.py" || exit 1
-# The unit and integration stages (scripts/unit-stages.sh) run beside the e2e stage's serial phase, on the CPU it leaves
-# idle, niced (TEST_UNIT_BESIDE=1, the default): they start when ci/scripts/e2e.sh writes its first phase to
-# E2E_PHASE_FILE, or when the e2e stage has ended without one. Their output follows the e2e stage's; a failure fails
-# the run at its end. TEST_UNIT_BESIDE=0: first, alone, and the run stops at their failure.
+# The unit and integration stages (scripts/unit-stages.sh): first, alone, the tests that meet the wall clock; the unit
+# tests that only compute (the chart's renders and linters, the simulation) beside the e2e stage's serial phase, niced,
+# on the CPU it leaves idle (TEST_UNIT_BESIDE=1, the default): they start when ci/scripts/e2e.sh writes its first phase
+# to E2E_PHASE_FILE, or when the e2e stage has ended without one; their output follows the e2e stage's and a failure
+# fails the run at its end. TEST_UNIT_BESIDE=0: every unit test first, alone.
 export E2E_PHASE_FILE=$out/e2e-phases
 : > "$E2E_PHASE_FILE"
+UNIT_BESIDE=${TEST_UNIT_BESIDE:-1} bash scripts/unit-stages.sh first || { failed=1; exit 1; }
 if [[ ${TEST_UNIT_BESIDE:-1} == 1 ]]; then
-  bash scripts/unit-stages.sh --beside > "$out/unit-beside.log" 2>&1 &
+  bash scripts/unit-stages.sh beside > "$out/unit-compute-beside.log" 2>&1 &
   unit_pid=$!
   # a session of its own, which the terminal's ^C does not reach: stopped with this run (its pid leads its group)
   trap 'kill -TERM -- "-$unit_pid" 2>/dev/null; exit 130' INT TERM
-else
-  bash scripts/unit-stages.sh || { failed=1; exit 1; }
 fi
 # The e2e stages: the CI cluster runs every test but the `fast` ones (`make e2e` alone runs them all); the kind
 # stage runs the `fast` ones, so that `make e2e CLUSTER=kind` is proven on every run without running a test twice.
