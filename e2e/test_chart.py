@@ -292,6 +292,8 @@ def test_each_service_account_can_do_what_its_component_needs_and_nothing_more(r
         ("cluster-agent", "list", "nodes", None, True), ("cluster-agent", "watch", "nodes", None, True),
         ("cluster-agent", "create", "pods", ns, True), ("cluster-agent", "delete", "pods", ns, True),
         ("cluster-agent", "patch", "pods", ns, True), ("cluster-agent", "patch", "pods", other, False),
+        # ... and lists and watches them: its work Pods, and the node agents' Pods its domain folder checks members by
+        ("cluster-agent", "list", "pods", ns, True), ("cluster-agent", "watch", "pods", ns, True),
         ("cluster-agent", "create", "pods", other, False), ("cluster-agent", "get", "secrets", ns, False),
         ("cluster-agent", "patch", "nodes", None, False), ("cluster-agent", "delete", "nodes", None, False),
         ("node-agent", "list", "pods", ns, False), ("node-agent", "get", "nodes", None, False),

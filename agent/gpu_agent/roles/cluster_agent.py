@@ -461,21 +461,27 @@ class ClusterAgent:
         from gpu_agent.foundations.events import EventRecorder
         from gpu_agent.foundations.kube import api_client
         from gpu_agent.mechanisms.domain.aggregate import FOLDER_CONNECTIONS, Aggregator, EveryDomainAggregator
+        from gpu_agent.mechanisms.inventory.cluster import ClusterSource
 
         api = api_client(self.cfg.kubeconfig, connections=FOLDER_CONNECTIONS, limit=self.api_limit.named("domains"))
         self.recorder = EventRecorder(api, controller="gpu-agent.io/cluster-agent", instance=self.cfg.identity,
                                       clock=self.clock)
         start_thread("domain-events", self.recorder.run)
+        # Members are checked against their node agents' Pods (one watch of them) and, with the cluster GPU source,
+        # their GPUs against the Nodes' capacity that source's Node watch already holds (no second watch).
+        source = self.monitor.source
+        capacity = source.gpu_capacity if isinstance(source, ClusterSource) else None
         if self.cfg.foldAllDomains:  # the named domain is one of them
             self.aggregator = EveryDomainAggregator(api, self.cfg.domainNamespace,
                                                     heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl,
                                                     clock=self.clock, rng=self.random.for_("domains"),
-                                                    recorder=self.recorder)
+                                                    recorder=self.recorder, check_members=True, gpu_capacity=capacity)
             log.info("folding the members of every GPUDomain of %s", self.cfg.domainNamespace)
         else:
             self.aggregator = Aggregator(api, self.cfg.domainNamespace, self.cfg.domainName,
                                          heartbeat_ttl_intervals=self.cfg.domainHeartbeatTtl, clock=self.clock,
-                                         rng=self.random.for_("domains"), recorder=self.recorder)
+                                         rng=self.random.for_("domains"), recorder=self.recorder, check_members=True,
+                                         gpu_capacity=capacity)
             log.info("folding GPUDomainMembers into GPUDomain %s/%s", self.cfg.domainNamespace, self.cfg.domainName)
         start_thread("domain-aggregator", self.aggregator.run)
         self._start_channels(api)

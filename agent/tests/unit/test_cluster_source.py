@@ -162,3 +162,20 @@ def test_before_its_first_list_the_source_has_no_answer_and_an_empty_cluster_aft
     source._listed_nodes(NS(items=[]))
     after = source.read()
     assert (after.inventory.count, after.answered, after.note) == (0, True, "no Ready node has nvidia.com/gpu")
+
+
+def test_the_domain_folder_reads_each_nodes_gpu_capacity_from_the_same_node_watch():
+    """ClusterSource.gpu_capacity: the device plugin's count of a node this watch sees (mechanisms/domain/trust.py
+    checks a member's GPUs against it); None where there is no such report."""
+    from gpu_agent.mechanisms.inventory.cluster import ClusterSource
+
+    def named(name: str, n: NS) -> NS:
+        n.metadata = NS(name=name)
+        return n
+
+    source = ClusterSource(None, start=False)
+    source._listed_nodes(NS(items=[named("n1", node("3", "4")), named("n2", node(None, None)),
+                                   named("n3", node("4", "4", ready=False))]))
+    assert [source.gpu_capacity(n) for n in ("n1", "n2", "n3", "elsewhere")] == [4, None, None, None]
+    source._node_event("MODIFIED", named("n2", node("8", "8")))
+    assert source.gpu_capacity("n2") == 8

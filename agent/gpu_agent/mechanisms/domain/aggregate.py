@@ -26,6 +26,10 @@ from the moment it saw the last change (never by comparing the written timestamp
 clock, so node clock skew does not matter), and the domain NotReady when fewer than expected
 members are Ready. A hung (SIGSTOPped) or killed agent therefore turns its member NotReady within
 the TTL, and a returning one Ready at its next heartbeat.
+
+Members are also checked against what their node agent cannot write (trust.py, the cluster agent's folder):
+a member whose address or node is not its owner Pod's, whose owner Pod is gone, or that lists more GPUs than its
+Node reports, is folded NotReady with the reason, and its address is left out of the status.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from gpu_agent.foundations.backoff import Backoff
 from gpu_agent.foundations.clock import Clock, SystemClock
 from gpu_agent.foundations.events import EventRecorder, reference
 from gpu_agent.foundations.klog import get_logger
-from gpu_agent.foundations.kube import items_of, list_then_watch
+from gpu_agent.foundations.kube import core_v1_list, items_of, list_then_watch
 from gpu_agent.foundations.threads import StopEvent, start_thread
 from gpu_agent.mechanisms.domain.conditions import find, generation_of, timestamp
 from gpu_agent.mechanisms.domain.entries import (
@@ -68,6 +72,7 @@ from gpu_agent.mechanisms.domain.entries import (
 )
 from gpu_agent.mechanisms.domain.members import DOMAIN_LABEL, MemberIndex, legacy_member_name, member_name
 from gpu_agent.mechanisms.domain.transitions import transitions
+from gpu_agent.mechanisms.domain.trust import MemberTrust, NodeAgentPods
 from gpu_agent.mechanisms.domain.writer import (
     GROUP,
     PLURAL,
@@ -250,19 +255,23 @@ def _clique_of(spec: MemberSpec) -> str:
 
 
 def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] = frozenset(), *,
-         now: str | None = None, rejoining: Mapping[str, tuple[str, int]] | None = None) -> GPUDomain | None:
+         now: str | None = None, rejoining: Mapping[str, tuple[str, int]] | None = None,
+         doubted: Mapping[str, str] | None = None) -> GPUDomain | None:
     """The domain object with its status rebuilt from `members` (node -> member spec), or None if unchanged.
 
     The status carries the Ready condition (conditions.py) and the generation it answers; `now` is the
     lastTransitionTime of a condition whose status moves (the caller's wall clock).
 
-    Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say. Indices
+    Members in `silent` (heartbeat not renewed within its TTL) are NotReady whatever they say; so are those
+    `doubted` (node -> why: trust.py), whose address is withheld too (it reaches every peer list). Indices
     are per clique: a member keeps its index while it stays in its clique, a new one (or one that
     moved to another clique) gets the lowest free index of its clique, and a clique that already holds
     `spec.maxNodesPerClique` nodes admits no more: the rest wait, named in `status.cliques`, until a
     place frees. `rejoining` (node -> (clique, index) of members that left lately): such a node, back in the same
     clique, gets that index again if nobody uses it, and newcomers take other indices meanwhile."""
-    members = {n: ({**m, "ready": False} if n in silent else m) for n, m in members.items()}
+    doubted = {n: why for n, why in (doubted or {}).items() if n in members}
+    members = {n: ({**m, "ready": False, "ip": ""} if n in doubted else {**m, "ready": False} if n in silent else m)
+               for n, m in members.items()}
     domain_spec = spec_of(obj)
     limit = domain_spec.get("maxNodesPerClique")
     limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
@@ -292,7 +301,8 @@ def fold(obj: GPUDomain, members: dict[str, MemberSpec], silent: frozenset[str] 
         new_status["cliques"] = cliques
     else:
         new_status.pop("cliques", None)
-    new_status = with_ready_condition(obj, new_status, now, waiting=waiting, silent=silent & set(members), limit=limit)
+    new_status = with_ready_condition(obj, new_status, now, waiting=waiting, silent=silent & set(members), limit=limit,
+                                      doubted=doubted)
     if new_status == status_of(obj):
         return None
     return {**obj, "status": new_status}
@@ -430,13 +440,17 @@ class Aggregator:
                  heartbeat_ttl_intervals: float = 3.0, clock: Clock | None = None,
                  rng: random.Random | None = None, custom_api: client.CustomObjectsApi | None = None,
                  recorder: EventRecorder | None = None, watch_domain: bool = True, watch_members: bool = True,
-                 arrivals: Arrivals | None = None, bound: float = COALESCE_BOUND) -> None:
+                 arrivals: Arrivals | None = None, bound: float = COALESCE_BOUND, check_members: bool = False,
+                 pods: NodeAgentPods | None = None, gpu_capacity: Callable[[str], int | None] | None = None) -> None:
         """`custom_api`: the API client's unless handed one (unit tests hand in fakes). `recorder`: where
         the Events of each written change go (none: not told). `watch_domain`: watch the GPUDomain itself,
         so a spec change (expectedNodes, maxNodesPerClique) is folded at once; `watch_members`: watch its
         members (listed_members, member_event). Either False when the caller forwards them
         (EveryDomainAggregator watches them all, one watch of each kind for the namespace). `arrivals`: the
-        namespace's, when the caller folds many domains, with its `bound` (see WriteSchedule)."""
+        namespace's, when the caller folds many domains, with its `bound` (see WriteSchedule).
+        `check_members`: check each member against its owner Pod (trust.py) through a watch of the namespace's
+        node agent Pods of its own, or through `pods`, the caller's shared one (then not watched here);
+        `gpu_capacity` (node -> its Node's GPU capacity, None when not reported): check its GPUs too."""
         self.api = api
         self.recorder = recorder
         self.watch_domain = watch_domain
@@ -462,6 +476,12 @@ class Aggregator:
         self.writes = 0
         self.write_reasons: collections.Counter[str] = collections.Counter()  # prompt, quiet, bound
         self.pending = WriteSchedule(quiet=interval, bound=bound, shared=arrivals)
+        self.watch_pods = pods is None and check_members
+        if self.watch_pods:
+            pods = NodeAgentPods(core_v1_list(api, "pods"), namespace, clock=self.clock)
+        self.pods = pods
+        self.trust = MemberTrust(pods, gpu_capacity, monotonic=self.clock.monotonic) if pods is not None else None
+        self.told_doubts: dict[str, str] = {}  # node -> the doubt the last Events told (transitions.py)
 
     def listed_members(self, listed: Any) -> None:
         with self._lock:
@@ -516,7 +536,14 @@ class Aggregator:
                         clock=self.clock, retry_seconds=2.0,
                         on_error=lambda e: log.warning("watching %s failed: %s", self.writer.where, e))
 
-    def _tell(self, before: GPUDomain | None, after: GPUDomain | None, silent: frozenset[str]) -> None:
+    def _doubts(self) -> dict[str, str]:
+        """node -> why its member is not trusted (trust.py; {} without checks). Under the lock."""
+        if self.trust is None:
+            return {}
+        return self.trust.doubts(self.members, {node: self.index.owner(node) for node in self.members})
+
+    def _tell(self, before: GPUDomain | None, after: GPUDomain | None, silent: frozenset[str],
+              doubted: Mapping[str, str]) -> None:
         """The Events of a written change (transitions.py)."""
         if self.recorder is None or after is None:
             return
@@ -526,15 +553,20 @@ class Aggregator:
         # The version `kubectl events --for gpudomain/NAME` resolves the kind to (the preferred one), not the one
         # this writer reads at: kubectl selects events by involvedObject.apiVersion as well.
         regarding = reference({**after, "apiVersion": f"{GROUP}/{PREFERRED_VERSION}", "kind": "GPUDomain"})
-        for t in transitions(before, after, silent_for):
+        for t in transitions(before, after, silent_for, doubted, self.told_doubts):
             self.recorder.record(regarding, t.type, t.reason, "Fold", t.note)
+        present = {n.get("name") for n in nodes_of(after)}
+        self.told_doubts = {n: why for n, why in doubted.items() if n in present}
 
     def run(self) -> None:
         if self.watch_members:
             start_thread("members-watch", self._watch, self._stop)
         if self.watch_domain:
             start_thread("domain-watch", self._watch_own_domain, self._stop)
+        if self.watch_pods and self.pods is not None:
+            start_thread("node-agent-pods-watch", self.pods.run, self.pods.stop_event)
         silent: frozenset[str] = frozenset()
+        doubted: dict[str, str] = {}
         while not self._stop.is_set():
             # 0.5 s at most: also the step at which silent members are noticed
             if self.clock.wait_blocking(self._changed, min(0.5, self.pending.wait(self.clock.monotonic()))):
@@ -543,6 +575,16 @@ class Aggregator:
                     self.pending.changed(self.clock.monotonic())
             with self._lock:
                 now_silent = self.heartbeats.silent(self.members)
+                now_doubted = self._doubts()  # checked at the same step: a Pod or Node change is seen within it
+            if now_doubted != doubted:
+                for node, doubt in sorted(now_doubted.items()):
+                    if doubted.get(node) != doubt:
+                        log.warning("member %s of %s not trusted, marking it NotReady: %s", node, self.writer.where, doubt)
+                for node in sorted(set(doubted) - set(now_doubted)):
+                    if node in self.members:
+                        log.info("member %s of %s trusted again", node, self.writer.where)
+                doubted = now_doubted
+                self.pending.changed(self.clock.monotonic())
             if now_silent != silent:
                 for node in sorted(now_silent - silent):
                     log.warning("member %s of %s: no heartbeat for its TTL; marking it NotReady", node, self.writer.where)
@@ -557,7 +599,8 @@ class Aggregator:
             current = self._current()
             stamp = timestamp(self.clock.wall())
             rejoining = self._rejoining(self.clock.monotonic())
-            new = fold(current, members, silent, now=stamp, rejoining=rejoining) if current is not None else None
+            new = (fold(current, members, silent, now=stamp, rejoining=rejoining, doubted=doubted)
+                   if current is not None else None)
             if current is not None and new is None:
                 self.pending.written()  # the status already says so
                 self.folded_generation = generation_of(current)
@@ -572,13 +615,14 @@ class Aggregator:
                 continue
             self.pending.written()
             # Stopped (no longer leading, the domain gone): the retries end with it.
-            change = functools.partial(fold, members=members, silent=silent, now=stamp, rejoining=rejoining)
+            change = functools.partial(fold, members=members, silent=silent, now=stamp, rejoining=rejoining,
+                                       doubted=doubted)
             if self.writer.update(change, f"fold {len(members)} members ({why})", self._stop.is_set, None):
                 self.writes += 1
                 self.write_reasons[why] += 1
                 self.folded_generation = generation_of(self.writer.cached or {})
                 self._departures(current, self.writer.cached, self.clock.monotonic())
-                self._tell(current, self.writer.cached, silent)
+                self._tell(current, self.writer.cached, silent, doubted)
 
     def readiness(self) -> dict[str, tuple[bool, str]]:
         """{domain: (Ready, the Ready condition's reason)} as the newest view holds it; {} before one has it."""
@@ -613,6 +657,8 @@ class Aggregator:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.watch_pods and self.pods is not None:
+            self.pods.stop()
 
 
 class EveryDomainAggregator:
@@ -643,13 +689,17 @@ class EveryDomainAggregator:
     then cost exactly one status write each, the one that turns it Ready (1.3 to 2.0 before). What is
     left is that write: 11.7 ms of API server CPU for a domain of 18 (4.7 ms for 1, 37.5 ms for 72;
     a merge patch costs more), all 64 landing as the last members do.
+
+    With `check_members`, one watch of the namespace's node agent Pods (trust.py) serves every aggregator's checks
+    the same way, and `gpu_capacity` (the caller's Node watch) their GPU check.
     """
 
     MAX_INTERVAL = 2.0
 
     def __init__(self, api: client.ApiClient, namespace: str, *, heartbeat_ttl_intervals: float = 3.0,
                  interval: float = 0.1, clock: Clock | None = None, rng: random.Random | None = None,
-                 recorder: EventRecorder | None = None) -> None:
+                 recorder: EventRecorder | None = None, check_members: bool = False,
+                 gpu_capacity: Callable[[str], int | None] | None = None) -> None:
         self.api = api
         self.recorder = recorder
         self._seed = (rng or random.Random()).getrandbits(64)  # each domain's writer draws from its own source
@@ -665,6 +715,8 @@ class EveryDomainAggregator:
         self.arrivals = Arrivals()
         self._lock = threading.Lock()
         self._stop = StopEvent()  # its set also shuts the watches' connections (foundations/threads.py)
+        self.pods = NodeAgentPods(core_v1_list(api, "pods"), namespace, clock=self.clock) if check_members else None
+        self.gpu_capacity = gpu_capacity
 
     def window(self, domains: int) -> float:
         return min(self.MAX_INTERVAL, self.interval * max(1.0, math.pow(domains, 2 / 3)))
@@ -685,7 +737,8 @@ class EveryDomainAggregator:
                 agg = Aggregator(self.api, self.namespace, name, interval=interval,
                                  heartbeat_ttl_intervals=self.heartbeat_ttl_intervals, clock=self.clock,
                                  rng=random.Random(f"{self._seed}/{name}"), recorder=self.recorder, watch_domain=False,
-                                 watch_members=False, arrivals=self.arrivals, bound=bound)
+                                 watch_members=False, arrivals=self.arrivals, bound=bound, pods=self.pods,
+                                 gpu_capacity=self.gpu_capacity)
                 if self.members is not None:  # before the members' first list it is handed them with the rest
                     agg.listed_members({"items": list(self.members.get(name, {}).values())})
                 start_thread(f"aggregator-{name}", agg.run, agg._stop)
@@ -765,6 +818,8 @@ class EveryDomainAggregator:
 
     def run(self) -> None:
         start_thread("members-watch", self._watch_members, self._stop)
+        if self.pods is not None:
+            start_thread("node-agent-pods-watch", self.pods.run, self.pods.stop_event)
         custom = client.CustomObjectsApi(self.api)
         list_then_watch(custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL,
                         on_list=self._listed,
@@ -773,6 +828,8 @@ class EveryDomainAggregator:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.pods is not None:
+            self.pods.stop()
         with self._lock:
             for agg in self.aggregators.values():
                 agg.stop()

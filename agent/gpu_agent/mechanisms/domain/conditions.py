@@ -11,7 +11,8 @@ One condition, `Ready`, with these reasons, decided in this order:
   MembersReady     True     at least spec.expectedNodes members are Ready
   CliqueFull       False    a node waits for a place in a full clique (spec.maxNodesPerClique)
   MembersMissing   False    fewer members joined than expected (forming, or a node left)
-  MembersNotReady  False    enough joined, but some are NotReady (heartbeat silent, or the node says so)
+  MembersNotReady  False    enough joined, but some are NotReady (heartbeat silent, the node says so, or the
+                            folder doubts what it says: trust.py)
 
 kstatus reads Ready=True as Current and False/Unknown as InProgress; with status.observedGeneration
 it also reads a spec change the folder has not yet answered as InProgress. There are no
@@ -57,17 +58,26 @@ def _cap(message: str) -> str:
     return message if len(raw) <= MESSAGE_LIMIT else raw[:MESSAGE_LIMIT - 3].decode(errors="ignore") + "..."
 
 
+def untrusted(doubted: Mapping[str, str], nodes: Iterable[str], limit: int = 3) -> str:
+    """`a (why); b (why) and 2 more`: the doubted nodes with their reasons, a bounded number of them."""
+    listed = sorted(nodes)
+    shown = "; ".join(f"{n} ({doubted[n]})" for n in listed[:limit])
+    return shown if len(listed) <= limit else f"{shown} and {len(listed) - limit} more"
+
+
 def ready_condition(*, expected: int, joined: Mapping[str, bool], waiting: Mapping[str, list[str]],
                     silent: Iterable[str] = (), limit: int | None = None,
-                    previous: Condition | None = None) -> tuple[str, str, str]:
+                    previous: Condition | None = None, doubted: Mapping[str, str] | None = None) -> tuple[str, str, str]:
     """(status, reason, message) of the Ready condition.
 
     `joined`: node -> Ready for every node in the status; `waiting`: clique -> nodes without a place;
-    `silent`: nodes NotReady because their heartbeat stopped (named as such); `previous`: the Ready
-    condition already written (Initializing holds only until something has been folded)."""
+    `silent`: nodes NotReady because their heartbeat stopped (named as such); `doubted`: node -> why the folder
+    does not trust its member (trust.py), named with the reason; `previous`: the Ready condition already written
+    (Initializing holds only until something has been folded)."""
     ready = sorted(n for n, r in joined.items() if r)
     not_ready = sorted(n for n, r in joined.items() if not r)
     silent = set(silent)
+    doubted = doubted or {}
     if not joined and not waiting and (previous is None or previous.get("reason") == "Initializing"):
         return "Unknown", "Initializing", f"no node has joined yet ({expected} expected)"
     if expected > 0 and len(ready) >= expected:
@@ -75,12 +85,15 @@ def ready_condition(*, expected: int, joined: Mapping[str, bool], waiting: Mappi
         return "True", "MembersReady", f"{len(ready)} of {expected} expected nodes Ready{extra}"
     parts = []
     if not_ready:
-        quiet = [n for n in not_ready if n in silent]
-        said = [n for n in not_ready if n not in silent]
+        doubts = [n for n in not_ready if n in doubted]
+        quiet = [n for n in not_ready if n in silent and n not in doubted]
+        said = [n for n in not_ready if n not in silent and n not in doubted]
         if said:
             parts.append(f"NotReady: {names(said)}")
         if quiet:
             parts.append(f"no heartbeat: {names(quiet)}")
+        if doubts:
+            parts.append(f"untrusted: {untrusted(doubted, doubts)}")
     if waiting:
         blocked = [f"{names(nodes)} wait for a place in clique {clique or '(none)'}" for clique, nodes in sorted(waiting.items())]
         where = f" (maxNodesPerClique {limit})" if limit else ""

@@ -185,15 +185,15 @@ def without_entry(obj: GPUDomain, name: str) -> GPUDomain | None:
 
 def with_ready_condition(obj: GPUDomain, status: DomainStatus, now: str | None = None, *,
                          waiting: dict[str, list[str]] | None = None, silent: Iterable[str] = (),
-                         limit: int | None = None) -> DomainStatus:
+                         limit: int | None = None, doubted: Mapping[str, str] | None = None) -> DomainStatus:
     """`status` (the next status of `obj`) with its Ready condition and observedGeneration. `waiting`,
-    `silent` and `limit` are the folder's (aggregate.py): the optimistic writers enforce no clique bound
-    and track no heartbeat, so for them no node ever waits or is silent."""
+    `silent`, `limit` and `doubted` are the folder's (aggregate.py): the optimistic writers enforce no clique
+    bound, track no heartbeat and check no member, so for them no node ever waits, is silent or is doubted."""
     old = status_of(obj).get("conditions")
     generation = generation_of(obj)
     cond = ready_condition(expected=int(spec_of(obj).get("expectedNodes") or 0),
                            joined={n["name"]: n.get("status") == "Ready" for n in status.get("nodes") or []},
-                           waiting=waiting or {}, silent=silent, limit=limit, previous=find(old))
+                           waiting=waiting or {}, silent=silent, limit=limit, previous=find(old), doubted=doubted)
     out: DomainStatus = {**status, "conditions": set_condition(old, READY, *cond, generation,
                                                                now or timestamp(time.time()))}
     if generation is not None:

@@ -35,6 +35,7 @@ MAX_NAME = 253  # an object name is a DNS subdomain
 HASHED_PREFIX = 242  # a cut name: this much of "<domain>.<node>", "-", ten hex digits of the hash
 DOMAIN_LABEL = "gpu-agent.io/domain"
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+Owner = tuple[str, str]  # (name, uid) of a member's owner Pod
 
 
 def member_name(domain: str, node: str) -> str:
@@ -71,6 +72,16 @@ def domain_name_problem(domain: str) -> str | None:
             "so the member names <domain>.<node> would not be unique; recreate the GPUDomain under such a name")
 
 
+def owner_of(obj: Any) -> Owner | None:
+    """The Pod a member names as its owner (its first Pod ownerReference: the node agent's own Pod), or None."""
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    refs = meta.get("ownerReferences") if isinstance(meta, dict) else None
+    for ref in refs if isinstance(refs, list) else []:
+        if isinstance(ref, dict) and ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1":
+            return str(ref.get("name") or ""), str(ref.get("uid") or "")
+    return None
+
+
 class MemberIndex:
     """The readable members of one domain, by object name; `members()` gives one spec per node.
 
@@ -84,6 +95,7 @@ class MemberIndex:
         self.domain = domain
         self.where = where
         self.objects: dict[str, MemberSpec] = {}
+        self.owners: dict[str, Owner | None] = {}  # object name -> the owner Pod it names (trust.py checks it)
         self.names: dict[str, set[str]] = {}  # node -> the names of its objects (two during an upgrade)
         self.logged: set[str] = set()
 
@@ -115,9 +127,9 @@ class MemberIndex:
 
     def replace(self, objects: Iterable[Any]) -> None:
         """A relist: these objects are all there is."""
-        self.objects, self.names = {}, {}
+        self.objects, self.owners, self.names = {}, {}, {}
         for obj in objects:
-            self._set(*self._read(obj))
+            self._set(*self._read(obj), owner_of(obj))
 
     def event(self, kind: str, obj: Any) -> set[str]:
         """A watch event; the nodes whose member it may have changed (see member())."""
@@ -126,11 +138,12 @@ class MemberIndex:
         spec = self._read(obj)[1] if kind != "DELETED" else None
         if kind == "DELETED":
             self.logged.discard(name)
-        self._set(name, spec)
+        self._set(name, spec, owner_of(obj))
         return {s["node"] for s in (before, spec) if s is not None}
 
-    def _set(self, name: str, spec: MemberSpec | None) -> None:
+    def _set(self, name: str, spec: MemberSpec | None, owner: Owner | None = None) -> None:
         old = self.objects.pop(name, None)
+        self.owners.pop(name, None)
         if old is not None:
             names = self.names[old["node"]]
             names.discard(name)
@@ -138,6 +151,7 @@ class MemberIndex:
                 del self.names[old["node"]]
         if spec is not None:
             self.objects[name] = spec
+            self.owners[name] = owner
             self.names.setdefault(spec["node"], set()).add(name)
 
     @staticmethod
@@ -146,13 +160,23 @@ class MemberIndex:
         name = meta.get("name") if isinstance(meta, dict) else None
         return name if isinstance(name, str) and name else "?"
 
-    def member(self, node: str) -> MemberSpec | None:
-        """The node's spec: its canonical member's where it has both (an upgrade in progress)."""
+    def _chosen(self, node: str) -> str | None:
+        """The name of the node's object member() reads: its canonical member's where it has both (an upgrade)."""
         names = self.names.get(node)
         if not names:
             return None
         canonical = member_name(self.domain, node)
-        return self.objects[canonical if canonical in names else min(names)]
+        return canonical if canonical in names else min(names)
+
+    def member(self, node: str) -> MemberSpec | None:
+        """The node's spec: its canonical member's where it has both (an upgrade in progress)."""
+        name = self._chosen(node)
+        return None if name is None else self.objects[name]
+
+    def owner(self, node: str) -> Owner | None:
+        """The owner Pod that the object member() reads names (None: it names none, or the node has no member)."""
+        name = self._chosen(node)
+        return None if name is None else self.owners.get(name)
 
     def members(self) -> dict[str, MemberSpec]:
         """node -> spec, as member() gives it."""

@@ -8,6 +8,8 @@ leaves between two writes was never in the domain, and nothing is told about it.
   NodeJoined     Normal   a node is in the status that was not: its index and clique
   NodeLeft       Normal   a node is no longer in the status (its member deleted, or it left the clique)
   NodeNotReady   Warning  a node turned NotReady: its heartbeat silent for how long, or it says so
+  NodeUntrusted  Warning  the folder doubts a node's member (trust.py): why (its address is not its Pod's, ...);
+                          told when the doubt appears or its reason changes, instead of that node's NodeNotReady
   NodeReady      Normal   a node turned Ready again
   NodeWaiting    Warning  a node waits for a place in a full clique
   DomainReady    Normal   the Ready condition turned True
@@ -35,9 +37,12 @@ def _where(node: Mapping[str, object]) -> str:
     return f"index {node.get('index')}" + (f" in clique {clique}" if clique else "")
 
 
-def transitions(before: GPUDomain | None, after: GPUDomain, silent_for: Mapping[str, float] | None = None) -> list[Transition]:
-    """`silent_for`: node -> seconds since its heartbeat last changed, for nodes NotReady because it stopped."""
+def transitions(before: GPUDomain | None, after: GPUDomain, silent_for: Mapping[str, float] | None = None,
+                doubted: Mapping[str, str] | None = None, doubted_before: Mapping[str, str] | None = None) -> list[Transition]:
+    """`silent_for`: node -> seconds since its heartbeat last changed, for nodes NotReady because it stopped;
+    `doubted`: node -> why the folder doubts its member now, `doubted_before`: ... as last told."""
     silent_for = silent_for or {}
+    doubted, doubted_before = doubted or {}, doubted_before or {}
     old = {n["name"]: n for n in nodes_of(before or {})}
     new = {n["name"]: n for n in nodes_of(after)}
     out: list[Transition] = []
@@ -47,8 +52,16 @@ def transitions(before: GPUDomain | None, after: GPUDomain, silent_for: Mapping[
         out.append(Transition("Normal", "NodeJoined", f"node {name} joined at {_where(node)}{state}"))
     for name in sorted(set(old) - set(new)):
         out.append(Transition("Normal", "NodeLeft", f"node {name} left ({_where(old[name])})"))
+    told = set()
+    for name in sorted(set(new)):
+        why = doubted.get(name)
+        if why is not None and why != doubted_before.get(name):
+            out.append(Transition("Warning", "NodeUntrusted", f"node {name} is NotReady: {why}"))
+            told.add(name)
     for name in sorted(set(old) & set(new)):
         was, now = old[name].get("status"), new[name].get("status")
+        if was == "Ready" and now != "Ready" and name in told:
+            continue  # NodeUntrusted said why
         if was == "Ready" and now != "Ready":
             why = (f"no heartbeat for {silent_for[name]:.0f} s" if name in silent_for
                    else "its node agent reports it NotReady")

@@ -173,6 +173,14 @@ class ClusterSource:
                         on_error=self._failed("slices", f"{self.dra_driver} ResourceSlices"), stop=self._stop, retry_seconds=2.0,
                         resync_seconds=self.resync_seconds, field_selector=f"spec.driver={self.dra_driver}")
 
+    def gpu_capacity(self, node: str) -> int | None:
+        """The node's capacity of nvidia.com/gpu as its Node reports it (the device plugin's count, independent
+        of any node agent), for the domain folder's member check; None when not reported: a node this watch does
+        not see (outside node_selector), not usable (not Ready, cordoned), or with no such capacity."""
+        with self._lock:
+            counts = self._table.get(node)
+        return counts.capacity if counts is not None and counts.capacity > 0 else None
+
     def read(self) -> Reading:
         wanted = {"nodes", "slices"} if self.dra_driver else {"nodes"}
         with self._lock:
