@@ -219,3 +219,67 @@ def drops(samples: list[tuple[float, object]], good, until: float | None = None)
     if start is not None and until is not None:
         out.append(until - start)
     return out
+
+
+class LogFollower:
+    """Follows one pod's log (kubelet timestamps) in a thread until its container ends; keeps every line with the
+    moment it arrived, so the lines of a shutdown can be read after the pod is gone."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, pod: str) -> None:
+        self.core, self.namespace, self.pod = core, namespace, pod
+        self.lines: list[tuple[float, str]] = []
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"log-{pod}")
+
+    def _run(self) -> None:
+        try:
+            stream = self.core.read_namespaced_pod_log(self.pod, self.namespace, follow=True, timestamps=True,
+                                                       since_seconds=1, _preload_content=False, _request_timeout=(5, 120))
+            for line in stream.stream(amt=None):  # urllib3 chunks; split below
+                for text in line.decode(errors="replace").splitlines():
+                    self.lines.append((time.monotonic(), text))
+        except Exception as e:  # noqa: BLE001 - recorded, printed by the test
+            self.errors.append(f"{type(e).__name__}: {e}"[:200])
+
+    def __enter__(self) -> LogFollower:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(60)
+
+
+class PodLogs:
+    """Every pod of a selector followed from the moment a list (one a second) finds it (LogFollower each), so that the
+    lines of a pod that shut down and is gone can still be read: a hand-over's old leader's, say."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, selector: str) -> None:
+        self.core, self.namespace, self.selector = core, namespace, selector
+        self.followers: dict[str, LogFollower] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"pod-logs-{selector}")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector, _request_timeout=5).items
+            except Exception:  # noqa: BLE001 - the next list tries again
+                pods = []
+            for pod in pods:
+                name = pod.metadata.name
+                if name not in self.followers and pod.status.phase in ("Running", "Succeeded", "Failed"):
+                    self.followers[name] = LogFollower(self.core, self.namespace, name).__enter__()
+            self._stop.wait(1.0)
+
+    def between(self, start: float, end: float) -> dict[str, list[tuple[float, str]]]:
+        """Each pod's lines that arrived between two monotonic moments."""
+        return {pod: [(t, text) for t, text in f.lines if start <= t <= end] for pod, f in self.followers.items()}
+
+    def __enter__(self) -> PodLogs:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+

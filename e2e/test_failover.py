@@ -33,7 +33,7 @@ import pytest
 from kubernetes import client, watch
 
 from e2e.cluster import provider
-from e2e.helpers import Sampler, impersonating, pod_bound_client, pod_http_get, token_client, wait_until
+from e2e.helpers import LogFollower, Sampler, impersonating, pod_bound_client, pod_http_get, token_client, wait_until
 from e2e.release import Release, WorkPods, enqueue, items, most_at_once, persistent_control_plane, remove_volume
 from gpu_agent.mechanisms.domain.aggregate import MemberWriter
 from gpu_agent.mechanisms.domain.entries import Entry
@@ -667,34 +667,6 @@ class LeaseEvents:
 
     def after(self, since: float) -> list[tuple[float, str, str]]:
         return [(t - since, kind, holder) for t, kind, holder in self.events if t >= since]
-
-
-class LogFollower:
-    """Follows one pod's log (kubelet timestamps) in a thread until its container ends; keeps every line with the
-    moment it arrived, so the lines of a shutdown can be read after the pod is gone."""
-
-    def __init__(self, core: client.CoreV1Api, namespace: str, pod: str) -> None:
-        self.core, self.namespace, self.pod = core, namespace, pod
-        self.lines: list[tuple[float, str]] = []
-        self.errors: list[str] = []
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"log-{pod}")
-
-    def _run(self) -> None:
-        try:
-            stream = self.core.read_namespaced_pod_log(self.pod, self.namespace, follow=True, timestamps=True,
-                                                       since_seconds=1, _preload_content=False, _request_timeout=(5, 120))
-            for line in stream.stream(amt=None):  # urllib3 chunks; split below
-                for text in line.decode(errors="replace").splitlines():
-                    self.lines.append((time.monotonic(), text))
-        except Exception as e:  # noqa: BLE001 - recorded, printed by the test
-            self.errors.append(f"{type(e).__name__}: {e}"[:200])
-
-    def __enter__(self) -> LogFollower:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join(60)
 
 
 def test_graceful_hand_overs_release_the_lease_and_the_standby_leads_within_a_retry_period(

@@ -32,7 +32,7 @@ import yaml
 from kubernetes import client
 
 from e2e.cluster import tool
-from e2e.helpers import Sampler, wait_until
+from e2e.helpers import PodLogs, Sampler, wait_until
 from e2e.release import (
     CA,
     CHART,
@@ -97,7 +97,8 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
         wait_until(lambda: len(active()) == 1, 60, f"the {version} agent active")
         pods = WorkPods(core, namespace)
         ops, keys = {}, []
-        with Sampler(active, 0.25) as sampler:
+        # every cluster agent's log followed from its start: a slow hand-over's old leader is gone when it is read
+        with Sampler(active, 0.25) as sampler, PodLogs(core, namespace, CA) as agent_logs:
             for op, command in (
                     ("upgrade from last stable", ["upgrade", *release.args(*persistent, *current), *WAIT]),
                     ("upgrade, a changed value", ["upgrade", *release.args(*persistent, *current, "--set", "logVerbosity=3"),
@@ -124,6 +125,11 @@ def test_upgrade_from_last_stable_a_changed_value_and_rollback_hand_over_with_wa
         assert not lost and not doubled, (lost, doubled)
         if value_set in HAND_OVER:
             for op in ("upgrade, a changed value", "rollback"):
+                if ops[op]["leaderless"] > MAX_LEADERLESS_HAND_OVER:  # what each agent said meanwhile (issue 49)
+                    for pod, lines in agent_logs.between(*ops[op]["window"]).items():
+                        print(f"[{value_set}] {op}: {pod} said:")
+                        for t, text in lines:
+                            print(f"  +{t - ops[op]['window'][0]:6.2f}s {text[:300]}")
                 assert ops[op]["leaderless"] <= MAX_LEADERLESS_HAND_OVER, (op, ops[op]["leaderless"], ops[op]["around"],
                                                                            failed)
     finally:
