@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two rules of the agents' runtime that a reader checks by eye, checked on the syntax tree (`make lint` runs it).
+"""Three rules of the agents' runtime that a reader checks by eye, checked on the syntax tree (`make lint` runs it).
 
 1. Every Kubernetes API call carries its own timeout. A call of the generated client (`read_namespaced_pod`,
    `patch_node`, `list_cluster_custom_object`, ...) names `_request_timeout=` (or passes `**kwargs` on, whose
@@ -7,12 +7,15 @@
 2. One way off the event loop, one owner of long-lived threads (agent/gpu_agent/foundations/threads.py: the bounded
    `in_daemon_thread` and `Threads.start`). No `threading.Thread(...)`, `asyncio.to_thread(...)`,
    `loop.run_in_executor(...)` or `ThreadPoolExecutor(...)` elsewhere in the product code, but where ALLOWED says why.
+3. A cancel is never dropped: no `asyncio.wait_for(...)`. In Python 3.11 it returns its awaitable's answer and drops a
+   cancel that comes in the same turn of the loop; the leader elector renewed on through its agent's shutdown that way
+   (the Lease kept for the kubelet's grace period, then left to expire). `async with asyncio.timeout(...)` keeps it.
 
 Checked: agent/gpu_agent, fake-gpu/fake_gpu and hooks/gpu_agent_hooks (tests and benchmarks are not product code).
 
     .venv/bin/python scripts/check-runtime-rules.py [ROOT]     (ROOT: the repository; default: this script's)
 
-Exit status 0 when both rules hold, else 1 with one line per place: file:line, what, the fix.
+Exit status 0 when the rules hold, else 1 with one line per place: file:line, what, the fix.
 """
 
 from __future__ import annotations
@@ -83,6 +86,10 @@ def problems(root: Path) -> list[str]:
                 if "_request_timeout" not in keywords and None not in keywords:  # None: **kwargs passed on
                     found.append(f"{rel}:{node.lineno}: {name}(...) has no _request_timeout: a hung API server holds "
                                  f"its caller; fix: pass _request_timeout=REQUEST_TIMEOUT (foundations/kube.py)")
+            elif name == "wait_for" and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+                    and node.func.value.id == "asyncio":
+                found.append(f"{rel}:{node.lineno}: asyncio.wait_for(...) drops a cancel that meets its answer in one "
+                             f"turn (Python 3.11); fix: async with asyncio.timeout(SECONDS): await ...")
             elif name in OFF_LOOP and rel != THREADS and (rel, name) not in ALLOWED:
                 found.append(f"{rel}:{node.lineno}: {OFF_LOOP[name]}(...) starts a thread nobody owns; fix: "
                              f"in_daemon_thread (a blocking call) or Threads.start / start_thread (a long-lived "

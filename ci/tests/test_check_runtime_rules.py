@@ -63,3 +63,17 @@ def test_the_repository_keeps_both_rules_and_every_allowed_place_exists_and_says
         assert construct in rules.OFF_LOOP and len(why) > 40
         assert construct in (ROOT / rel).read_text(), f"{rel} no longer uses {construct}: drop it from ALLOWED"
     assert rules.main(["check", str(ROOT)]) == 0
+
+
+def test_asyncio_wait_for_is_named_and_asyncio_timeout_is_not(tmp_path):
+    root = tree(tmp_path, {"agent/gpu_agent/a.py": (
+        "import asyncio\n"
+        "async def f(call):\n"
+        "    return await asyncio.wait_for(call(), timeout=2)\n"         # 3: drops a cancel that meets its answer
+        "async def g(call, condition):\n"
+        "    async with asyncio.timeout(2):\n"
+        "        await condition.wait_for(lambda: True)\n"              # a Condition's wait_for: not asyncio's
+        "        return await call()\n")})
+    found = rules.problems(root)
+    assert [line.split(": ")[0] for line in found] == ["agent/gpu_agent/a.py:3"], found
+    assert "asyncio.timeout" in found[0]

@@ -289,6 +289,43 @@ async def test_a_leader_shut_down_while_a_renewal_lands_unheard_still_releases_t
     assert lease.record is None, "the Lease was left to expire"
 
 
+async def test_a_shutdown_cancel_that_meets_a_renewals_answer_in_one_turn_still_stops_and_releases(tasks):
+    """The renewal's answer arrives (its thread hands it to the loop) in the same turn of the event loop as the
+    shutdown's cancel. Python 3.11's asyncio.wait_for then returns the answer and drops the cancel: the elector
+    renewed on, the agent's shutdown waited for it, and the kubelet killed it at the end of its grace period, the
+    Lease left to expire (run 13 of 2026-12-07: the upgrade matrix's rollback left the cluster leaderless 45.3 s,
+    the 30 s grace period and the 15 s lease). The cancel must stop the elector and the Lease be released."""
+    clock, lease = ManualClock(), MemoryLease()
+    answers = []  # the renewals' answers, held back until the test hands each over: recorded, asserted below
+
+    async def answer_held(fn, *args):
+        result = fn(*args)
+        if getattr(fn, "__name__", "") != "get" or not answers_held.is_set():
+            return result
+        answer = asyncio.get_running_loop().create_future()
+        answers.append((answer, result))
+        return await answer
+    answers_held = asyncio.Event()
+    changes = []
+
+    async def changed(leading, reason):
+        changes.append((clock.monotonic(), leading))
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=answer_held)
+    task = tasks.start(elector.run())
+    await run_for(clock, 3)
+    assert elector.leading
+    answers_held.set()
+    await run_for(clock, SETTINGS.retry_period + 0.5)
+    assert answers, "no renewal read was held back"
+    answer, result = answers[-1]
+    answer.set_result(result)  # the answer is handed to the loop ...
+    task.cancel()  # ... and the shutdown's cancel comes in the same turn
+    await clock.settle()
+    assert task.done(), "the elector renewed on after its cancel (the cancel was swallowed)"
+    assert lease.record is None, "the Lease was left to expire"
+
+
 async def test_a_leader_whose_lease_is_taken_from_under_it_stops_at_its_next_attempt_not_at_the_deadline(tasks):
     clock, lease, a, b = await leader_and_standby(tasks, 5)
     lease.record = None  # someone deletes the Lease (a person, a cleanup); the standby creates it first

@@ -151,8 +151,11 @@ class LeaderElector:
         """`fn` bounded by what is left of its attempt: `until` is on the event loop's clock, the one
         wait_for measures with (the monotonic clock in production)."""
         left = until - asyncio.get_running_loop().time()
-        # run_blocking hands back what `fn` returned.
-        return cast("LeaseRecord | None", await asyncio.wait_for(self.run_blocking(fn, *args), timeout=max(left, 0.001)))
+        # asyncio.timeout, not asyncio.wait_for: in Python 3.11 wait_for returns the answer and drops a cancel that
+        # comes in the same turn as it, and the elector renewed on through its agent's shutdown (the Lease kept for
+        # the kubelet's whole grace period, then left to expire). run_blocking hands back what `fn` returned.
+        async with asyncio.timeout(max(left, 0.001)):
+            return cast("LeaseRecord | None", await self.run_blocking(fn, *args))
 
     async def try_acquire_or_renew(self, limit: float) -> bool:
         """One attempt (client-go's tryAcquireOrRenew); `limit` bounds the whole attempt, its read and
@@ -295,7 +298,9 @@ class LeaderElector:
         if self.observed is None or self.observed.holder != self.identity:
             return
         try:
-            if await asyncio.wait_for(asyncio.shield(self.run_blocking(self._delete_ours, self.observed)), timeout=2.0):
+            async with asyncio.timeout(2.0):  # not wait_for (see _call)
+                released = await asyncio.shield(self.run_blocking(self._delete_ours, self.observed))
+            if released:
                 log.info("released the lease")
             else:
                 log.info("not releasing the lease: another agent holds it now")
