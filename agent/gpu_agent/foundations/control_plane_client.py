@@ -353,15 +353,19 @@ class ControlPlaneClient:
         return Credential(Secret(token, float(expires_in)), float(expires_in))
 
     def register(self, token: Secret, cluster_id: str, generation: int, inventory: Inventory,
-                 gpu_count: int | None = None) -> Registration:
+                 gpu_count: int | None = None, holder: str | None = None) -> Registration:
         """Tell the control plane of the GPUs in `inventory`, all of them: the caller decides which count
         (the registration manager passes the healthy ones; health is not part of the wire format).
         `gpu_count`: the cluster's whole count, when `inventory` lists only the first of its GPUs (the
-        field is left out otherwise, so a small registration reads as it always did)."""
+        field is left out otherwise, so a small registration reads as it always did). `holder`: the agent's
+        identity, whose earlier credentials the control plane then retires (a control plane of before holders
+        ignores the field)."""
         where = "POST /v1/register"
         body: dict[str, Any] = {"clusterId": cluster_id, "generation": generation, "gpus": inventory.to_json()}
         if gpu_count is not None and gpu_count > inventory.count:
             body["gpuCount"] = gpu_count
+        if holder is not None:
+            body["holder"] = holder
         try:
             _, doc = self._call("POST", "/v1/register", token, body)
         except Rejected as e:
@@ -482,13 +486,28 @@ class ControlPlaneClient:
     def clear_faults(self, admin_token: Secret) -> None:
         self._call("DELETE", "/admin/faults", admin_token)
 
+    def issue_cluster_token(self, admin_token: Secret, cluster_id: str) -> Secret:
+        """A registration token of the cluster's own (POST /admin/clusters/{clusterId}/token)."""
+        where = f"POST /admin/clusters/{cluster_id}/token"
+        _, doc = self._call("POST", f"/admin/clusters/{cluster_id}/token", admin_token)
+        token = _field(doc, "registrationToken", str, where)
+        if not token:
+            raise ProtocolError(f"{where}: field 'registrationToken' is empty")
+        return Secret(token)
+
+    def reset_cluster_token(self, admin_token: Secret, cluster_id: str) -> bool:
+        """Forget the cluster's own registration token; whether it had one."""
+        _, doc = self._call("DELETE", f"/admin/clusters/{cluster_id}/token", admin_token)
+        return bool(_field(doc, "reset", bool, f"DELETE /admin/clusters/{cluster_id}/token"))
+
 
 def _reason(resp: requests.Response) -> str:
-    # Only the server's short error string is kept; bodies are never echoed whole.
+    # Only the server's short error string is kept (long enough for one that names its fix); bodies are never
+    # echoed whole.
     try:
         doc = resp.json()
         if isinstance(doc, dict) and isinstance(error := doc.get("error"), str):
-            return error[:200]
+            return error[:500]
     except ValueError:
         pass
     return resp.reason or ""

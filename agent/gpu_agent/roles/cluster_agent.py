@@ -326,7 +326,7 @@ class ClusterAgent:
         cfg = self.cfg
         settings = RegistrationSettings(cfg.clusterId, first_retry_delay(cfg), cfg.registrationRetryMax,
                                         cfg.registrationRetryJitter, cfg.reregistrationInterval,
-                                        cfg.credentialRenewInterval)
+                                        cfg.credentialRenewInterval, holder=cfg.identity)
         return RegistrationManager(self.client, cfg.controlPlaneToken, settings=settings, clock=self.clock,
                                    rng=self.random.for_("registration"), health=self.health, metrics=self.metrics,
                                    gate=self.gate, on_readiness=self._readiness_changed)

@@ -142,16 +142,19 @@ class Rig:
         wait_until(lambda: self._get(self.cp_url + "/healthz") == 200, 15, "control plane /healthz")
         return ControlPlaneClient(self.cp_url, timeout=10)
 
-    def start_agent(self, *flags: str, verbosity: int = 2, fast_polls: bool = True, graceful: bool = True) -> Process:
+    def start_agent(self, *flags: str, verbosity: int = 2, fast_polls: bool = True, graceful: bool = True,
+                    token_file: Path | None = None) -> Process:
         """The cluster agent on this rig; `fast_polls` (tests) polls GPUs and the queue every 0.1 s
         instead of the defaults a benchmark must use. `graceful`: --graceful-no-gpu=true, since the rig's
-        agents often start before their GPUs (the agent's default is to exit when it starts with none)."""
+        agents often start before their GPUs (the agent's default is to exit when it starts with none).
+        `token_file`: the registration token it reads (default: the shared one)."""
         self._starts += 1
         self.agent_url = f"http://127.0.0.1:{self._agent_port}"
         self.agent = Process("cluster-agent", [sys.executable, "-m", "gpu_agent", "cluster-agent", "-v", str(verbosity),
                                                "--listen-address", f"127.0.0.1:{self._agent_port}",
                                                "--control-plane-url", self.cp_url,
-                                               "--control-plane-token-file", str(self.root / "registration-token"),
+                                               "--control-plane-token-file",
+                                               str(token_file or self.root / "registration-token"),
                                                "--fake-gpu-state-file", str(self.fake_file),
                                                "--executor-journal", str(self.root / "executions.sqlite"),
                                                *(["--gpu-poll-interval", "0.1", "--queue-poll-interval", "0.1"]

@@ -68,7 +68,7 @@ class ScriptedControlPlane:
         finally:
             self.inside -= 1
 
-    async def register(self, token, cluster_id, generation, inv, gpu_count=None):
+    async def register(self, token, cluster_id, generation, inv, gpu_count=None, holder=None):
         self.registered.append((generation, [g.uuid for g in inv.gpus]))
         self.counts.append(gpu_count)
         await self._enter("register", self.hold_register)

@@ -86,6 +86,9 @@ class RegistrationSettings:
     retry_jitter: float
     reregistration_interval: float
     renew_interval: float
+    # The agent's identity, named in each registration: the control plane retires this agent's earlier credentials
+    # (at most two of them work at once), never those of another replica of the same cluster.
+    holder: str | None = None
 
 
 class RegistrationManager:
@@ -216,7 +219,7 @@ class RegistrationManager:
                   f", listing the first {inventory.count}" if inventory.count < count else "")
             try:
                 reg = await self._offload(self.client.register, self.token, self.settings.cluster_id, generation, inventory,
-                                          count)
+                                          count, self.settings.holder)
             except ControlPlaneError as e:
                 self.metrics.registration_failures.labels(kind, e.kind).inc()
                 self.last_error = str(e)

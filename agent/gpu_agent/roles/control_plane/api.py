@@ -65,7 +65,11 @@ Int = Annotated[int, BeforeValidator(_whole_float_to_int)]
 
 # ---- requests ----------------------------------------------------------------------------------
 
-ClusterId = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$",
+CLUSTER_ID_REGEX = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$"
+CLUSTER_ID_PATTERN = re.compile(CLUSTER_ID_REGEX)
+CLUSTER_ID_RULE = ("a cluster's name: 1 to 253 letters, digits, '.', '_' and '-', beginning and ending with a letter "
+                   "or digit")
+ClusterId = Field(min_length=1, max_length=253, pattern=CLUSTER_ID_REGEX,
                   description="the cluster's name: letters, digits, '.', '_', '-'")
 
 
@@ -90,6 +94,10 @@ class RegisterRequest(Model):
     # the server refused): the registration then counts the GPUs listed.
     gpuCount: GPUCount | None = Field(default=None, description="how many GPUs the cluster has, when more than `gpus` "
                                       "lists (the list is then truncated); absent, or fewer than listed: as many as listed")
+    holder: str | None = Field(default=None, min_length=1, max_length=253, pattern=r"^[\x21-\x7e]+$",
+                               description="the registering agent's identity (its Pod's name): its earlier credentials "
+                                           "of this cluster are retired, the newest after the control plane's "
+                                           "credentialOverlap, the others at once; absent: none is")
 
     @property
     def gpu_count(self) -> int:
@@ -323,6 +331,18 @@ class StatusResponse(Model):
     term: CurrentTerm | None = None
 
 
+class ClusterToken(Model):
+    clusterId: str
+    registrationToken: str = Field(description="the cluster's own registration token, shown this once (kept as a hash): "
+                                               "put it where the cluster's agent reads its registration token")
+    replaced: bool = Field(description="the cluster had one: the new one takes over at its first use")
+
+
+class ClusterTokenReset(Model):
+    clusterId: str
+    reset: bool = Field(description="false: the cluster had no token of its own")
+
+
 class Armed(Model):
     armed: bool
 
@@ -352,7 +372,15 @@ class Route:
 
     @functools.cached_property
     def pattern(self) -> re.Pattern[str]:  # compiled once per route, not once per request
-        return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[0-9]{1,19})", self.path) + "$")
+        return re.compile("^" + re.sub(r"\{(\w+)\}", lambda m: f"(?P<{m[1]}>{PATH_PARAMS[m[1]][0]})", self.path) + "$")
+
+
+# Each path parameter: what the route matches, and its schema in the document. A clusterId is matched loosely and
+# checked by its handler, so that a bad one is refused naming it (422) instead of being no endpoint (404).
+PATH_PARAMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "itemId": ("[0-9]{1,19}", {"type": "integer", "minimum": 0, "maximum": INT64_MAX}),
+    "clusterId": ("[^/]{1,300}", {"type": "string", "minLength": 1, "maxLength": 253, "pattern": CLUSTER_ID_REGEX}),
+}
 
 
 ITEM_ERRORS = {404: ("no such item", ErrorBody),
@@ -363,13 +391,20 @@ FAULT_INJECTION_OFF = ("fault injection is off on this control plane: it is a te
                        "--fault-injection=true (GPU_AGENT_FAULT_INJECTION=true; chart: controlPlane.faultInjection=true)")
 FAULTS_OFF: tuple[str, type[Model] | None] = (FAULT_INJECTION_OFF, ErrorBody)
 
+# What a registration or deregistration refused for its clusterId is answered with.
+NOT_THIS_CLUSTER: tuple[str, type[Model] | None] = (
+    "a valid token of another kind, or a registration token that may not act for this clusterId: the cluster has a "
+    "token of its own and this is not it, or this is another cluster's own token; the error says which and what to do",
+    ErrorBody)
+
 ROUTES = [
     Route("GET", "/healthz", "healthz", "Liveness of the control plane", frozenset(),
           responses={200: ("ok", Healthy)}),
     Route("POST", "/v1/register", "register", "Register the cluster's GPU inventory; returns a credential",
-          frozenset({"registration"}), RegisterRequest, {200: ("registered", RegisterResponse)}),
+          frozenset({"registration"}), RegisterRequest, {200: ("registered", RegisterResponse), 403: NOT_THIS_CLUSTER}),
     Route("POST", "/v1/deregister", "deregister", "Forget the cluster's registration and credentials",
-          frozenset({"registration"}), DeregisterRequest, {200: ("deregistered", DeregisterResponse)}),
+          frozenset({"registration"}), DeregisterRequest, {200: ("deregistered", DeregisterResponse),
+                                                           403: NOT_THIS_CLUSTER}),
     Route("POST", "/v1/credentials/renew", "renew", "Exchange a valid credential for a fresh one (no body)",
           frozenset({"credential"}), None, {200: ("renewed", RenewResponse)}),
     Route("GET", "/v1/queue/items", "list_items", "The newest 200 items, oldest first", frozenset({"admin"}),
@@ -406,6 +441,15 @@ ROUTES = [
           {200: ("armed", Armed), 404: FAULTS_OFF}),
     Route("DELETE", "/admin/faults", "clear_faults", "Clear every armed fault (a test facility, as above)",
           frozenset({"admin"}), responses={200: ("cleared", Cleared), 404: FAULTS_OFF}),
+    Route("POST", "/admin/clusters/{clusterId}/token", "issue_cluster_token",
+          "Give the cluster a registration token of its own (replacing the one it had); from its first use only it "
+          "registers or deregisters the cluster", frozenset({"admin"}),
+          responses={200: ("issued; the token is shown this once", ClusterToken),
+                     422: ("the clusterId is not a cluster's name", ErrorBody)}),
+    Route("DELETE", "/admin/clusters/{clusterId}/token", "reset_cluster_token",
+          "Forget the cluster's own registration token: the shared registration token registers and deregisters it again",
+          frozenset({"admin"}), responses={200: ("reset", ClusterTokenReset),
+                                           422: ("the clusterId is not a cluster's name", ErrorBody)}),
     Route("GET", "/openapi.json", "openapi", "This document", frozenset(TOKENS), responses={200: ("OpenAPI 3.1", None)}),
 ]
 
@@ -470,8 +514,8 @@ def document() -> dict[str, Any]:
             op["security"] = []
         params = re.findall(r"\{(\w+)\}", r.path)
         if params:
-            op["parameters"] = [{"name": p, "in": "path", "required": True,
-                                 "schema": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}} for p in params]
+            op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": PATH_PARAMS[p][1]}
+                                for p in params]
         paths.setdefault(r.path, {})[r.method.lower()] = op
     return {
         "openapi": "3.1.0",

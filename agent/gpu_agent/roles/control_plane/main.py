@@ -22,6 +22,8 @@ STORE_SETTINGS = [
     Setting("adminToken", "secret", "", "token for enqueueing work and fault injection (env only; or adminTokenFile)"),
     Setting("adminTokenFile", "path", "", "file holding the admin token", optional=True),
     Setting("credentialTtl", "seconds", 3600.0, "lifetime of an issued credential", 0.5, 86400 * 30),
+    Setting("credentialOverlap", "seconds", 60.0, "how long an agent's previous credential keeps working once a "
+            "registration or renewal gave it a new one (its older ones stop at once)", 0, 3600),
     Setting("maxLeaseSeconds", "seconds", 300.0, "longest lease a consumer may ask for", 0.1, 86400),
     Setting("reregisterAfter", "seconds", 60.0, "re-registration interval suggested to agents", 1, 86400),
     Setting("maxLeaseWait", "seconds", 30.0, "longest a long-polled lease call is held", 0, 30),
@@ -48,6 +50,7 @@ class ServerConfig(Config):
     registrationToken: Secret
     adminToken: Secret
     credentialTtl: float
+    credentialOverlap: float
     maxLeaseSeconds: float
     reregisterAfter: float
     maxLeaseWait: float
@@ -90,7 +93,7 @@ def build_server(cfg: ServerConfig, listen: str, tls: TLSFiles | None = None) ->
     store = Store(Path(cfg.database))
     cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
                                             cfg.maxLeaseSeconds, cfg.reregisterAfter, cfg.maxLeaseWait,
-                                            fault_injection=cfg.faultInjection))
+                                            fault_injection=cfg.faultInjection, credential_overlap=cfg.credentialOverlap))
     if cfg.faultInjection:
         log.warning("fault injection is on: the admin token can make calls fail through /admin/faults (a test facility)")
     host, _, port = listen.rpartition(":")

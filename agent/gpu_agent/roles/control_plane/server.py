@@ -3,10 +3,19 @@
 A request passes these steps in order, and each can only answer with a documented error:
 
     route (404, 405 with Allow) -> token (401, 403) -> fault injection (/admin/faults: 404 while
-    off) -> body: type (415), JSON (400), model (422) -> handler -> response model
+    off) -> body: type (415), JSON (400), model (422) -> handler (register, deregister: may this
+    token act for the body's clusterId, 403) -> response model
 
 The token is checked before the body is read, so an unauthenticated client never gets its body
-parsed. Every token is compared in constant time; credentials are looked up by hash.
+parsed. Every token is compared in constant time; credentials and clusters' own tokens are looked up by hash.
+
+Cluster identity: a registration token either is the shared one (`registrationToken`) or belongs to one cluster
+(issued through POST /admin/clusters/{clusterId}/token). Once a cluster's own token is used, only it registers or
+deregisters that cluster; the shared token may still act for clusters without one, and one cluster's token never
+for another (403, naming the fix). Why not bind a clusterId to its first registrant's credential instead: an agent
+keeps its credential in memory only, so a restarted agent, a second replica, the new pod of a rolling update and the
+chart's uninstall hook all come with the registration token alone, and with a shared token nothing tells them from
+another cluster's agent. A token of the cluster's own, in the Secret those already read, does (store.py).
 
 A long-polled lease call holds a worker for its wait, so at most api.MAX_LONG_POLLS wait at once, and at
 most api.MAX_LONG_POLLS_PER_CREDENTIAL for one credential; one more is answered 429 with Retry-After
@@ -42,7 +51,6 @@ from gpu_agent.roles.control_plane import api
 from gpu_agent.roles.control_plane.store import Fenced, Store
 
 log = get_logger(__name__)
-RENEWAL_OVERLAP_SECONDS = 30.0  # how long a renewed credential keeps working beside its successor
 
 LIST_LIMIT = 200  # GET /v1/queue/items shows the newest items only
 CONNECTION_LIMIT = 512  # connections open at once: a few per cluster (agents, hooks, `gpu-agent queue`)
@@ -147,6 +155,7 @@ class ServerSettings:
     reregister_after: float
     max_lease_wait: float = 30.0  # longest a lease call is held (tests shorten it)
     fault_injection: bool = False  # /admin/faults arms faults (a test facility); off: it answers 404
+    credential_overlap: float = 60.0  # how long an agent's previous credential keeps working beside its successor
 
 
 class Refused(Exception):
@@ -235,6 +244,8 @@ class ControlPlane:
         cluster_id, state = (None, "unknown") if kinds else self.store.credential_status(token)
         if state == "valid":
             kinds.append("credential")
+        elif state == "unknown" and not kinds and self.store.cluster_of_token(token) is not None:
+            kinds.append("registration")  # a cluster's own: which cluster it may act for is checked with the body
         if allowed.intersection(kinds):
             return cluster_id
         if kinds:
@@ -251,30 +262,52 @@ class ControlPlane:
     def openapi(self, **_: Any) -> tuple[int, dict[str, Any]]:
         return 200, api.document()
 
-    def register(self, body: api.RegisterRequest, **_: Any) -> tuple[int, api.Model]:
+    def _admit(self, token: str, cluster_id: str, what: str) -> None:
+        """Refused (403) unless `token` may register or deregister `cluster_id` (see the module's docstring)."""
+        refusal = self.store.admit(cluster_id, token, self._token_is(token, self.settings.registration_token))
+        if refusal is None:
+            return
+        why, owner = refusal
+        if why == "other-cluster":
+            raise Refused(403, f"this registration token belongs to cluster {owner!r}, not to {cluster_id!r}: a "
+                               f"cluster's own token may {what} that cluster only; to {what} {cluster_id!r}, use its "
+                               "own token")
+        raise Refused(403, f"cluster {cluster_id!r} has a registration token of its own, and this is not it: {what} "
+                           "it with that token (the Secret its agent and cleanup hook read); an operator who lost it "
+                           f"issues a new one with POST /admin/clusters/{cluster_id}/token, or lets the shared token "
+                           f"act for it again with DELETE /admin/clusters/{cluster_id}/token (both with the admin token)")
+
+    def register(self, body: api.RegisterRequest, token: str, **_: Any) -> tuple[int, api.Model]:
+        self._admit(token, body.clusterId, "register")
         listed = len(body.gpus)
         # Straight to JSON, not through a dict per GPU: 16,384 of them would double the request's peak memory.
         registration_id = self.store.register(body.clusterId, body.generation, api.GPU_LIST.dump_json(body.gpus).decode(),
                                               body.gpu_count)
-        token, expires_at = self.store.issue_credential(body.clusterId, self.settings.credential_ttl)
+        credential, expires_at = self.store.issue_credential(body.clusterId, self.settings.credential_ttl, body.holder,
+                                                             self.settings.credential_overlap)
         listed_note = f" ({listed} listed)" if body.gpu_count > listed else ""
         log.info("cluster %s registered %d GPUs%s (generation %d)", quote(body.clusterId), body.gpu_count, listed_note,
                  body.generation)
         return 200, api.RegisterResponse(registrationId=registration_id, reregisterAfterSeconds=self.settings.reregister_after,
-                                         credential=api.Credential(token=token, expiresInSeconds=self.settings.credential_ttl,
+                                         credential=api.Credential(token=credential,
+                                                                   expiresInSeconds=self.settings.credential_ttl,
                                                                    expiresAt=expires_at))
 
-    def deregister(self, body: api.DeregisterRequest, **_: Any) -> tuple[int, api.Model]:
+    def deregister(self, body: api.DeregisterRequest, token: str, **_: Any) -> tuple[int, api.Model]:
+        self._admit(token, body.clusterId, "deregister")
         found = self.store.deregister(body.clusterId)
         log.info("cluster %s deregistered%s", quote(body.clusterId), "" if found else " (was not registered)")
         return 200, api.DeregisterResponse(deregistered=found)
 
-    def renew(self, token: str, cluster_id: str | None, **_: Any) -> tuple[int, api.Model]:
-        fresh, expires_at = self.store.issue_credential(cluster_id or "", self.settings.credential_ttl)
-        # Not revoked at once: calls already under way with the old token (a lease renewal, an ack)
-        # still land, and an agent whose answer was lost can renew again with it.
-        self.store.retire(token, RENEWAL_OVERLAP_SECONDS)
-        log.v(1, "cluster %s renewed its credential", quote(cluster_id or ""))
+    def renew(self, token: str, **_: Any) -> tuple[int, api.Model]:
+        # The old credential is not revoked at once: calls already under way with it (a lease renewal, an ack)
+        # still land, and an agent whose answer was lost can renew again with it, for credential_overlap.
+        try:
+            cluster_id, fresh, expires_at = self.store.renew_credential(token, self.settings.credential_ttl,
+                                                                        self.settings.credential_overlap)
+        except KeyError:  # deregistered between the token check and here
+            raise Refused(401, "token not accepted", [("WWW-Authenticate", "Bearer")]) from None
+        log.v(1, "cluster %s renewed its credential", quote(cluster_id))
         return 200, api.RenewResponse(credential=api.Credential(token=fresh, expiresInSeconds=self.settings.credential_ttl,
                                                                 expiresAt=expires_at))
 
@@ -354,6 +387,27 @@ class ControlPlane:
 
     def status(self, **_: Any) -> tuple[int, api.Model]:
         return 200, api.StatusResponse.model_validate(self.store.status())
+
+    @staticmethod
+    def _cluster_param(params: dict[str, str]) -> str:
+        cluster_id = params["clusterId"]
+        if not api.CLUSTER_ID_PATTERN.fullmatch(cluster_id):
+            raise Refused(422, "path parameter 'clusterId': " + api.CLUSTER_ID_RULE)
+        return cluster_id
+
+    def issue_cluster_token(self, params: dict[str, str], **_: Any) -> tuple[int, api.Model]:
+        cluster_id = self._cluster_param(params)
+        token, replaced = self.store.issue_cluster_token(cluster_id)
+        log.info("cluster %s was given a registration token of its own%s; it takes over at its first use",
+                 quote(cluster_id), " (replacing the one it had)" if replaced else "")
+        return 200, api.ClusterToken(clusterId=cluster_id, registrationToken=token, replaced=replaced)
+
+    def reset_cluster_token(self, params: dict[str, str], **_: Any) -> tuple[int, api.Model]:
+        cluster_id = self._cluster_param(params)
+        found = self.store.reset_cluster_token(cluster_id)
+        log.info("cluster %s: %s", quote(cluster_id), "its own registration token forgotten: the shared token acts for "
+                 "it again" if found else "had no registration token of its own")
+        return 200, api.ClusterTokenReset(clusterId=cluster_id, reset=found)
 
     def arm_fault(self, body: api.FaultRequest, **_: Any) -> tuple[int, api.Model]:
         self.faults.arm(Fault(body.mode, body.count, body.status, body.delaySeconds, body.path, body.retryAfterSeconds))

@@ -18,6 +18,17 @@ leases pass over it to the items behind it: one item that cannot run never stops
 After `max_attempts` failed attempts the item is `failed`, with the last error as its reason, and
 is never delivered again. A lease that merely expires (its consumer died) or a release without an
 error (a paused queue giving it back) counts no attempt.
+
+Cluster identity: a cluster may have its own registration token (`issue_cluster_token`, through the admin route),
+stored as a hash beside its clusterId. Once that token has been used, the cluster is registered and deregistered
+with it alone: the shared registration token and every other cluster's token are refused for it (`admit`). A new
+token takes over at its first use; until then what the cluster used before (the shared token, or its previous own
+token) still works, so that the Secret the cluster's agent reads can be updated without a moment refused.
+
+Credential chains: a registration that names its holder (the agent's identity) and every renewal of a credential it
+got retire the holder's earlier credentials of that cluster: the newest of them keeps working for the overlap, the
+older ones stop at once. One agent therefore holds at most two valid credentials at a time. A credential's holder is
+kept in a table of its own (`credential_holders`): 0.1.0 inserts into `credentials` by position (three values).
 """
 
 from __future__ import annotations
@@ -50,7 +61,14 @@ CREATE TABLE IF NOT EXISTS deliveries (
     id INTEGER PRIMARY KEY AUTOINCREMENT, item_id INTEGER NOT NULL, holder TEXT, term INTEGER, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS registration_gpu_counts (
     registration_id TEXT PRIMARY KEY, gpu_count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS credential_holders (
+    token_sha256 TEXT PRIMARY KEY, cluster_id TEXT NOT NULL, holder TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cluster_tokens (
+    cluster_id TEXT PRIMARY KEY, token_sha256 TEXT NOT NULL UNIQUE, before_sha256 TEXT,
+    in_use INTEGER NOT NULL DEFAULT 0, issued_at REAL NOT NULL);
 """
+# cluster_tokens: `token_sha256` is the cluster's own registration token; until it is used (`in_use` 0) the token
+# the cluster used before it is still accepted: `before_sha256`, or the shared registration token when that is NULL.
 # registration_gpu_counts: a cluster's whole GPU count where its registration lists only the first MAX_GPUS. A table
 # of its own, keyed by the registration, not a column of `registrations`: 0.1.0 inserts into `registrations` by
 # position (six values), so a seventh column there would fail every registration after a downgrade; and a
@@ -59,6 +77,7 @@ CREATE TABLE IF NOT EXISTS registration_gpu_counts (
 # Made after ADDED_COLUMNS (a database of 0.1.0 gains them first).
 INDEXES = """
 CREATE INDEX IF NOT EXISTS items_open ON items(id) WHERE state IN ('queued', 'leased');
+CREATE INDEX IF NOT EXISTS credential_chains ON credential_holders(cluster_id, holder);
 """
 # Columns added after 0.1.0; a database written by 0.1.0 gains them when it is opened.
 ADDED_COLUMNS = {"items": [("lease_holder", "TEXT"), ("lease_term", "INTEGER"), ("attempts", "INTEGER NOT NULL DEFAULT 0"),
@@ -119,13 +138,48 @@ class Store:
             self._db.close()
 
     # credentials ---------------------------------------------------------------------------
-    def issue_credential(self, cluster_id: str, ttl: float) -> tuple[str, float]:
-        token = secrets.token_urlsafe(32)
-        expires_at = self._now() + ttl
+    def issue_credential(self, cluster_id: str, ttl: float, holder: str | None = None,
+                         overlap: float = 0.0) -> tuple[str, float]:
+        """A new credential of `cluster_id`. With `holder`, the holder's earlier credentials of the cluster are
+        retired: the newest keeps working `overlap` seconds more (or to its own expiry, if sooner), the others stop
+        now. Without, none is (a client of before holders)."""
         with self._lock:
-            self._db.execute("INSERT INTO credentials VALUES (?, ?, ?)", (token_hash(token), cluster_id, expires_at))
-            self._db.execute("DELETE FROM credentials WHERE expires_at < ?", (self._now() - 3600,))
+            return self._issue(cluster_id, ttl, holder, overlap)
+
+    def _issue(self, cluster_id: str, ttl: float, holder: str | None, overlap: float) -> tuple[str, float]:
+        token = secrets.token_urlsafe(32)
+        now = self._now()
+        expires_at = now + ttl
+        self._db.execute("DELETE FROM credentials WHERE expires_at < ?", (now - 3600,))
+        self._db.execute("DELETE FROM credential_holders WHERE token_sha256 NOT IN (SELECT token_sha256 FROM credentials)")
+        if holder is not None:
+            earlier = [r[0] for r in self._db.execute(
+                """SELECT c.token_sha256 FROM credentials c JOIN credential_holders h ON h.token_sha256 = c.token_sha256
+                WHERE h.cluster_id = ? AND h.holder = ? AND c.expires_at > ? ORDER BY h.rowid DESC""",
+                (cluster_id, holder, now))]
+            for i, digest in enumerate(earlier):
+                self._db.execute("UPDATE credentials SET expires_at = MIN(expires_at, ?) WHERE token_sha256 = ?",
+                                 (now + overlap if i == 0 else now, digest))
+            self._db.execute("INSERT INTO credential_holders VALUES (?, ?, ?)", (token_hash(token), cluster_id, holder))
+        self._db.execute("INSERT INTO credentials VALUES (?, ?, ?)", (token_hash(token), cluster_id, expires_at))
         return token, expires_at
+
+    def renew_credential(self, token: str, ttl: float, overlap: float) -> tuple[str, str, float]:
+        """(cluster_id, the new credential, its expiry) for a valid `token`, which is retired: with the holder its
+        registration named, as `issue_credential` retires a holder's; without, it alone keeps working `overlap`
+        seconds more. KeyError if `token` is not a known credential."""
+        digest = token_hash(token)
+        with self._lock:
+            row = self._db.execute("""SELECT c.cluster_id, h.holder FROM credentials c LEFT JOIN credential_holders h
+                ON h.token_sha256 = c.token_sha256 WHERE c.token_sha256 = ?""", (digest,)).fetchone()
+            if row is None:
+                raise KeyError("unknown credential")
+            cluster_id, holder = row
+            fresh, expires_at = self._issue(cluster_id, ttl, holder, overlap)
+            if holder is None:
+                self._db.execute("UPDATE credentials SET expires_at = MIN(expires_at, ?) WHERE token_sha256 = ?",
+                                 (self._now() + overlap, digest))
+        return cluster_id, fresh, expires_at
 
     def credential_status(self, token: str) -> tuple[str | None, str]:
         """(cluster_id, "valid" | "expired" | "unknown")"""
@@ -136,12 +190,68 @@ class Store:
             return None, "unknown"
         return row[0], "valid" if row[1] > self._now() else "expired"
 
-    def retire(self, token: str, within: float) -> None:
-        """The token stops working `within` seconds from now (or at its own expiry, if sooner)."""
+    def valid_credentials(self, cluster_id: str) -> int:
+        """How many credentials of the cluster work now."""
         with self._lock:
-            self._db.execute("UPDATE credentials SET expires_at = MIN(expires_at, ?) WHERE token_sha256 = ?",
-                             (self._now() + within, token_hash(token)))
+            return int(self._db.execute("SELECT COUNT(*) FROM credentials WHERE cluster_id = ? AND expires_at > ?",
+                                        (cluster_id, self._now())).fetchone()[0])
 
+    # cluster identity ----------------------------------------------------------------------
+    def issue_cluster_token(self, cluster_id: str) -> tuple[str, bool]:
+        """(a new registration token of the cluster's own, whether it replaces one). It takes over at its first use:
+        until then the token the cluster used before still works (see the module's docstring)."""
+        token = secrets.token_urlsafe(32)
+        with self._lock:
+            row = self._db.execute("SELECT token_sha256, in_use FROM cluster_tokens WHERE cluster_id = ?",
+                                   (cluster_id,)).fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO cluster_tokens VALUES (?, ?, NULL, 0, ?)",
+                                 (cluster_id, token_hash(token), self._now()))
+            elif row[1]:  # the one in use is what the cluster used before the new one
+                self._db.execute("""UPDATE cluster_tokens SET token_sha256 = ?, before_sha256 = token_sha256, in_use = 0,
+                    issued_at = ? WHERE cluster_id = ?""", (token_hash(token), self._now(), cluster_id))
+            else:  # one never used is simply replaced: what came before it still works
+                self._db.execute("UPDATE cluster_tokens SET token_sha256 = ?, issued_at = ? WHERE cluster_id = ?",
+                                 (token_hash(token), self._now(), cluster_id))
+        return token, row is not None
+
+    def reset_cluster_token(self, cluster_id: str) -> bool:
+        """Forget the cluster's own token: the shared registration token registers and deregisters it again."""
+        with self._lock:
+            return bool(self._db.execute("DELETE FROM cluster_tokens WHERE cluster_id = ?", (cluster_id,)).rowcount)
+
+    def _token_owner(self, digest: str) -> str | None:
+        row = self._db.execute("""SELECT cluster_id FROM cluster_tokens WHERE token_sha256 = ?
+            OR (before_sha256 = ? AND in_use = 0)""", (digest, digest)).fetchone()
+        return row[0] if row else None
+
+    def cluster_of_token(self, token: str) -> str | None:
+        """The cluster whose own registration token this is (or, until its successor is used, was); None if none."""
+        with self._lock:
+            return self._token_owner(token_hash(token))
+
+    def admit(self, cluster_id: str, token: str, shared: bool) -> tuple[str, str] | None:
+        """None when `token` may register or deregister `cluster_id` (the first use of the cluster's new token binds
+        it to that token), else why not: ("own-token", "") when the cluster has a token of its own and this is not
+        it, ("other-cluster", owner) when this is another cluster's token. `shared`: `token` is the shared one."""
+        digest = token_hash(token)
+        with self._lock:
+            row = self._db.execute("SELECT token_sha256, before_sha256, in_use FROM cluster_tokens WHERE cluster_id = ?",
+                                   (cluster_id,)).fetchone()
+            if row is None:
+                if shared:
+                    return None
+            elif digest == row[0]:
+                if not row[2]:
+                    self._db.execute("UPDATE cluster_tokens SET in_use = 1, before_sha256 = NULL WHERE cluster_id = ?",
+                                     (cluster_id,))
+                return None
+            elif not row[2] and (digest == row[1] or (row[1] is None and shared)):
+                return None
+            owner = None if shared else self._token_owner(digest)
+        if owner is not None and owner != cluster_id:
+            return "other-cluster", owner
+        return "own-token", ""
 
     # registrations -------------------------------------------------------------------------
     def register(self, cluster_id: str, generation: int, gpus: list[dict[str, Any]] | str, gpu_count: int | None = None) -> str:
@@ -169,6 +279,7 @@ class Store:
             self._forget_count(cluster_id)
             cur = self._db.execute("DELETE FROM registrations WHERE cluster_id = ?", (cluster_id,))
             self._db.execute("DELETE FROM credentials WHERE cluster_id = ?", (cluster_id,))
+            self._db.execute("DELETE FROM credential_holders WHERE cluster_id = ?", (cluster_id,))
         return bool(cur.rowcount)
 
     # queue ---------------------------------------------------------------------------------
