@@ -2,7 +2,7 @@
 # stage.sh NAME CMD...: one stage of `make test` (scripts/test.sh). Runs CMD with its output kept in
 # $TEST_OUT/NAME.log (and shown as it runs), then records its seconds and exit code as a line of
 # $TEST_OUT/stages.tsv, which scripts/test_report.py reads. STAGE_BESIDE="e2e": the stage ran beside that
-# one (started by ci/scripts/e2e.sh through E2E_BESIDE), so its time overlaps it; the report says so, and its
+# one (started through scripts/beside-e2e.sh), so its time overlaps it; the report says so, and its
 # output goes to the log alone (scripts/test.sh prints it once that stage has ended).
 # Exits with CMD's code.
 set -uo pipefail

@@ -8,7 +8,7 @@
 # Stages: tools (what the unit stage's chart and GitOps tests run: helm, kubectl, kubeconform, checkov,
 # kstatus; ci/ builds them once per version, the CI cluster reuses them), lint, unit, integration, unit-compute
 # (the unit tests that only compute, beside the e2e stage's serial phase, below), e2e on the CI cluster (make -C ci
-# e2e: the cluster's qualification, then the suite), the kind stage (beside the e2e stage's parallel phase, below).
+# e2e: the cluster's qualification, then the suite), the kind stage (beside the e2e stage's serial phase, below).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -22,25 +22,32 @@ export TEST_JUNIT_DIR=$out/junit  # the e2e stages write theirs here too (ci/scr
 export TEST_OUT=$out
 started=$SECONDS
 failed=0
-unit_pid=  # the unit-compute stage's process, while it runs beside the e2e stage
+beside_pids=()
 
 stage() {  # stage NAME CMD...: scripts/stage.sh (its output in $out/NAME.log, its time and code in the ledger)
   bash "$repo/scripts/stage.sh" "$@" && return 0
   local rc=$?; failed=1; return "$rc"
 }
 
-finish_beside() {  # the compute-only unit tests beside the e2e stage: started if they wait still, waited for, judged
-  [[ -n $unit_pid ]] || return 0
-  local pid=$unit_pid; unit_pid=
+finish_beside() {  # the stages beside the e2e stage (unit-compute, kind): started if they wait still, waited for, judged
+  ((${#beside_pids[@]})) || return 0
+  local pids=("${beside_pids[@]}") pid name
+  beside_pids=()
   echo ended >> "$E2E_PHASE_FILE"
-  printf '%s test: waiting for the unit tests beside the e2e stage (their output follows)\n' "$(date -u +%H:%M:%S)" >&2
-  wait "$pid"
-  local name
-  for name in unit-compute-beside unit-compute; do [[ ! -s $out/$name.log ]] || cat "$out/$name.log" >&2; done
+  printf '%s test: waiting for the stages beside the e2e stage (their output follows)\n' "$(date -u +%H:%M:%S)" >&2
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  for name in unit-compute-beside unit-compute kind-beside kind; do
+    [[ ! -s $out/$name.log ]] || { printf '%s test: %s.log:\n' "$(date -u +%H:%M:%S)" "$name" >&2; cat "$out/$name.log" >&2; }
+  done
   # judged by the ledger, which stage.sh writes as each stage ends: a stage missing from it did not run or end
-  if ! awk -F'\t' '$1 == "unit-compute" {ran = 1; if ($3 != 0) bad = 1} END {exit bad || !ran}' "$ledger"; then
-    failed=1
-  fi
+  local want=()
+  [[ ${TEST_UNIT_BESIDE:-1} != 1 ]] || want+=(unit-compute)
+  [[ ${TEST_KIND_BESIDE:-1} != 1 ]] || want+=(kind)
+  for name in "${want[@]}"; do
+    if ! awk -F'\t' -v n="$name" '$1 == n {ran = 1; if ($3 != 0) bad = 1} END {exit bad || !ran}' "$ledger"; then
+      failed=1
+    fi
+  done
 }
 
 report() {
@@ -55,44 +62,36 @@ stage tools bash -c 'bash ci/scripts/build-kstatus.sh && bash ci/scripts/install
 stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/python scripts/check-doc-links.py && \
   $BIN/python scripts/check-runtime-rules.py" || exit 1
 # The unit and integration stages (scripts/unit-stages.sh): first, alone, the tests that meet the wall clock; the unit
-# tests that only compute (the chart's renders and linters, the simulation) beside the e2e stage's serial phase, niced,
-# on the CPU it leaves idle (TEST_UNIT_BESIDE=1, the default): they start when ci/scripts/e2e.sh writes its first phase
-# to E2E_PHASE_FILE, or when the e2e stage has ended without one; their output follows the e2e stage's and a failure
-# fails the run at its end. TEST_UNIT_BESIDE=0: every unit test first, alone.
+# tests that only compute (the chart's renders and linters, the simulation) as the stage unit-compute, beside the e2e
+# stage's serial phase (TEST_UNIT_BESIDE=1, the default; scripts/beside-e2e.sh). TEST_UNIT_BESIDE=0: every unit test
+# first, alone.
 export E2E_PHASE_FILE=$out/e2e-phases
 : > "$E2E_PHASE_FILE"
+beside_pids=()  # the stages beside the e2e stage, each in a session of its own (its pid leads its process group)
+trap 'for pid in "${beside_pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; exit 130' INT TERM
 UNIT_BESIDE=${TEST_UNIT_BESIDE:-1} bash scripts/unit-stages.sh first || { failed=1; exit 1; }
 if [[ ${TEST_UNIT_BESIDE:-1} == 1 ]]; then
   bash scripts/unit-stages.sh beside > "$out/unit-compute-beside.log" 2>&1 &
-  unit_pid=$!
-  # a session of its own, which the terminal's ^C does not reach: stopped with this run (its pid leads its group)
-  trap 'kill -TERM -- "-$unit_pid" 2>/dev/null; exit 130' INT TERM
+  beside_pids+=($!)
 fi
 # The e2e stages: the CI cluster runs every test but the `fast` ones (`make e2e` alone runs them all); the kind
 # stage runs the `fast` ones, so that `make e2e CLUSTER=kind` is proven on every run without running a test twice.
-# The kind stage is a cluster of its own (podman) whose tests mostly wait: it runs beside the CI cluster's parallel
-# phase once the lane has ended (E2E_BESIDE, ci/scripts/e2e.sh; its output follows the lane's), on a pod network
-# apart from the CI cluster's. TEST_KIND_BESIDE=0: after the e2e stage, alone.
+# The kind stage is a cluster of its own (podman) whose tests mostly wait: it runs beside the CI cluster's serial
+# phase (scripts/beside-e2e.sh), its nodes' CPU weight lowered while it runs (KIND_CPU_SHARES, ci/scripts/kind-stage.sh),
+# on a pod network apart from the CI cluster's; its output follows the e2e stage's. TEST_KIND_BESIDE=0: after the e2e
+# stage, alone.
 kind_stage=(make -C "$repo/ci" kind-stage PYTEST="$BIN/pytest")
 if [[ ${TEST_KIND_BESIDE:-1} == 1 ]]; then
   # What the kind stage builds (on a fresh machine: podman, kind, the node image; minutes of CPU) is built first,
-  # alone, so that beside the parallel phase it only runs its cluster and tests.
+  # alone, so that beside the serial phase it only runs its cluster and tests.
   stage kind-image bash -c "bash ci/scripts/install-deps.sh && bash ci/scripts/install-podman.sh && \
     KIND_ENGINE=podman bash ci/scripts/build-kind-node.sh" || exit 1
-  # started from inside `make -C ci e2e ... PYTEST_ARGS=...`, whose command-line variables reach it through the
-  # environment and MAKEFLAGS: without them the kind stage runs its own selection, as when test.sh runs it
-  export E2E_BESIDE="$(printf '%q ' env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL -u MAKEOVERRIDES -u PYTEST_ARGS -u CLUSTER \
-    STAGE_BESIDE=e2e bash "$repo/scripts/stage.sh" kind "${kind_stage[@]}")"
+  KIND_CPU_SHARES=${KIND_CPU_SHARES:-512} bash scripts/beside-e2e.sh kind "${kind_stage[@]}" > "$out/kind-beside.log" 2>&1 &
+  beside_pids+=($!)
 fi
 stage e2e make -C ci e2e CLUSTER=ci PYTEST="$BIN/pytest" PYTEST_ARGS="-m 'not fast'"; e2e=$?
 finish_beside
-if cut -f1 "$ledger" | grep -qx kind; then
-  printf '%s test: the kind stage ran beside the e2e stage; its output (%s):\n' "$(date -u +%H:%M:%S)" "$out/kind.log" >&2
-  cat "$out/kind.log" >&2
-fi
 ((e2e == 0)) || exit 1
 if ! cut -f1 "$ledger" | grep -qx kind; then
-  unset E2E_BESIDE; stage kind "${kind_stage[@]}" || exit 1
-elif awk -F'\t' '$1 == "kind" && $3 != 0 {bad = 1} END {exit !bad}' "$ledger"; then
-  failed=1; exit 1
+  stage kind "${kind_stage[@]}" || exit 1
 fi

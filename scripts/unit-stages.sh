@@ -7,14 +7,8 @@
 #           processes on loopback, bounds of 100 ms to a few seconds), before the e2e stage, alone: a bound measured
 #           on a loaded machine would be false. The integration stage runs only if the unit stage passed.
 #   beside  the unit tests that only compute (BESIDE below: the chart's renders and linters, the simulation on its
-#           virtual clock; about half the unit stage's CPU), beside the e2e stage's serial phase, on the CPU it leaves
-#           idle (a third of both cores is busy there). scripts/test.sh starts it before the e2e stage; it waits until
-#           ci/scripts/e2e.sh writes its first phase to $E2E_PHASE_FILE (the cluster up and its images built: on a
-#           fresh machine minutes of builds on both cores) or test.sh writes "ended" there. It takes a session of its
-#           own (setsid), whose autogroup, and each process in it, is niced to 19: the CPU scheduler gives it a core
-#           only when nothing of the e2e stage and its cluster wants one (weight 15 against 1024), so the e2e tests'
-#           time bounds meet the load they met alone. Its output goes to its log alone; test.sh prints it once the e2e
-#           stage has ended.
+#           virtual clock; about half the unit stage's CPU) as the stage unit-compute, beside the e2e stage's serial
+#           phase, on the CPU it leaves idle (scripts/beside-e2e.sh: when it starts, how it yields).
 # A test added to BESIDE must hold no wall-clock bound: starved for seconds at a time, it would fail.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,16 +35,9 @@ case ${1:-} in
     fi
     pytest_stage integration -n "$TEST_JOBS" agent/tests/integration || exit 1
     ;;
-  beside)
-    if [[ ${UNIT_STAGES_SETSID:-} != 1 ]]; then  # once, in a session of its own (-w: its exit code is this one's)
-      UNIT_STAGES_SETSID=1 exec setsid -w bash "$0" beside
-    fi
-    echo 19 > /proc/self/autogroup 2>/dev/null || true  # absent where the kernel has no autogroups: the nice below does
-    renice -n 19 $$ > /dev/null
-    phases=${E2E_PHASE_FILE:?unit-stages.sh beside needs E2E_PHASE_FILE: the file the e2e stage writes its phases to}
-    until [[ -s $phases ]]; do sleep 2; done  # test.sh writes "ended" there once the e2e stage has ended, however
-    echo "$(date -u +%H:%M:%S) unit-stages: starting beside the e2e stage (its phase: $(tail -1 "$phases"))"
-    STAGE_BESIDE=e2e pytest_stage unit-compute -n "$TEST_JOBS" "${BESIDE[@]}" || exit 1
+  beside)  # through scripts/beside-e2e.sh (the wait, the session, the nice)
+    exec bash scripts/beside-e2e.sh unit-compute "$BIN/pytest" --junitxml="$TEST_OUT/junit/unit-compute.xml" \
+      -n "$TEST_JOBS" "${BESIDE[@]}"
     ;;
   *) echo "usage: unit-stages.sh first|beside" >&2; exit 2 ;;
 esac

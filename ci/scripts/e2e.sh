@@ -67,7 +67,6 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
   if ((jobs == 0)); then
     phase_mark "suite in one process"
     E2E_FAKE_GPU_NAMESPACE=$fake_ns run_suite "suite in one process" "$repo/e2e" --ignore="$smoke" "$@"
-    beside
   else
     phase_mark serial
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=serial run_suite "serial phase" "$repo/e2e" --ignore="$smoke" "$@"
@@ -75,12 +74,11 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=grouped run_suite "grouped phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
     # The lane beside the parallel phase, on nodes no worker owns: its output kept apart and printed after the
-    # parallel phase's, so that neither is interleaved line by line with the other. Then E2E_BESIDE, if set, in
-    # the time the parallel phase still runs.
+    # parallel phase's, so that neither is interleaved line by line with the other.
     phase_mark parallel
     lane_log=$(mktemp)
     (E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=lane E2E_JOBS=$jobs run_suite "lane (beside the parallel phase)" \
-      "$repo/e2e" --ignore="$smoke" "$@"; beside; exit "$rc") > "$lane_log" 2>&1 &
+      "$repo/e2e" --ignore="$smoke" "$@"; exit "$rc") > "$lane_log" 2>&1 &
     lane=$!
     E2E_FAKE_GPU_NAMESPACE=$fake_ns E2E_PHASE=parallel run_suite "parallel phase ($jobs workers)" "$repo/e2e" \
       --ignore="$smoke" -n "$jobs" --dist load "$@"
@@ -94,21 +92,9 @@ ci_suite() {  # ci_suite PYTEST_ARGS...
 }
 
 # E2E_PHASE_FILE: a file each phase's name is appended to as it starts: what runs beside the suite waits on it (make
-# test's unit and integration stages start with the serial phase, after the cluster's builds: scripts/unit-stages.sh)
+# test's unit-compute and kind stages start with the serial phase, after the cluster's builds: scripts/beside-e2e.sh)
 phase_mark() {
   [[ -z ${E2E_PHASE_FILE:-} ]] || echo "$1" >> "$E2E_PHASE_FILE"
-}
-
-# E2E_BESIDE: a command (bash) that needs none of this cluster's nodes and mostly waits, run once the lane has ended,
-# beside the rest of the parallel phase (make test's kind stage: scripts/test.sh). It reports for itself: its exit
-# code is logged, not this suite's. The cluster is torn down only after it ends.
-beside() {
-  [[ -n ${E2E_BESIDE:-} ]] || return 0
-  local t=$SECONDS code=0
-  log "beside the parallel phase: $E2E_BESIDE"
-  bash -c "$E2E_BESIDE" || code=$?
-  log "beside the parallel phase: exit $code (the command reports for itself)"
-  log "timing: beside the parallel phase $((SECONDS - t))s"
 }
 
 cluster_up() {  # cluster_up NODES

@@ -59,6 +59,17 @@ elif ! grep -q '^default_ulimits' "$conf"; then
   exit 1
 fi
 
+# KIND_CPU_SHARES: the CPU weight of podman's containers (the kind nodes, cgroupfs under libpod_parent) while the stage
+# runs, restored after: scripts/test.sh runs this stage beside the CI cluster's serial phase, whose time bounds must
+# meet the load they met alone (1024 is a cgroup's default, a node of the CI cluster's own; 512 lets the kind nodes
+# take half what one of those would, when both want the CPU).
+shares=/sys/fs/cgroup/cpu/libpod_parent/cpu.shares
+if [[ -n ${KIND_CPU_SHARES:-} && -d /sys/fs/cgroup/cpu ]]; then
+  if [[ ! -d ${shares%/*} ]]; then mkdir "${shares%/*}" && touch "$state/made-libpod-parent"; fi
+  cat "$shares" > "$state/cpu-shares" && echo "$KIND_CPU_SHARES" > "$shares" \
+    && log "kind nodes' CPU weight $KIND_CPU_SHARES (was $(cat "$state/cpu-shares")) while the stage runs"
+fi
+
 teardown() {
   local code=$1 t=$SECONDS
   # e2e.sh deleted the cluster; kind leaves its network, podman's CNI plugins their chains and sysctls
@@ -107,6 +118,8 @@ teardown() {
     umount /run/netns || code=1
   fi
   [[ ! -f $state/wrote-containers-conf ]] || rm -f "$conf"
+  [[ ! -s $state/cpu-shares ]] || cat "$state/cpu-shares" > "$shares" || code=1
+  [[ ! -f $state/made-libpod-parent ]] || rmdir "${shares%/*}" 2>/dev/null || true  # podman's, if it made containers
   bash "$here/scripts/host-state.sh" "${scope[@]}" > "$state/after"
   if ! diff -u "$state/before" "$state/after"; then
     log "FAILED: the kind stage left the host changed (diff above)"; code=1
