@@ -10,7 +10,7 @@ import pytest
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.mechanisms.domain.aggregate import Aggregator, EveryDomainAggregator, fold
 from gpu_agent.mechanisms.domain.conditions import find, ready_condition
-from gpu_agent.mechanisms.domain.members import MemberIndex, member_name
+from gpu_agent.mechanisms.domain.members import MemberIndex, legacy_member_name, member_name
 from gpu_agent.mechanisms.domain.transitions import transitions
 from gpu_agent.mechanisms.domain.trust import GPU_CLAIM_GRACE, MemberTrust, NodeAgentPods
 from tests.unit.test_domain import FakeCustom, domain
@@ -43,7 +43,15 @@ def doubts(view, *objs, capacity=None, now=lambda: 0.0, trust=None):
     index.replace(objs)
     members = index.members()
     trust = trust or MemberTrust(view, capacity, monotonic=now)
-    return trust.doubts(members, {n: index.owner(n) for n in members})
+    return trust.doubts(members, {n: index.owner(n) for n in members},
+                        frozenset(n for n in members if index.is_legacy(n)))
+
+
+def legacy_member(node, ip, domain="d1"):
+    """0.1's member of a node: named `<domain>-<node>`, owned by nothing (0.1's node agents set no owner)."""
+    obj = member(node, ip, domain=domain)
+    obj["metadata"]["name"] = legacy_member_name(domain, node)
+    return obj
 
 
 # ---- the check alone --------------------------------------------------------------------------------------------
@@ -71,6 +79,20 @@ def test_a_member_without_its_owner_pod_is_doubted():
         "a": "MemberOwnerMissing: the member names no owner Pod",
         "b": "MemberOwnerMissing: its owner Pod na-b is not a node agent Pod of ns (gone?)",
         "c": "MemberOwnerMissing: its owner Pod na-a is not a node agent Pod of ns (gone?)"}
+
+
+def test_a_01_member_without_an_owner_is_vouched_for_by_the_node_agent_pods_on_its_node():
+    """An upgrade from 0.1: the old node agents' members have 0.1's name and no owner; while they run (and after a
+    0.2 agent replaced one on its node) the node agent Pods on the member's node vouch for its address. A member of
+    the current name without an owner is still doubted: 0.2's agents always name theirs."""
+    view = listed_pods(pod("old-a", "a", "10.0.0.1"), pod("new-b", "b", "10.0.0.2"))
+    assert doubts(view, legacy_member("a", "10.0.0.1"), legacy_member("b", "10.0.0.2"),
+                  legacy_member("c", "10.0.0.3"), legacy_member("d", "10.0.0.9"), member("e", "10.0.0.1")) == {
+        "c": "MemberOwnerMissing: 0.1's member names no owner Pod, and no node agent Pod of ns runs on c",
+        "d": "MemberOwnerMissing: 0.1's member names no owner Pod, and no node agent Pod of ns runs on d",
+        "e": "MemberOwnerMissing: the member names no owner Pod"}
+    assert doubts(view, legacy_member("a", "10.0.0.9")) == {
+        "a": "MemberAddressMismatch: member says 10.0.0.9, the node agent Pods on a (old-a) have 10.0.0.1, 10.244.0.9"}
 
 
 def test_before_the_pods_are_listed_nobody_is_doubted():

@@ -540,7 +540,8 @@ class Aggregator:
         """node -> why its member is not trusted (trust.py; {} without checks). Under the lock."""
         if self.trust is None:
             return {}
-        return self.trust.doubts(self.members, {node: self.index.owner(node) for node in self.members})
+        return self.trust.doubts(self.members, {node: self.index.owner(node) for node in self.members},
+                                 frozenset(node for node in self.members if self.index.is_legacy(node)))
 
     def _tell(self, before: GPUDomain | None, after: GPUDomain | None, silent: frozenset[str],
               doubted: Mapping[str, str]) -> None:

@@ -178,6 +178,11 @@ class MemberIndex:
         name = self._chosen(node)
         return None if name is None else self.owners.get(name)
 
+    def is_legacy(self, node: str) -> bool:
+        """The object member() reads is 0.1's, named `<domain>-<node>` (0.1's node agents name no owner Pod)."""
+        name = self._chosen(node)
+        return name is not None and name != member_name(self.domain, node)
+
     def members(self) -> dict[str, MemberSpec]:
         """node -> spec, as member() gives it."""
         return {node: spec for node in sorted(self.names) if (spec := self.member(node)) is not None}

@@ -8,7 +8,10 @@ folder checks each member against facts the node agent cannot write:
 - its owner Pod (the member's ownerReferences Pod, name and UID, which the node agent sets to its own Pod), among
   the namespace's node agent Pods: it must exist, run on the member's `spec.node` (the Pod's `spec.nodeName`), and
   the member's `spec.ip` must be one of the Pod's addresses (`status.hostIP(s)`, what the chart hands the agent as
-  NODE_IP, or `status.podIP(s)`); an empty `spec.ip` claims no address and passes;
+  NODE_IP, or `status.podIP(s)`); an empty `spec.ip` claims no address and passes. 0.1's node agents named no
+  owner: a member of 0.1's name (`<domain>-<node>`, members.py) without one is checked against the node agent Pods
+  that run on its node instead (an upgrade from 0.1 keeps its domains Ready while the old agents still run; a
+  node agent may update, never create, its own node's 0.1 member, and the chart's policy binds its node);
 - its GPUs, where the node reports them independently of the node agent: a member listing more GPU UUIDs than the
   Node's `capacity` of nvidia.com/gpu (the device plugin's count, read from the cluster agent's own Node watch) is
   doubted once that has lasted GPU_CLAIM_GRACE (the kubelet reports a device plugin's new GPUs at its next node
@@ -100,6 +103,11 @@ class NodeAgentPods:
         with self._lock:
             return self._pods.get(name)
 
+    def on_node(self, node: str) -> list[tuple[str, PodFacts]]:
+        """The node agent Pods (name, facts) that run on `node`."""
+        with self._lock:
+            return [(name, pod) for name, pod in sorted(self._pods.items()) if pod.node == node]
+
     def run(self) -> None:
         list_then_watch(self.list_pods, self.namespace, label_selector=self.selector, on_list=self.listed_pods,
                         on_event=self.pod_event, stop=self.stop_event, clock=self.clock, retry_seconds=2.0,
@@ -110,8 +118,19 @@ class NodeAgentPods:
         self.stop_event.set()
 
 
-def address_problem(spec: MemberSpec, owner: Owner | None, pods: NodeAgentPods) -> str | None:
-    """Why the member's owner Pod does not vouch for its node and address, or None when it does."""
+def address_problem(spec: MemberSpec, owner: Owner | None, pods: NodeAgentPods, legacy: bool = False) -> str | None:
+    """Why the member's owner Pod does not vouch for its node and address, or None when it does. `legacy`: the member
+    has 0.1's name, whose node agents named no owner: without one, the node agent Pods on its node vouch instead."""
+    if owner is None and legacy:
+        node, ip = spec.get("node", ""), spec.get("ip") or ""
+        here = pods.on_node(node)
+        if not here:
+            return f"MemberOwnerMissing: 0.1's member names no owner Pod, and no node agent Pod of {pods.namespace} runs on {node}"
+        addresses = [a for _, pod in here for a in pod.addresses]
+        if ip and ip not in addresses:
+            return (f"MemberAddressMismatch: member says {ip}, the node agent Pods on {node} "
+                    f"({', '.join(name for name, _ in here)}) have {', '.join(addresses) or 'no address yet'}")
+        return None
     if owner is None:
         return "MemberOwnerMissing: the member names no owner Pod"
     name, uid = owner
@@ -138,14 +157,16 @@ class MemberTrust:
         self.grace = grace
         self.over_since: dict[str, tuple[int, float]] = {}  # node -> (GPUs listed, first seen beyond capacity)
 
-    def doubts(self, members: Mapping[str, MemberSpec], owners: Mapping[str, Owner | None]) -> dict[str, str]:
+    def doubts(self, members: Mapping[str, MemberSpec], owners: Mapping[str, Owner | None],
+               legacy: frozenset[str] = frozenset()) -> dict[str, str]:
+        """node -> why, for each member that fails the checks; `legacy`: the nodes whose member has 0.1's name."""
         if not self.pods.listed:
             return {}
         now = self.monotonic()
         out: dict[str, str] = {}
         over: dict[str, tuple[int, float]] = {}
         for node, spec in members.items():
-            why = address_problem(spec, owners.get(node), self.pods)
+            why = address_problem(spec, owners.get(node), self.pods, node in legacy)
             listed = len(spec.get("gpuUUIDs") or [])
             capacity = self.gpu_capacity(node) if self.gpu_capacity is not None else None
             if capacity and listed > capacity:
