@@ -13,6 +13,7 @@ the reason within LIE_SEEN, and then that it heals when the agent's next heartbe
 
 from __future__ import annotations
 
+import json
 import time
 
 from kubernetes import client
@@ -61,8 +62,11 @@ def test_a_member_lying_about_its_ip_is_marked_notready_with_the_reason_and_heal
             "heartbeat", "")
 
     def untrusted_events() -> list[str]:
-        events = client.EventsV1Api(api).list_namespaced_event(namespace).items
-        return [e.note or "" for e in events if e.reason == "NodeUntrusted" and e.regarding and e.regarding.name == DOMAIN]
+        # as JSON: the generated client refuses an events.k8s.io Event without eventTime (one the core API wrote)
+        r = client.EventsV1Api(api).list_namespaced_event(namespace, _preload_content=False, _request_timeout=10)
+        events = json.loads(r.data)["items"]
+        return [e.get("note") or "" for e in events
+                if e.get("reason") == "NodeUntrusted" and (e.get("regarding") or {}).get("name") == DOMAIN]
 
     try:
         release.install("--set", f"domain.name={DOMAIN}", "--set", f"domain.heartbeatInterval={HEARTBEAT}",
