@@ -258,6 +258,18 @@ async def test_a_leader_that_shuts_down_hands_over_at_the_standbys_next_attempt(
     assert started - released <= SETTINGS.retry_period * 1.2 + 0.1
 
 
+async def leader_a(tasks, clock, lease, run_blocking):
+    """Agent "a" on `lease`, its blocking calls through `run_blocking`, leading after 3 s: (elector, its task)."""
+    async def changed(leading, reason):
+        pass
+    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
+                            **callbacks("a", changed), run_blocking=run_blocking)
+    task = tasks.start(elector.run())
+    await run_for(clock, 3)
+    assert elector.leading
+    return elector, task
+
+
 async def test_a_leader_shut_down_while_a_renewal_lands_unheard_still_releases_the_lease(tasks):
     """The renewal in flight at shutdown reaches the server (its thread runs on after the task is cancelled) but
     its answer never reaches the elector, so the version it last saw is behind: the release must still delete
@@ -272,15 +284,7 @@ async def test_a_leader_shut_down_while_a_renewal_lands_unheard_still_releases_t
             landed.append(result.version)
             await asyncio.sleep(3600)  # the answer never comes: only the shutdown's cancel ends the wait
         return result
-    changes = []
-
-    async def changed(leading, reason):
-        changes.append((clock.monotonic(), leading))
-    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
-                            **callbacks("a", changed), run_blocking=renewal_lands_unheard)
-    task = tasks.start(elector.run())
-    await run_for(clock, 3)
-    assert elector.leading
+    elector, task = await leader_a(tasks, clock, lease, renewal_lands_unheard)
     unheard.set()
     await run_for(clock, SETTINGS.retry_period + 0.5)
     assert landed and lease.record.version == landed[-1] != elector.observed.version
@@ -306,15 +310,7 @@ async def test_a_shutdown_cancel_that_meets_a_renewals_answer_in_one_turn_still_
         answers.append((answer, result))
         return await answer
     answers_held = asyncio.Event()
-    changes = []
-
-    async def changed(leading, reason):
-        changes.append((clock.monotonic(), leading))
-    elector = LeaderElector(lease.for_("a"), identity="a", settings=SETTINGS, clock=clock, rng=random.Random(1),
-                            **callbacks("a", changed), run_blocking=answer_held)
-    task = tasks.start(elector.run())
-    await run_for(clock, 3)
-    assert elector.leading
+    _, task = await leader_a(tasks, clock, lease, answer_held)
     answers_held.set()
     await run_for(clock, SETTINGS.retry_period + 0.5)
     assert answers, "no renewal read was held back"
