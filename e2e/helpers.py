@@ -249,37 +249,24 @@ class LogFollower:
         self._thread.join(60)
 
 
-class PodLogs:
-    """Every pod of a selector followed from the moment a list (one a second) finds it (LogFollower each), so that the
-    lines of a pod that shut down and is gone can still be read: a hand-over's old leader's, say."""
+class PodLogs(Sampler):
+    """Every pod of a selector followed from the moment a list finds it (LogFollower each), so that the lines of a
+    pod that shut down and is gone can still be read: a hand-over's old leader's, say. A Sampler whose probe, once a
+    second, lists the pods and follows those not yet followed (a failed list is a sample's error; the next tries)."""
 
     def __init__(self, core: client.CoreV1Api, namespace: str, selector: str) -> None:
         self.core, self.namespace, self.selector = core, namespace, selector
         self.followers: dict[str, LogFollower] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"pod-logs-{selector}")
+        super().__init__(self._follow_new, 1.0)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector, _request_timeout=5).items
-            except Exception:  # noqa: BLE001 - the next list tries again
-                pods = []
-            for pod in pods:
-                name = pod.metadata.name
-                if name not in self.followers and pod.status.phase in ("Running", "Succeeded", "Failed"):
-                    self.followers[name] = LogFollower(self.core, self.namespace, name).__enter__()
-            self._stop.wait(1.0)
+    def _follow_new(self) -> int:
+        for pod in self.core.list_namespaced_pod(self.namespace, label_selector=self.selector, _request_timeout=5).items:
+            name = pod.metadata.name
+            if name not in self.followers and pod.status.phase in ("Running", "Succeeded", "Failed"):
+                self.followers[name] = LogFollower(self.core, self.namespace, name).__enter__()
+        return len(self.followers)
 
     def between(self, start: float, end: float) -> dict[str, list[tuple[float, str]]]:
         """Each pod's lines that arrived between two monotonic moments."""
         return {pod: [(t, text) for t, text in f.lines if start <= t <= end] for pod, f in self.followers.items()}
-
-    def __enter__(self) -> PodLogs:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 

@@ -22,7 +22,7 @@ export TEST_JUNIT_DIR=$out/junit  # the e2e stages write theirs here too (ci/scr
 export TEST_OUT=$out
 started=$SECONDS
 failed=0
-beside_pids=()
+beside_pids=()  # the stages beside the e2e stage, each in a session of its own (its pid leads its process group)
 
 stage() {  # stage NAME CMD...: scripts/stage.sh (its output in $out/NAME.log, its time and code in the ledger)
   bash "$repo/scripts/stage.sh" "$@" && return 0
@@ -67,7 +67,6 @@ stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/
 # first, alone.
 export E2E_PHASE_FILE=$out/e2e-phases
 : > "$E2E_PHASE_FILE"
-beside_pids=()  # the stages beside the e2e stage, each in a session of its own (its pid leads its process group)
 trap 'for pid in "${beside_pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; exit 130' INT TERM
 UNIT_BESIDE=${TEST_UNIT_BESIDE:-1} bash scripts/unit-stages.sh first || { failed=1; exit 1; }
 if [[ ${TEST_UNIT_BESIDE:-1} == 1 ]]; then

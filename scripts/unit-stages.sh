@@ -28,11 +28,8 @@ case ${1:-} in
   first)
     ignore=()
     for path in "${BESIDE[@]}"; do [[ $path != agent/tests/unit/* ]] || ignore+=(--ignore="$path"); done
-    if [[ ${UNIT_BESIDE:-1} == 1 ]]; then
-      pytest_stage unit -n "$TEST_JOBS" "${UNIT[@]}" "${ignore[@]}" || exit 1
-    else
-      pytest_stage unit -n "$TEST_JOBS" "${UNIT[@]}" "${BESIDE[@]}" || exit 1
-    fi
+    [[ ${UNIT_BESIDE:-1} == 1 ]] && rest=("${ignore[@]}") || rest=("${BESIDE[@]}")  # left out, or run here too
+    pytest_stage unit -n "$TEST_JOBS" "${UNIT[@]}" "${rest[@]}" || exit 1
     pytest_stage integration -n "$TEST_JOBS" agent/tests/integration || exit 1
     ;;
   beside)  # through scripts/beside-e2e.sh (the wait, the session, the nice)
