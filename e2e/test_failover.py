@@ -158,13 +158,14 @@ class Cluster:
                 "gaps": self.pods.gaps, "complete": self.pods.complete()}
 
 
-def install(api, core, apps, kubeconfig, namespace, name: str, *extra: str) -> Cluster:
+def install(api, core, apps, kubeconfig, namespace, fake_gpus, name: str, *extra: str) -> Cluster:
     release = Release(api, core, apps, kubeconfig, namespace, name=name)
     volume = persistent_control_plane(core, namespace, release)
     cluster = Cluster(release, volume, WorkPods(core, namespace))
-    # One node agent, on the node with the fake GPUs (the fixture's first node): these tests stop, kill and
-    # force-delete "the" node agent and read "the" member, whatever the cluster's node count.
-    gpu_node = min(n.metadata.name for n in core.list_node().items)  # FakeGPUs.node
+    # One node agent, on the node whose fake GPUs this process's tests set (FakeGPUs.node: side by side, the worker's
+    # own node): these tests stop, kill and force-delete "the" node agent and read "the" member, whatever the
+    # cluster's node count. Pinned anywhere else it would count another worker's GPUs (stop 65's failure).
+    gpu_node = fake_gpus.node
     try:
         release.install("--set", "gracefulNoGPU=true", "--set", "controlPlane.persistence.enabled=true", *ELECTION,
                         "--set", f"nodeAgent.nodeSelector.kubernetes\\.io/hostname={gpu_node}", *extra)
@@ -224,7 +225,7 @@ def the_leader(cluster: Cluster) -> str:
 def test_the_only_cluster_agent_force_deleted_killed_deleted_and_its_control_plane_restarted_loses_and_doubles_nothing(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "fo1")
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "fo1")
     try:
         keys = [f"fo1-{i}" for i in range(14)]
         enqueue(cluster.release, keys, seconds=2)
@@ -250,7 +251,7 @@ def test_the_only_cluster_agent_force_deleted_killed_deleted_and_its_control_pla
 def test_a_hot_standby_names_the_leader_and_takes_over_when_the_leader_is_deleted_or_force_deleted(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "fo2", "--set", "clusterAgent.replicas=2")
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "fo2", "--set", "clusterAgent.replicas=2")
     try:
         wait_until(lambda: len(cluster.running(CA)) == 2, 60, "two cluster agent pods running")
         leader = the_leader(cluster)
@@ -301,7 +302,7 @@ def domain_state(api, namespace: str, name: str = "fabric") -> tuple[str, list[t
 def test_a_hung_or_dead_node_agent_turns_its_member_and_the_domain_notready_and_only_its_own_member_is_writable(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "fo3", "--set", "domain.name=fabric",
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "fo3", "--set", "domain.name=fabric",
                       "--set", f"domain.heartbeatInterval={HEARTBEAT}", "--set", f"domain.heartbeatTTL={TTL}")
     custom = client.CustomObjectsApi(api)
     try:
@@ -393,7 +394,7 @@ def test_a_node_agents_token_may_touch_only_its_own_member_with_join_matching_al
     renders with domain.joinMatching alone; the cluster agent's ServiceAccount and the admin are not bound by it."""
     group = ("gpu-agent.io", "v1beta1", namespace, "gpudomainmembers")
     fake_gpus.set(2)  # the cluster agent leads (install waits for it) only with GPUs
-    cluster = install(api, core, apps, kubeconfig, namespace, "fo4", "--set", "domain.joinMatching=true")
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "fo4", "--set", "domain.joinMatching=true")
     admin = client.CustomObjectsApi(api)
     try:
         # The CRD refuses a domain whose members' names <domain>.<node> could not be told apart.
@@ -529,7 +530,7 @@ def test_chaos_random_disruptions_under_a_stream_of_work(api, core, apps, kubeco
     seed = int(os.environ.get("CHAOS_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "chaos", "--set", "clusterAgent.replicas=2",
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "chaos", "--set", "clusterAgent.replicas=2",
                       "--set", "clusterAgent.credentialRenewInterval=5",
                       "--set", "domain.name=fabric", "--set", f"domain.heartbeatInterval={HEARTBEAT}",
                       "--set", f"domain.heartbeatTTL={TTL}")
@@ -680,7 +681,7 @@ def test_graceful_hand_overs_release_the_lease_and_the_standby_leads_within_a_re
     busy 2-core machine adds), one agent leasing at a time, every item run once."""
     runs = int(os.environ.get("E2E_HANDOVERS", "2"))
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "ho", "--set", "clusterAgent.replicas=2")
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "ho", "--set", "clusterAgent.replicas=2")
     keys: list[str] = []
     rows: list[dict] = []
     try:
@@ -772,7 +773,7 @@ def test_leadership_flaps_leave_each_agents_threads_and_memory_flat(api, core, a
         pytest.skip("reads the agents' /proc and cuts one off the API server: the CI cluster's host only")
     flaps = int(os.environ.get("E2E_FLAPS", "2"))
     fake_gpus.set(2)
-    cluster = install(api, core, apps, kubeconfig, namespace, "flap", "--set", "clusterAgent.replicas=2",
+    cluster = install(api, core, apps, kubeconfig, namespace, fake_gpus, "flap", "--set", "clusterAgent.replicas=2",
                       "--set", "domain.name=fabric", "--set", f"domain.heartbeatInterval={HEARTBEAT}",
                       "--set", f"domain.heartbeatTTL={TTL}")
     keys: list[str] = []
