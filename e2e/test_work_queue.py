@@ -59,6 +59,8 @@ def poison_then_good(release: Release, poison: str, payload: dict, good: str) ->
     return answer, done
 
 
+@pytest.mark.serial(reason="measures a 5 s goal from an item's enqueue to its work Pod done: beside 2 other workers' "
+                            "installs (run 15, 3 workers at 88% CPU) the valid item was done 5.13 s after its enqueue")
 def test_a_valid_item_behind_each_kind_of_poison_item_is_done_within_5s_and_the_poison_ends_failed(
         api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(4)

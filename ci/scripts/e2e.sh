@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make e2e CLUSTER=ci|existing|kind|k3d: one entry point for the end-to-end suite.
-#   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 4: the control-plane node
-#             and three workers) brought up (idempotent), images built and imported, tests run (ci_suite
+#   ci        the whole suite once, on a cluster of E2E_NODES nodes (default 5: the control-plane node
+#             and four workers) brought up (idempotent), images built and imported, tests run (ci_suite
 #             below: the cluster's qualification, the serial phase, the parallel phase on E2E_JOBS
 #             workers with the lane beside it), torn down, the host checked to be exactly as before. E2E_NODES=1 for a quick
 #             local run (the tests that need several nodes skip, saying so; then E2E_JOBS=0).
@@ -50,12 +50,12 @@ kstatus() {
 # helm), and nothing else if it fails. Then one fake-gpu release for the run (e2e/fake_gpu_release.py), and the
 # suite in phases: the tests that cannot run beside others (marked serial, disruptive or ci_host: e2e/conftest.py
 # serial_reason) one after another; those that can beside their own group only (serial with among=) on E2E_JOBS
-# pytest-xdist workers; then the rest on E2E_JOBS workers (default 2: one per core), and beside them the lane (marked
+# pytest-xdist workers; then the rest on E2E_JOBS workers (default 3: the phase mostly waits on its cluster), and beside them the lane (marked
 # lane: e2e/conftest.py lane_of), its tests one after another on the last nodes, which no worker owns. Side by side
 # each worker owns one fake-GPU node: the cluster needs E2E_JOBS nodes and the lane's. E2E_JOBS=0: every test in one
 # process, one after another (no phases).
 ci_suite() {  # ci_suite PYTEST_ARGS...
-  local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-2} fake_ns t
+  local smoke=$repo/e2e/test_smoke.py jobs=${E2E_JOBS:-3} fake_ns t
   kstatus
   # whole, whatever the run selects (a -k would deselect it); its five tests side by side, each in its namespace: they
   # wait on Pods and rollouts, the CPU mostly idle (14% of both cores one after another)
@@ -106,7 +106,7 @@ cluster_up() {  # cluster_up NODES
 case $cluster in
   ci)
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
-      cluster_up "${NODES:-${E2E_NODES:-4}}"
+      cluster_up "${NODES:-${E2E_NODES:-5}}"
       ci_suite "${@:2}"
       exit $rc
     fi
@@ -125,7 +125,7 @@ case $cluster in
       log "teardown check passed: host state identical to before cluster-up"
     }
     trap 'code=$?; down_and_check || code=1; rm -f "$before" "$after"; exit $code' EXIT
-    cluster_up "${E2E_NODES:-4}"
+    cluster_up "${E2E_NODES:-5}"
     ci_suite "${@:2}"
     ;;
   existing)
