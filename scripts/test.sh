@@ -52,6 +52,7 @@ finish_beside() {  # the stages beside the e2e stage (unit-compute, kind): start
 
 report() {
   finish_beside
+  rm -f "$out/gpu-agent.oci.tar"  # the CI cluster's image archive, linked here for the kind stage (ci/scripts/e2e.sh)
   "$BIN/python" scripts/test_report.py --out "$out" --elapsed "$((SECONDS - started))" \
     --budget-minutes "${TEST_BUDGET_MINUTES:-80}" ${TEST_ALLOW_SKIPS:+--allow-skips} || failed=1
   exit "$failed"
