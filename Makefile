@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup wheels release run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra bench-fake-gpu gpu-check clean e2e chaos handover flaps mutate cluster-up cluster-down images node-stop node-start node-partition node-heal
+.PHONY: setup wheels release release-oci run sim fuzz e2e-fast e2e-kind-podman e2e-split test test-unit test-integration lint bench bench-footprint bench-nodes bench-domain bench-queue bench-dra bench-fake-gpu gpu-check clean e2e chaos handover flaps mutate cluster-up cluster-down images node-stop node-start node-partition node-heal
 
 setup: $(STAMP)
 
@@ -21,6 +21,14 @@ wheels:
 ## record the version with its commit in releases.yaml; the tree must be clean
 release: setup
 	bash scripts/release.sh
+
+## release-oci: `make release`, with both charts also signed (helm package --sign; a throwaway key unless
+## RELEASE_SIGN_KEY, RELEASE_KEYRING and RELEASE_PUBRING name yours), verified, pushed to oci://REGISTRY/charts and
+## read back (scripts/release-oci.sh). REGISTRY=HOST[:PORT]; REGISTRY_CA and REGISTRY_CREDENTIALS as
+## `eval "$$(ci/scripts/registry.sh env)"` sets them for the CI's registry
+release-oci: setup
+	@test -n "$(REGISTRY)" || { echo "make release-oci needs REGISTRY=HOST[:PORT] (the chart goes to oci://HOST/charts)" >&2; exit 2; }
+	RELEASE_REGISTRY=$(REGISTRY) bash scripts/release.sh
 
 ## run: the control plane + cluster agent with fake GPUs on loopback (no cluster needed)
 ARGS ?=

@@ -7,6 +7,9 @@
 #   4. the image is built and saved as dist/gpu-agent-VERSION.oci.tar, named localhost/gpu-agent:VERSION
 #      (RELEASE_IMAGE=0 skips it; it needs root, as `make images` does);
 #   5. releases.yaml gains "VERSION: the commit it was cut from"; commit that change.
+# RELEASE_REGISTRY=HOST[:PORT] (`make release-oci REGISTRY=...`; unset, none of this happens): in step 3 the charts are
+# also signed (`helm package --sign`, each .tgz beside its .prov), verified, pushed to oci://HOST/charts and read
+# back from there (scripts/release-oci.sh: the key, the login, REGISTRY_CA and REGISTRY_CREDENTIALS), before step 5.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -39,7 +42,11 @@ python=${PYTHON:-$( [[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/pyt
 helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
 [[ -n $helm ]] || { echo "release: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
 rm -rf dist && mkdir -p dist
-"$helm" package charts/gpu-agent charts/fake-gpu --destination dist >/dev/null
+if [[ -n ${RELEASE_REGISTRY:-} ]]; then
+  HELM=$helm bash scripts/release-oci.sh "$RELEASE_REGISTRY" dist
+else
+  "$helm" package charts/gpu-agent charts/fake-gpu --destination dist >/dev/null
+fi
 "$helm" repo index dist
 if [[ ${RELEASE_IMAGE:-1} != 0 ]]; then
   IMAGE_TAG=$version IMAGE_OUT=$repo/dist/gpu-agent-$version.oci.tar bash ci/scripts/build-images.sh project

@@ -22,6 +22,12 @@ _kstatus_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../kstatus" && cat go.mod go.s
 export KSTATUS_BIN=$CI_CACHE/kstatus-$KSTATUS_VERSION-$_kstatus_src/kstatus
 export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
+# The CI's OCI registry (ci/scripts/registry.sh): Debian's docker-registry (distribution 2.8), cached by version; its
+# state (config, htpasswd, credentials, pid) under REGISTRY_DIR, its serving certificate from the cluster's CA (PKI).
+export REGISTRY_VERSION=${REGISTRY_VERSION:-2.8.2}
+export REGISTRY_BIN=$CI_CACHE/docker-registry-$REGISTRY_VERSION/docker-registry
+export REGISTRY_DIR=${REGISTRY_DIR:-$CLUSTER_DIR/registry}
+export REGISTRY_ADDR=${REGISTRY_ADDR:-127.0.0.1:5443}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 # The host's CPU time since boot, busy and all (jiffies, every core: /proc/stat's first line), for cpu_busy.
 cpu_mark() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9; exit}' /proc/stat; }

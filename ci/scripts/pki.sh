@@ -2,6 +2,8 @@
 # A throwaway CA and one certificate per identity, with openssl. Idempotent.
 #   pki.sh                 the CA and the control plane's, the first node's and kube-proxy's identities
 #   pki.sh node NAME IP    a worker node's kubelet identity (system:node:NAME) and serving certificate
+#   pki.sh registry SAN    the CI registry's serving certificate (ci/scripts/registry.sh), issued anew for SAN
+#                          ("IP:127.0.0.1,DNS:localhost"): a registry started on another address gets no stale one
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -57,6 +59,12 @@ if [[ ${1:-} == node ]]; then
   cert "kubelet-serving-$name" "$name" "" serverAuth "DNS:$name,IP:$ip"
   chmod 600 ./*.key
   kubeconfig "kubelet-$name" "kubelet-$name"
+  exit 0
+fi
+if [[ ${1:-} == registry ]]; then
+  rm -f registry.crt registry.key
+  cert registry gpu-agent-ci-registry "" serverAuth "$2"
+  chmod 600 registry.key
   exit 0
 fi
 cert apiserver kube-apiserver "" serverAuth \
