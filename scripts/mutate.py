@@ -359,6 +359,34 @@ def count(only_mutate: list[str]) -> int:
     return 0
 
 
+# A test's wall-time limit under mutmut (agent/tests/conftest.py reads it; 30 s otherwise). mutmut bounds each
+# mutant's run itself (5 times its tests' time, plus 1 s); the limit would only fail its stats and clean runs,
+# which run every test traced, at the lowest priority, beside whatever else the host runs.
+TEST_TIMEOUT_UNDER_MUTMUT = "600"
+
+
+def test_env() -> dict[str, str]:
+    return {**os.environ, "GPU_AGENT_TEST_TIMEOUT": TEST_TIMEOUT_UNDER_MUTMUT}
+
+
+def explain_failed_run(tests: list[str]) -> None:
+    """mutmut runs its clean and forced-fail runs in a forked child and prints only "Failed to run clean test":
+    the child's pytest output goes to the child's copy of the buffer mutmut would print. Run the same tests as
+    its clean run does (unmutated, in .mutate/mutants) and show how they end."""
+    mutants = WORK / "mutants"
+    if not mutants.is_dir():
+        return
+    command = [sys.executable, "-m", "pytest", "--rootdir=.", "--tb=native", "-x", "-q", "-p", "no:randomly",
+               *tests, "-p", "no:cacheprovider", "-p", "no:xdist"]
+    print(f"mutate: mutmut shows no output of its clean run; the same tests, unmutated, in {mutants}:\n"
+          f"  MUTANT_UNDER_TEST= {' '.join(command[1:])}", file=sys.stderr)
+    clean = subprocess.run(command, cwd=mutants, env={**test_env(), "MUTANT_UNDER_TEST": ""},
+                           capture_output=True, text=True)
+    lines = [line for line in (clean.stdout + clean.stderr).splitlines()
+             if not line.startswith(("WARNING ", "INFO ", "DEBUG "))]  # the captured log lines of a failed test
+    print("\n".join(lines[-40:]) + f"\nmutate: they exited {clean.returncode}", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--module", default=os.environ.get("MODULE") or None,
@@ -399,9 +427,11 @@ def main() -> int:
     started = time.monotonic()
     mutmut = Path(sys.executable).parent / "mutmut"
     if not args.retest or retest:
-        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *retest], cwd=WORK)
+        run = subprocess.run([str(mutmut), "run", "--max-children", str(args.jobs), *retest], cwd=WORK,
+                             env=test_env())
         if run.returncode != 0:
             print(f"mutate: mutmut run exited {run.returncode}", file=sys.stderr)
+            explain_failed_run(tests)
             return run.returncode
     took = time.monotonic() - started
     mutants = read_results()

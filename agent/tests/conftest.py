@@ -1,5 +1,6 @@
 import asyncio
 import inspect
+import os
 
 import pytest
 
@@ -31,7 +32,9 @@ def tasks():
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """Run `async def` tests on a fresh event loop (no pytest-asyncio needed); the tasks the `tasks`
-    fixture started are stopped before the loop closes."""
+    fixture started are stopped before the loop closes. A test that runs longer than 30 s of wall time
+    (GPU_AGENT_TEST_TIMEOUT seconds where set: `make mutate` sets more, its tests run at the lowest priority beside
+    other work and mutmut bounds each mutant's run itself) fails with TimeoutError."""
     if inspect.iscoroutinefunction(pyfuncitem.obj):
         kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
 
@@ -42,6 +45,6 @@ def pytest_pyfunc_call(pyfuncitem):
                 started = pyfuncitem.funcargs.get("tasks")
                 if isinstance(started, Tasks):
                     await started.stop()
-        asyncio.run(asyncio.wait_for(run(), timeout=30))
+        asyncio.run(asyncio.wait_for(run(), timeout=float(os.environ.get("GPU_AGENT_TEST_TIMEOUT") or 30)))
         return True
     return None
