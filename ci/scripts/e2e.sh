@@ -97,10 +97,38 @@ phase_mark() {
   [[ -z ${E2E_PHASE_FILE:-} ]] || echo "$1" >> "$E2E_PHASE_FILE"
 }
 
+# The CI registry (ci/scripts/registry.sh) on the first node's address (REGISTRY_CLUSTER_ADDR), which every node
+# reaches and whose CA every node's containerd trusts for it (registry.sh start writes its hosts.toml); the project
+# image pushed to it from the archive just built (skopeo, digests kept) and both charts signed and pushed
+# (scripts/release-oci.sh), for e2e/test_oci_install.py. Its REGISTRY_* paths are exported to the suite. A failure
+# fails the run (rc) but not the rest of the suite: the registry is stopped and that test skips, saying there is none.
+# cluster-down stops it (registry.sh stop).
+registry_up() {
+  local t=$SECONDS charts code=0
+  REGISTRY_ADDR=$REGISTRY_CLUSTER_ADDR bash "$here/scripts/registry.sh" start || return 1
+  eval "$(bash "$here/scripts/registry.sh" env)"
+  log "timing: registry start $((SECONDS - t))s"
+  # side by side (the image push mostly writes and hashes, the charts' mostly signs): their lines kept apart
+  t=$SECONDS
+  HELM=$TOOLS_BIN/helm bash "$repo/scripts/release-oci.sh" "$REGISTRY_HOST" "$REGISTRY_RELEASE_DIR" \
+    > "$REGISTRY_DIR/release-oci.log" 2>&1 &
+  charts=$!
+  bash "$here/scripts/registry.sh" push-image "$CI_CACHE/images/gpu-agent.oci.tar" || code=1
+  wait "$charts" || { code=1; log "scripts/release-oci.sh failed:"; }
+  cat "$REGISTRY_DIR/release-oci.log" >&2
+  log "timing: image and charts pushed to the registry $((SECONDS - t))s"
+  return "$code"
+}
+
 cluster_up() {  # cluster_up NODES
   local t=$SECONDS
   NODES=$1 bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up ($1 node(s)) $((SECONDS - t))s"
   t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
+  if ! registry_up; then
+    rc=1; log "FAILED: the CI registry (start, image push or charts push): stopped; e2e/test_oci_install.py will skip"
+    bash "$here/scripts/registry.sh" stop || true
+    unset REGISTRY_HOST REGISTRY_CA REGISTRY_CERT_DIR REGISTRY_CREDENTIALS REGISTRY_RELEASE_DIR
+  fi
   # Inside `make test` (TEST_OUT: this run's folder), the kind stage loads this same archive instead of building the
   # image again (a minute of CPU beside the serial phase): a link in this run's folder is never an older build's.
   if [[ -n ${TEST_OUT:-} && -d $TEST_OUT ]]; then
