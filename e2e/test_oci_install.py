@@ -12,6 +12,14 @@ through the Secret. The nodes hold the image's layers already (the archive is im
 pull resolves the tag and fetches the manifest and config through the login, and reuses those layers by digest, as
 any node that has them does.
 
+The registry's image is not the imported one: registry_up pushes a copy with one label added to its config
+(ci/tools/oci_relabel.py), so its image ID (the config's digest) differs. Pushed identical, a pull of it through the
+Secret made each node's kubelet (Kubernetes >= 1.35, KubeletEnsureSecretPulledImages with its default policy
+NeverVerifyPreloadedImages) record that image ID as pulled with credentials; from then on every pod of that node on
+localhost/gpu-agent:dev with pullPolicy Never, which carries no such Secret, failed ErrImageNeverPull (the fake-gpu
+uninstall hook and every later test there). The good-password test checks both: the two image IDs differ on every node
+that pulled, and a pod on localhost/gpu-agent:dev with pullPolicy Never still starts on each of those nodes afterwards.
+
 Elsewhere than on the CI cluster (kind, k3d, an existing cluster) these tests skip: that registry and its CA live on
 the CI cluster's host."""
 
@@ -39,6 +47,7 @@ from kubernetes import client
 
 from e2e import cluster
 from e2e.cluster import host_paths, tool
+from e2e.helpers import wait_until
 from e2e.release import NODE_SCOPE, Release, helm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,17 +71,24 @@ class CIRegistry:
     def secret(self, key: str) -> str:
         return dict(line.split("=", 1) for line in self.credentials.read_text().splitlines())[key]
 
-    def manifest_digest(self, path: str, tag: str) -> str:
-        """The registry's digest of PATH:TAG (Docker-Content-Digest), "" when it has none."""
-        request = urllib.request.Request(f"https://{self.host}/v2/{path}/manifests/{tag}", method="HEAD", headers={
+    def _manifest(self, path: str, tag: str, method: str) -> tuple[str, bytes]:
+        request = urllib.request.Request(f"https://{self.host}/v2/{path}/manifests/{tag}", method=method, headers={
             "Accept": "application/vnd.oci.image.manifest.v1+json, application/vnd.oci.image.index.v1+json",
             "Authorization": "Basic " + base64.b64encode(
                 f"{self.secret('username')}:{self.secret('password')}".encode()).decode()})
         try:
             with urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(cafile=self.ca)) as r:
-                return r.headers.get("Docker-Content-Digest", "")
+                return r.headers.get("Docker-Content-Digest", ""), r.read()
         except urllib.error.HTTPError:
-            return ""
+            return "", b""
+
+    def manifest_digest(self, path: str, tag: str) -> str:
+        """The registry's digest of PATH:TAG (Docker-Content-Digest), "" when it has none."""
+        return self._manifest(path, tag, "HEAD")[0]
+
+    def config_digest(self, path: str, tag: str) -> str:
+        """The digest of PATH:TAG's config: the image ID a node's containerd gives the image once pulled."""
+        return json.loads(self._manifest(path, tag, "GET")[1] or b"{}").get("config", {}).get("digest", "")
 
 
 @pytest.fixture(scope="session")
@@ -149,6 +165,57 @@ def statuses(pod) -> list:
     return [*(pod.status.init_container_statuses or []), *(pod.status.container_statuses or [])]
 
 
+PRELOADED = "localhost/gpu-agent:dev"  # what ci/scripts/build-images.sh imports into every node, as the suite uses it
+
+
+def node_images(core, node: str, registry_image: str) -> tuple[list[str], list[list[str]]]:
+    """(the names the node lists for the image named `registry_image`, the names of each image it lists under
+    localhost/gpu-agent), from the Node's status.images: the kubelet lists one entry per image ID (containerd's CRI
+    groups every name of an image under its config digest), its repo digests first, five names at most. [] while the
+    kubelet has not listed the pulled image yet (its image list is refreshed every 30 s)."""
+    images = core.read_node(node).status.images or []
+    pulled = next((i.names for i in images if registry_image in i.names), [])
+    local = [i.names for i in images if any(n.startswith("localhost/gpu-agent") for n in i.names)]
+    return pulled, local
+
+
+def start_preloaded_pod(core, namespace: str, node: str) -> str:
+    """A pod on PRELOADED with pullPolicy Never and no pull Secret, bound to `node`, running `gpu-agent --version`."""
+    name = f"preloaded-{node}"[:63].rstrip("-.")
+    core.create_namespaced_pod(namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels={PRELOADED_CHECK: "true"}),
+        spec=client.V1PodSpec(
+            node_name=node, restart_policy="Never", termination_grace_period_seconds=0,
+            tolerations=[client.V1Toleration(operator="Exists")],
+            containers=[client.V1Container(name="version", image=PRELOADED, image_pull_policy="Never",
+                                           args=["--version"])])))
+    return name
+
+
+PRELOADED_CHECK = "e2e.gpu-agent.io/preloaded-check"
+
+
+def wait_preloaded_pod(core, namespace: str, name: str, since: float, timeout: float = 60) -> float:
+    """Seconds from `since` until the pod of start_preloaded_pod succeeded. Fails at once on an image error
+    (ErrImageNeverPull: the kubelet wants credentials for the preloaded image)."""
+    while True:
+        pod = core.read_namespaced_pod(name, namespace)
+        for status in statuses(pod):
+            waiting = status.state.waiting
+            assert waiting is None or waiting.reason not in (
+                "ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName"), (
+                f"{pod.spec.node_name}: a pod on {PRELOADED} with pullPolicy Never no longer starts after the pull "
+                f"through the Secret: {waiting.reason}: {waiting.message} (the kubelet ties the preloaded image to "
+                f"the Secret: has the registry's image the same image ID again?)")
+        if pod.status.phase in ("Succeeded", "Failed"):
+            assert pod.status.phase == "Succeeded", (pod.spec.node_name, [s.state for s in statuses(pod)])
+            return time.monotonic() - since
+        assert time.monotonic() - since < timeout, (
+            f"{pod.spec.node_name}: the pod on {PRELOADED} did not finish within {timeout:.0f} s: {pod.status.phase}, "
+            f"{[(s.name, s.state) for s in statuses(pod)]}")
+        time.sleep(0.5)
+
+
 def test_helm_install_from_the_ci_registry_runs_the_image_the_nodes_pulled_through_the_pull_secret(
         registry, api, core, apps, kubeconfig, namespace, fake_gpus, tmp_path):
     fake_gpus.set(1)  # the cluster agent turns Ready, so --wait waits for every component
@@ -188,6 +255,46 @@ def test_helm_install_from_the_ci_registry_runs_the_image_the_nodes_pulled_throu
               f"{install:.1f} s; {len(pods)} pods Ready on {image}@{digest[:19]}...")
         print(f"pulls through the pull Secret: {len(pulled)} (kubelet events), {took[0]:.2f} s fastest, "
               f"{statistics.median(took):.2f} s median, {took[-1]:.2f} s slowest (the layers reused from the node's store)")
+
+        # The registry's image must be another image than the preloaded one (see the module's doc): pushed identical
+        # (the same config digest), the kubelet of each node that pulls it through the Secret records that image ID
+        # as pulled with credentials, and then refuses every pod on localhost/gpu-agent:dev with pullPolicy Never
+        # there (ErrImageNeverPull). This fails if someone pushes the imported archive itself again.
+        config = registry.config_digest(IMAGE_PATH, APP_VERSION)
+        assert config.startswith("sha256:"), f"no config digest for {image}"
+        nodes = sorted({(e.source.host if e.source else None) or e.reporting_instance for e in pulled} - {None, ""})
+        assert nodes, [(e.source, e.reporting_instance) for e in pulled]
+        pulled_name = f"{registry.host}/{IMAGE_PATH}@{digest}"
+        started = time.monotonic()
+        for node in nodes:
+            # the node's own word: one entry per image ID, so the registry's name and localhost/gpu-agent's are
+            # never in the same entry unless the two are the same image
+            def listed_on(n: str = node) -> tuple[list[str], list[list[str]]] | None:
+                names, local = node_images(core, n, pulled_name)
+                return (names, local) if names else None
+            names, local = wait_until(listed_on, 75, f"{node} listing {pulled_name} in status.images (the kubelet's "
+                                                     f"image list is refreshed every 30 s)", interval=1)
+            assert not [n for n in names if n.startswith("localhost/gpu-agent")], (
+                f"{node} lists {image} and localhost/gpu-agent as one image ID ({names}): the registry holds the "
+                f"imported image itself, whose pull through the Secret ties {PRELOADED} to that Secret "
+                f"(ci/scripts/e2e.sh registry_up must push ci/tools/oci_relabel.py's copy)")
+            assert any(PRELOADED in entry for entry in local), (f"{node} lists no {PRELOADED} beside {names}", local)
+        listed = time.monotonic() - started
+        # The regression check of that defect: after those pulls through the Secret, a pod on the preloaded image
+        # with pullPolicy Never and no Secret still starts on each of those nodes. (A pod of this test's own
+        # namespace, bound to a node another worker may own: it takes no GPU and changes nothing there.)
+        started = time.monotonic()
+        checks = {node: start_preloaded_pod(core, namespace, node) for node in nodes}
+        ran = {node: wait_preloaded_pod(core, namespace, name, started) for node, name in checks.items()}
+        for pod in core.list_namespaced_pod(namespace, label_selector=PRELOADED_CHECK).items:
+            for status in statuses(pod):
+                # the preloaded image's ID as the CRI reports it (its repo digest, or its config digest without one)
+                local_id = status.image_id.rsplit("@", 1)[-1]
+                assert local_id not in (digest, config), (pod.spec.node_name, status.image_id, digest, config)
+        print(f"the registry's image: config {config[:19]}..., another image ID than {PRELOADED}'s on "
+              f"{len(nodes)} node(s) that pulled it ({', '.join(nodes)}; listed within {listed:.0f} s); a pod on "
+              f"{PRELOADED} with pullPolicy Never then ran to completion on each, in "
+              f"{', '.join(f'{t:.1f} s' for t in ran.values())}")
     finally:
         release.uninstall_if_installed()
 

@@ -13,7 +13,10 @@
 #                         every image of an OCI archive (ci/tools/oci_image.py's, named by io.containerd.image.name) to
 #                         the running registry, its registry host replaced as the chart's global.imageRegistry does
 #                         (localhost/gpu-agent:dev -> HOST/gpu-agent:dev), with skopeo (Debian's: install-deps.sh),
-#                         digests kept: each manifest's digest read back from the registry must be the archive's
+#                         digests kept: each manifest's digest read back from the registry must be the archive's.
+#                         Not the archive a cluster's nodes import: a copy with another image ID (ci/scripts/e2e.sh
+#                         registry_up pushes ci/tools/oci_relabel.py's), or a pull through a pull Secret would tie the
+#                         preloaded image to that Secret on each node (KubeletEnsureSecretPulledImages)
 #
 # The CI cluster's nodes: each node's containerd reads its registry hosts from REGISTRY_HOSTS_DIR (config_path,
 # node-config.sh); `start` writes REGISTRY_HOSTS_DIR/HOST/hosts.toml there (the registry's CA for HOST), `stop` removes
