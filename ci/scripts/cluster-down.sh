@@ -12,6 +12,9 @@ t0=$SECONDS
 # Node agents first, so nothing restarts the pods being removed; workers with all they own. The
 # control-plane node's NetworkPolicy enforcer and its rules meanwhile (its clean exit takes 5 s).
 step() { log "down: $1 (+$((SECONDS - t0))s)"; }
+# The CI registry first (ci/scripts/e2e.sh starts it on the first node's address, which goes below): its process, its
+# storage in TMPDIR and the nodes' hosts.toml for it. Idempotent: nothing when none runs.
+bash "$here/scripts/registry.sh" stop
 bash "$here/scripts/netpol.sh" down &
 netpol=$!
 workers=()

@@ -28,6 +28,9 @@ export REGISTRY_VERSION=${REGISTRY_VERSION:-2.8.2}
 export REGISTRY_BIN=$CI_CACHE/docker-registry-$REGISTRY_VERSION/docker-registry
 export REGISTRY_DIR=${REGISTRY_DIR:-$CLUSTER_DIR/registry}
 export REGISTRY_ADDR=${REGISTRY_ADDR:-127.0.0.1:5443}
+# Where every node's containerd looks for a registry's hosts.toml (config_path, node-config.sh): registry.sh start
+# writes the registry's there, stop removes it. One folder for every node: they share the host's filesystem.
+export REGISTRY_HOSTS_DIR=${REGISTRY_HOSTS_DIR:-$CLUSTER_DIR/containerd-certs.d}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 # The host's CPU time since boot, busy and all (jiffies, every core: /proc/stat's first line), for cpu_busy.
 cpu_mark() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9; exit}' /proc/stat; }
@@ -40,6 +43,10 @@ export NODE_NAME=${NODE_NAME:-gpu-ci-node}
 # The node's address lives on lo as a /32: local to this machine only, so nothing the
 # cluster advertises routes anywhere else.
 export NODE_IP=${NODE_IP:-10.250.0.1}
+# The CI cluster's registry (ci/scripts/e2e.sh starts it after cluster-up): on the first node's address, which every
+# node reaches (the workers through their bridge's gateway, as they reach the API server on it) and which nothing
+# off this machine can.
+export REGISTRY_CLUSTER_ADDR=${REGISTRY_CLUSTER_ADDR:-$NODE_IP:5443}
 export API_PORT=${API_PORT:-6443}
 export CLUSTER_CIDR=10.244.0.0/16
 export POD_CIDR=10.244.0.0/24

@@ -97,10 +97,53 @@ phase_mark() {
   [[ -z ${E2E_PHASE_FILE:-} ]] || echo "$1" >> "$E2E_PHASE_FILE"
 }
 
+# The CI registry (ci/scripts/registry.sh) on the first node's address (REGISTRY_CLUSTER_ADDR), which every node
+# reaches and whose CA every node's containerd trusts for it (registry.sh start writes its hosts.toml); the project
+# image pushed to it (skopeo, digests kept) and both charts signed and pushed (scripts/release-oci.sh), for
+# e2e/test_oci_install.py. Its REGISTRY_* paths are exported to the suite. A failure fails the run (rc) but not the
+# rest of the suite: the registry is stopped and that test skips, saying there is none. cluster-down stops it
+# (registry.sh stop).
+# The image pushed is a copy of the archive just built with one label added to its config (ci/tools/oci_relabel.py:
+# io.gpu-agent.ci.copy=registry; the layers byte for byte), never that archive itself, which every node imported as
+# localhost/gpu-agent:dev: the same image ID pulled through a pull Secret would make each node's kubelet
+# (KubeletEnsureSecretPulledImages, default policy NeverVerifyPreloadedImages) require that Secret for the preloaded
+# image too, and every later pod of the node on localhost/gpu-agent:dev with pullPolicy Never would fail
+# ErrImageNeverPull. A distinct image ID keeps the two apart, as on an air-gapped cluster whose mirror is the only
+# source; e2e/test_oci_install.py checks it.
+registry_up() {
+  local t=$SECONDS charts code=0 copy
+  REGISTRY_ADDR=$REGISTRY_CLUSTER_ADDR bash "$here/scripts/registry.sh" start || return 1
+  eval "$(bash "$here/scripts/registry.sh" env)"
+  log "timing: registry start $((SECONDS - t))s"
+  # side by side (the image push mostly writes and hashes, the charts' mostly signs): their lines kept apart
+  t=$SECONDS
+  HELM=$TOOLS_BIN/helm bash "$repo/scripts/release-oci.sh" "$REGISTRY_HOST" "$REGISTRY_RELEASE_DIR" \
+    > "$REGISTRY_DIR/release-oci.log" 2>&1 &
+  charts=$!
+  # (the copy takes a fraction of a second: oci_relabel.py prints its time)
+  copy=$(mktemp "${TMPDIR:-/tmp}/gpu-agent-registry-copy.XXXXXX")
+  if python3 "$here/tools/oci_relabel.py" "$CI_CACHE/images/gpu-agent.oci.tar" "$copy" \
+      --label io.gpu-agent.ci.copy=registry; then
+    bash "$here/scripts/registry.sh" push-image "$copy" || code=1
+  else
+    code=1; log "ci/tools/oci_relabel.py failed: no image pushed"
+  fi
+  rm -f "$copy" "$copy.tmp"
+  wait "$charts" || { code=1; log "scripts/release-oci.sh failed:"; }
+  cat "$REGISTRY_DIR/release-oci.log" >&2
+  log "timing: image and charts pushed to the registry $((SECONDS - t))s"
+  return "$code"
+}
+
 cluster_up() {  # cluster_up NODES
   local t=$SECONDS
   NODES=$1 bash "$here/scripts/cluster-up.sh"; log "timing: cluster-up ($1 node(s)) $((SECONDS - t))s"
   t=$SECONDS; bash "$here/scripts/build-images.sh" project; log "timing: images $((SECONDS - t))s"
+  if ! registry_up; then
+    rc=1; log "FAILED: the CI registry (start, image push or charts push): stopped; e2e/test_oci_install.py will skip"
+    bash "$here/scripts/registry.sh" stop || true
+    unset REGISTRY_HOST REGISTRY_CA REGISTRY_CERT_DIR REGISTRY_CREDENTIALS REGISTRY_RELEASE_DIR
+  fi
   # Inside `make test` (TEST_OUT: this run's folder), the kind stage loads this same archive instead of building the
   # image again (a minute of CPU beside the serial phase): a link in this run's folder is never an older build's.
   if [[ -n ${TEST_OUT:-} && -d $TEST_OUT ]]; then

@@ -28,6 +28,9 @@ state = "$dir/containerd/state"
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "localhost/pause:ci"
+  # The CI registry's hosts.toml (its CA), written there by ci/scripts/registry.sh start and read at each pull.
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = "$REGISTRY_HOSTS_DIR"
 [plugins.'io.containerd.cri.v1.runtime']
   cdi_spec_dirs = ["/var/run/cdi"]
   # Without CAP_SYS_RESOURCE runc cannot lower oom_score_adj: every pod fails otherwise.

@@ -4,9 +4,23 @@
 #   registry.sh install   the binary, cached in CI_CACHE by version (REGISTRY_BIN)
 #   registry.sh start     install, then serve on REGISTRY_ADDR (default 127.0.0.1:5443) until `stop`; idempotent
 #   registry.sh stop      stop it and remove its storage, credentials and state; idempotent
-#   registry.sh env       `eval "$(ci/scripts/registry.sh env)"`: REGISTRY_HOST, REGISTRY_CA, REGISTRY_CERT_DIR (a folder
-#                         holding the CA alone, for `podman --cert-dir` and containerd's hosts.toml) and
-#                         REGISTRY_CREDENTIALS (a 0600 file: username=..., password=...); paths only, no secret
+#   registry.sh env       `eval "$(ci/scripts/registry.sh env)"`: REGISTRY_HOST (the running registry's address,
+#                         whatever the caller's REGISTRY_ADDR), REGISTRY_CA, REGISTRY_CERT_DIR (a folder holding the CA
+#                         alone, for `skopeo --dest-cert-dir`, `podman --cert-dir`), REGISTRY_CREDENTIALS (a 0600 file:
+#                         username=..., password=...) and REGISTRY_RELEASE_DIR (where the CI cluster's stage puts the
+#                         signed charts it pushes: scripts/release-oci.sh's DIST); paths only, no secret
+#   registry.sh push-image ARCHIVE
+#                         every image of an OCI archive (ci/tools/oci_image.py's, named by io.containerd.image.name) to
+#                         the running registry, its registry host replaced as the chart's global.imageRegistry does
+#                         (localhost/gpu-agent:dev -> HOST/gpu-agent:dev), with skopeo (Debian's: install-deps.sh),
+#                         digests kept: each manifest's digest read back from the registry must be the archive's.
+#                         Not the archive a cluster's nodes import: a copy with another image ID (ci/scripts/e2e.sh
+#                         registry_up pushes ci/tools/oci_relabel.py's), or a pull through a pull Secret would tie the
+#                         preloaded image to that Secret on each node (KubeletEnsureSecretPulledImages)
+#
+# The CI cluster's nodes: each node's containerd reads its registry hosts from REGISTRY_HOSTS_DIR (config_path,
+# node-config.sh); `start` writes REGISTRY_HOSTS_DIR/HOST/hosts.toml there (the registry's CA for HOST), `stop` removes
+# it. containerd reads that folder at each pull: no restart.
 #
 # Which registry: Debian's docker-registry package (distribution 2.8.2, bookworm), taken out of its .deb with
 # `apt-get download` + `dpkg-deb -x` as install-tools.sh takes promtool (no install: its user and service stay off
@@ -93,6 +107,7 @@ start() {
   san+=",DNS:localhost"
   timeout 60 bash "$here/scripts/pki.sh" registry "$san"
   install -m 0644 "$PKI/ca.crt" "$REGISTRY_DIR/certs/ca.crt"
+  echo "$REGISTRY_ADDR" > "$REGISTRY_DIR/addr"
 
   username=ci-$(openssl rand -hex 4)
   password=$(openssl rand -hex 24)
@@ -155,7 +170,24 @@ EOF
     log "the registry did not answer within ${START_TIMEOUT}s (anonymous $anonymous, with the login $authed; want 401, 200)"
     tail -n 20 "$REGISTRY_LOG" >&2; stop; return 1
   fi
+  trust_for_containerd
   log "registry up in $((SECONDS - t))s at https://$REGISTRY_ADDR (pid $pid, storage $storage)"
+}
+
+# Every node's containerd (config_path = REGISTRY_HOSTS_DIR) verifies the registry against the CI's CA; pull and
+# resolve only.
+trust_for_containerd() {
+  local dir=$REGISTRY_HOSTS_DIR/$REGISTRY_ADDR
+  mkdir -p "$dir"
+  cat > "$dir/hosts.toml.tmp" <<TOML
+# ci/scripts/registry.sh start: the CI registry, verified against the CI's CA (registry.sh stop removes this folder)
+server = "https://$REGISTRY_ADDR"
+
+[host."https://$REGISTRY_ADDR"]
+  capabilities = ["pull", "resolve"]
+  ca = "$REGISTRY_DIR/certs/ca.crt"
+TOML
+  mv "$dir/hosts.toml.tmp" "$dir/hosts.toml"
 }
 
 stop() {
@@ -167,6 +199,11 @@ stop() {
     if kill -0 "$pid" 2>/dev/null; then log "the registry outlived SIGTERM by 10s: SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; fi
     log "registry stopped (pid $pid)"
   fi
+  if [[ -f $REGISTRY_DIR/addr ]]; then
+    local addr; addr=$(< "$REGISTRY_DIR/addr")
+    [[ -z $addr ]] || rm -rf "${REGISTRY_HOSTS_DIR:?}/$addr"
+    rmdir "$REGISTRY_HOSTS_DIR" 2>/dev/null || true
+  fi
   if [[ -f $REGISTRY_DIR/storage ]]; then
     local storage; storage=$(< "$REGISTRY_DIR/storage")
     [[ $storage == */gpu-agent-registry.* ]] && rm -rf "$storage"
@@ -177,10 +214,72 @@ stop() {
 
 env_lines() {
   running_pid > /dev/null || { echo "registry.sh: no registry running under $REGISTRY_DIR (registry.sh start)" >&2; return 1; }
-  printf 'export REGISTRY_HOST=%q\n' "$REGISTRY_ADDR"
+  printf 'export REGISTRY_HOST=%q\n' "$(< "$REGISTRY_DIR/addr")"
   printf 'export REGISTRY_CA=%q\n' "$REGISTRY_DIR/certs/ca.crt"
   printf 'export REGISTRY_CERT_DIR=%q\n' "$REGISTRY_DIR/certs"
   printf 'export REGISTRY_CREDENTIALS=%q\n' "$REGISTRY_DIR/credentials"
+  printf 'export REGISTRY_RELEASE_DIR=%q\n' "$REGISTRY_DIR/release"
+}
+
+# push-image ARCHIVE (see the top). The archive is an OCI layout: unpacked once into TMPDIR, each image copied from it
+# (skopeo's oci-archive: would unpack it again for each); a second name of a manifest already pushed to the same
+# repository is that manifest PUT under its tag alone (its blobs are there). The login reaches skopeo as a 0600 auth file in REGISTRY_DIR
+# (0700), never as an argument; both are removed when the push ends. --insecure-policy: the source is this run's own archive, which carries no
+# signature for a policy to check (the host's /etc/containers/policy.json, if any, is not this script's to rely on).
+push_image() (  # a subshell: its EXIT trap removes the auth file and the unpacked layout however it ends
+  local archive=${1:?usage: registry.sh push-image ARCHIVE} addr authfile layout names name digest media repo first path tag
+  local pushed done=" "
+  command -v skopeo > /dev/null || { log "push-image: skopeo is missing (ci/scripts/install-deps.sh installs Debian's)"; return 1; }
+  running_pid > /dev/null || { log "push-image: no registry running under $REGISTRY_DIR (registry.sh start)"; return 1; }
+  [[ -f $archive ]] || { log "push-image: no archive $archive"; return 1; }
+  addr=$(< "$REGISTRY_DIR/addr")
+  authfile=$(umask 077; mktemp "$REGISTRY_DIR/authfile.XXXXXX")
+  layout=$(mktemp -d "${TMPDIR:-/tmp}/gpu-agent-push.XXXXXX")
+  # shellcheck disable=SC2064
+  trap "rm -rf '$authfile' '$layout'" EXIT
+  tar -xf "$archive" -C "$layout"
+  # shellcheck disable=SC1091
+  (source "$REGISTRY_DIR/credentials" && printf '{"auths": {"%s": {"auth": "%s"}}}\n' "$addr" \
+    "$(printf '%s:%s' "$username" "$password" | base64 -w0)") > "$authfile"
+  # NAME DIGEST MEDIATYPE for each image of the archive's index
+  names=$(python3 -c '
+import json, sys
+for m in json.load(sys.stdin)["manifests"]:
+    print(m.get("annotations", {}).get("io.containerd.image.name", ""), m["digest"], m["mediaType"])' < "$layout/index.json")
+  while read -r name digest media; do
+    [[ -n $name ]] || continue
+    tag=${name##*:} repo=${name%:*} path=${name%:*}
+    first=${repo%%/*}
+    # the registry host the name carries (a first component with a "." or ":", or localhost), replaced as the chart does
+    if [[ $repo == */* && ( $first == *.* || $first == *:* || $first == localhost ) ]]; then path=${repo#*/}; fi
+    if [[ $done == *" $path@$digest "* ]]; then
+      # shellcheck disable=SC1091
+      (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password") \
+        | curl -sSf -o /dev/null -K - --max-time 60 --cacert "$REGISTRY_DIR/certs/ca.crt" -X PUT -H "Content-Type: $media" \
+          --data-binary "@$layout/blobs/${digest/://}" "https://$addr/v2/$path/manifests/$tag" \
+        || { log "push-image: the manifest PUT of $addr/$path:$tag failed"; exit 1; }
+    elif ! timeout 300 skopeo copy --quiet --insecure-policy --preserve-digests --dest-cert-dir "$REGISTRY_DIR/certs" \
+        --dest-authfile "$authfile" "oci:$layout:$tag" "docker://$addr/$path:$tag" < /dev/null; then
+      log "push-image: skopeo copy of $name to $addr/$path:$tag failed"; exit 1
+    fi
+    pushed=$(manifest_digest "$path" "$tag")
+    if [[ $pushed != "$digest" ]]; then
+      log "push-image: $addr/$path:$tag reads back as ${pushed:-nothing}, not the archive's $digest"
+      exit 1
+    fi
+    done+="$path@$digest "
+    log "pushed $name as $addr/$path:$tag ($digest, the archive's own digest)"
+  done <<< "$names"
+)
+
+manifest_digest() {  # manifest_digest PATH TAG: the registry's Docker-Content-Digest of PATH:TAG, "" when it has none
+  # shellcheck disable=SC1091
+  (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password") \
+    | curl -sS -I -K - --max-time 10 --cacert "$REGISTRY_DIR/certs/ca.crt" \
+      -H 'Accept: application/vnd.oci.image.manifest.v1+json' -H 'Accept: application/vnd.oci.image.index.v1+json' \
+      -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
+      "https://$(< "$REGISTRY_DIR/addr")/v2/$1/manifests/$2" 2>/dev/null \
+    | tr -d '\r' | awk -F': ' 'tolower($1) == "docker-content-digest" {print $2}'
 }
 
 case ${1:-} in
@@ -188,5 +287,6 @@ case ${1:-} in
   start) start ;;
   stop) stop ;;
   env) env_lines ;;
-  *) echo "usage: registry.sh install|start|stop|env" >&2; exit 2 ;;
+  push-image) push_image "${@:2}" ;;
+  *) echo "usage: registry.sh install|start|stop|env|push-image ARCHIVE" >&2; exit 2 ;;
 esac
