@@ -1,6 +1,7 @@
 """Leader election's timing rules on a manual clock and an in-memory Lease."""
 
 import asyncio
+import logging
 import random
 from dataclasses import replace
 
@@ -583,3 +584,58 @@ async def test_a_conflict_with_a_write_that_changed_nothing_the_election_reads_d
     assert not await b.try_acquire_or_renew(2.0) and labelled  # the takeover conflicts with the label's write
     clock._now = 1017.2
     assert await b.try_acquire_or_renew(2.0)
+
+
+
+def said(caplog) -> list[str]:
+    """What the elector logged, in order."""
+    return [r.getMessage() for r in caplog.records if r.name.endswith("mechanisms.leadership.elector")]
+
+
+@pytest.mark.parametrize("meanwhile, says, left", [
+    ("nothing", "released the lease", None),
+    # a renewal of ours landed unheard and moved the version on, then the record went (another release, a GC)
+    ("record gone", "released the lease", None),
+    # the standby took the lease over between our last renewal and the shutdown: its record stays
+    ("another holder", "not releasing the lease: another agent holds it now", "b"),
+])
+async def test_the_release_on_shutdown_says_whether_it_gave_the_lease_up_or_found_another_holder(
+        tasks, caplog, meanwhile, says, left):
+    """An operator reading the old leader's last lines learns whether the Lease was handed back or someone else
+    held it already; the record is deleted only while it is ours."""
+    caplog.set_level(logging.INFO)
+    clock, lease = ManualClock(), MemoryLease()
+    elector, task = await leader_a(tasks, clock, lease, inline)
+    if meanwhile == "record gone":
+        lease.record = None
+    elif meanwhile == "another holder":
+        lease._store(replace(lease.record, holder="b"))
+    task.cancel()
+    await clock.settle()
+    assert said(caplog)[-1] == says, said(caplog)
+    assert (lease.record.holder if lease.record else None) == left
+
+
+async def test_a_release_whose_delete_conflicts_three_times_gives_up_and_says_the_lease_expires(tasks, caplog):
+    """Each delete meets a version moved on by a write of ours landing late; one such write is expected (the renewal
+    cancelled by the shutdown), three in a row are not: the release stops after its third delete and says the Lease
+    is left to expire, instead of retrying for as long as its 2 s allow."""
+    caplog.set_level(logging.INFO)
+    clock, lease = ManualClock(), MemoryLease()
+    deletes = []  # each delete attempted: recorded, asserted below
+
+    class RenewedUnderEachDelete(View):
+        def delete(self, record):
+            deletes.append(record.version)
+            self.lease._store(replace(self.lease.record))  # ours still, one version on
+            return super().delete(record)
+    elector = LeaderElector(RenewedUnderEachDelete(lease, "a"), identity="a", settings=SETTINGS, clock=clock,
+                            rng=random.Random(1), **callbacks("a", nothing), run_blocking=inline)
+    task = tasks.start(elector.run())
+    await run_for(clock, 3)
+    assert elector.leading
+    task.cancel()
+    await clock.settle()
+    assert len(deletes) == 3, deletes
+    assert lease.record is not None and lease.record.holder == "a"
+    assert said(caplog)[-1] == f"releasing the lease failed: LeaseConflict; it expires in {SETTINGS.lease_duration:.0f}s"
