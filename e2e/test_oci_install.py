@@ -174,8 +174,9 @@ def node_images(core, node: str, registry_image: str) -> tuple[list[str], list[l
     groups every name of an image under its config digest), its repo digests first, five names at most. [] while the
     kubelet has not listed the pulled image yet (its image list is refreshed every 30 s)."""
     images = core.read_node(node).status.images or []
-    pulled = next((i.names for i in images if registry_image in i.names), [])
-    local = [i.names for i in images if any(n.startswith("localhost/gpu-agent") for n in i.names)]
+    named = [i.names for i in images if i.names]  # an image the kubelet lists without a name (untagged) has None
+    pulled = next((names for names in named if registry_image in names), [])
+    local = [names for names in named if any(n.startswith("localhost/gpu-agent") for n in names)]
     return pulled, local
 
 
