@@ -605,7 +605,7 @@ async def test_the_release_on_shutdown_says_whether_it_gave_the_lease_up_or_foun
     held it already; the record is deleted only while it is ours."""
     caplog.set_level(logging.INFO)
     clock, lease = ManualClock(), MemoryLease()
-    elector, task = await leader_a(tasks, clock, lease, inline)
+    _, task = await leader_a(tasks, clock, lease, inline)
     if meanwhile == "record gone":
         lease.record = None
     elif meanwhile == "another holder":
