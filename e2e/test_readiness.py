@@ -222,6 +222,8 @@ def test_a_control_plane_outage_is_retried_with_growing_backoff(release_at_zero,
     assert 0.7 <= gaps[0] <= 1.6 and gaps[-1] >= 3.0, gaps
 
 
+@pytest.mark.serial(reason="measures each registration attempt's arrival at the control plane to 0.6 s: beside 2 other "
+                            "workers (run 18, 78% CPU) one attempt never reached it within its timeout and a gap read 9.11 s")
 def test_a_hung_control_plane_is_tried_once_per_timeout_plus_backoff_and_ready_follows_its_first_answer(
         release_at_zero, fake_gpus):
     """NVCA's outage as the seed has it: the control plane's calls hang, they are not refused. Each registration
