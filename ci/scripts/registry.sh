@@ -79,11 +79,15 @@ http_code() {
   if [[ ${2:-} == auth ]]; then auth=(-K -); fi
   {
     if [[ ${2:-} == auth ]]; then
-      # shellcheck disable=SC1091
-      (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password")
+      curl_login
     fi
   } | curl -sS -o /dev/null -w '%{http_code}' --max-time 3 --cacert "$PKI/ca.crt" "${auth[@]}" \
     "https://$REGISTRY_ADDR/$1" 2>/dev/null || true
+}
+
+curl_login() {  # the login as a curl config line (`user = "name:password"`), for `curl -K -` on stdin: never an argument
+  # shellcheck disable=SC1091
+  (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password")
 }
 
 htpasswd_line() {  # username and password on stdin (one a line): "username:bcrypt-hash", what the registry reads
@@ -254,7 +258,7 @@ for m in json.load(sys.stdin)["manifests"]:
     if [[ $repo == */* && ( $first == *.* || $first == *:* || $first == localhost ) ]]; then path=${repo#*/}; fi
     if [[ $done == *" $path@$digest "* ]]; then
       # shellcheck disable=SC1091
-      (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password") \
+      curl_login \
         | curl -sSf -o /dev/null -K - --max-time 60 --cacert "$REGISTRY_DIR/certs/ca.crt" -X PUT -H "Content-Type: $media" \
           --data-binary "@$layout/blobs/${digest/://}" "https://$addr/v2/$path/manifests/$tag" \
         || { log "push-image: the manifest PUT of $addr/$path:$tag failed"; exit 1; }
@@ -274,7 +278,7 @@ for m in json.load(sys.stdin)["manifests"]:
 
 manifest_digest() {  # manifest_digest PATH TAG: the registry's Docker-Content-Digest of PATH:TAG, "" when it has none
   # shellcheck disable=SC1091
-  (source "$REGISTRY_DIR/credentials" && printf 'user = "%s:%s"\n' "$username" "$password") \
+  curl_login \
     | curl -sS -I -K - --max-time 10 --cacert "$REGISTRY_DIR/certs/ca.crt" \
       -H 'Accept: application/vnd.oci.image.manifest.v1+json' -H 'Accept: application/vnd.oci.image.index.v1+json' \
       -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
