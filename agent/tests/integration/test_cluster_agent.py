@@ -54,6 +54,8 @@ def test_gpus_0_4_0_three_cycles_flip_readiness_and_liveness_holds(rig):
     agent = rig.start_agent()
     pid = agent.pid
     sampler = Sampler(rig.livez, 0.02)
+    # /livez answers before the GPU monitor's first reading; until then each component says "starting"
+    wait_until(lambda: rig.healthz()[1]["components"]["gpus"]["reason"] != "starting", 5, "the first GPU reading")
     code, doc = rig.healthz()
     assert code == 503
     assert doc["components"]["gpus"]["reason"].startswith("no GPUs available")
