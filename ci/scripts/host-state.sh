@@ -43,8 +43,9 @@ else
   echo "## sysctls"; sysctl net.ipv4.ip_forward net.bridge.bridge-nf-call-iptables 2>/dev/null
   echo "## mounts"; awk '{print $2}' /proc/mounts | grep -E "gpu-agent-ci|/run/netns|kubelet|containerd|/run/cdi" | sort
   # kube-network-policies is "kube-network-po" here (a command name keeps 15 characters); docker-registry: the CI
-  # registry (ci/scripts/registry.sh), which cluster-down stops
-  echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause|docker-registry)' | sort | uniq -c
+  # registry (ci/scripts/registry.sh), which cluster-down stops; prometheus: the one e2e/test_alerts.py starts for
+  # its duration
+  echo "## processes"; ps -eo comm= | grep -E '^(etcd|kube-|kubelet|containerd|coredns|pause|docker-registry|prometheus)' | sort | uniq -c
   ps -eo args= | grep -c '^gpuci-node-holder' | sed 's/^/worker node holders: /'
   echo "## cgroups"; ls -d /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/*/gpuci-* 2>/dev/null
   echo "## state"; ls -d "$CLUSTER_DIR" /run/secrets/kubernetes.io /var/run/cdi 2>/dev/null; find /var/lib/kubelet 2>/dev/null | sort

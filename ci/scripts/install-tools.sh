@@ -7,8 +7,11 @@
 #    pinned dependencies are not ours);
 #  - zsh (the CLI's completion test runs the zsh script in a real zsh, as the bash one in bash): Debian's package,
 #    so a fresh machine skips nothing a warm one runs;
-#  - promtool (the chart's alert tests, `promtool check rules` and `promtool test rules`): taken out of Debian's
-#    prometheus package (apt-get download, no install: the server, its user and its service stay off the host).
+#  - promtool and prometheus (the chart's alert tests: `promtool check rules` and `promtool test rules`; the server
+#    that scrapes the agents and fires the alerts in agent/tests/integration/test_alerts.py and e2e/test_alerts.py):
+#    both binaries taken out of one download of Debian's prometheus package (apt-get download, no install: no
+#    service, no user, nothing running; each test starts its own server on loopback and stops it). Debian builds the
+#    server without Kubernetes discovery: e2e/prometheus.py serves it the pods instead.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 source "$here/scripts/common.sh"
@@ -38,30 +41,34 @@ else
   log "checkov $checkov_version cached"
 fi
 
-# Debian 12's prometheus is 2.42.0 (+ds-5+debNuM: a point release's rebuild is the same promtool). A stable
+# Debian 12's prometheus is 2.42.0 (+ds-5+debNuM: a point release's rebuild is the same binaries). A stable
 # release moves no further, so another upstream version means another Debian: check the tests, then bump this.
-promtool_version=2.42.0
-if [[ ! -x $TOOLS_BIN/promtool || ! -f $TOOLS_BIN/.promtool-$promtool_version ]]; then
-  log "fetching promtool $promtool_version (Debian's prometheus package)"; t=$SECONDS
+# One stamp (.prometheus-VERSION) for both binaries, which come from the same package: a cache made before the
+# server was taken along (promtool and its .promtool-VERSION only) fetches the package once more.
+prometheus_version=2.42.0
+if [[ ! -x $TOOLS_BIN/promtool || ! -x $TOOLS_BIN/prometheus || ! -f $TOOLS_BIN/.prometheus-$prometheus_version ]]; then
+  log "fetching promtool and prometheus $prometheus_version (Debian's prometheus package)"; t=$SECONDS
   candidate=$(apt-cache policy prometheus 2>/dev/null | awk '/Candidate:/{print $2}')
   if [[ -z $candidate || $candidate == "(none)" ]]; then
     apt-get update -qq
     candidate=$(apt-cache policy prometheus | awk '/Candidate:/{print $2}')
   fi
-  if [[ $candidate != "$promtool_version"+* ]]; then
-    log "Debian offers prometheus ${candidate:-(none)}, not $promtool_version: set promtool_version in $0"; exit 1
+  if [[ $candidate != "$prometheus_version"+* ]]; then
+    log "Debian offers prometheus ${candidate:-(none)}, not $prometheus_version: set prometheus_version in $0"; exit 1
   fi
   deb=$(mktemp -d)
   # As root: apt's sandbox user (_apt) may not write into a private temporary folder.
   (cd "$deb" && apt-get download -qq -o APT::Sandbox::User=root "prometheus=$candidate")
   dpkg-deb -x "$deb"/prometheus_*.deb "$deb/root"
-  install -m 0755 "$deb/root/usr/bin/promtool" "$TOOLS_BIN/promtool"
+  for binary in promtool prometheus; do
+    install -m 0755 "$deb/root/usr/bin/$binary" "$TOOLS_BIN/$binary"
+  done
   rm -rf "$deb"
-  rm -f "$TOOLS_BIN"/.promtool-*
-  touch "$TOOLS_BIN/.promtool-$promtool_version"
-  log "promtool $promtool_version built in $((SECONDS - t))s"
+  rm -f "$TOOLS_BIN"/.promtool-* "$TOOLS_BIN"/.prometheus-*
+  touch "$TOOLS_BIN/.prometheus-$prometheus_version"
+  log "promtool and prometheus $prometheus_version built in $((SECONDS - t))s"
 else
-  log "promtool $promtool_version cached"
+  log "promtool and prometheus $prometheus_version cached"
 fi
 
 wheel_version=2.2.2
