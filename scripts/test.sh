@@ -6,8 +6,9 @@
 # TEST_BUDGET_MINUTES (default 80: CI kills a run at 90 and says nothing, so the run fails itself first).
 #
 # Stages: tools (what the unit stage's chart and GitOps tests run: helm, kubectl, kubeconform, checkov,
-# kstatus; and the integration stage's OCI registry, ci/scripts/registry.sh; ci/ builds them once per version, the CI
-# cluster reuses them), lint, unit, integration, unit-compute
+# kstatus, promtool; the host packages, ci/scripts/install-deps.sh, since the unit stage's image tests run skopeo (a
+# fresh machine skipped them when the kind-image stage installed it later); and the integration stage's OCI registry
+# and Prometheus; ci/ builds them once per version, the CI cluster reuses them), lint, unit, integration, unit-compute
 # (the unit tests that only compute, beside the e2e stage's serial phase, below), e2e on the CI cluster (make -C ci
 # e2e: the cluster's qualification, then the suite), the kind stage (beside the e2e stage's serial phase, below).
 set -uo pipefail
@@ -60,7 +61,8 @@ report() {
 }
 trap report EXIT
 
-stage tools bash -c 'bash ci/scripts/build-kstatus.sh && bash ci/scripts/install-tools.sh && bash ci/scripts/registry.sh install' \
+stage tools bash -c 'bash ci/scripts/install-deps.sh && bash ci/scripts/build-kstatus.sh && bash ci/scripts/install-tools.sh && \
+  bash ci/scripts/registry.sh install' \
   || exit 1
 stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/python scripts/check-doc-links.py && \
   $BIN/python scripts/check-runtime-rules.py" || exit 1
