@@ -4,11 +4,15 @@ the inventory it builds from Node objects and what the monitor and its health en
 
 from __future__ import annotations
 
+import io
+import uuid
 from types import SimpleNamespace as NS  # noqa: N814 - short: it stands in for Node objects below
 
+from gpu_agent.foundations import klog
 from gpu_agent.foundations.clock import ManualClock
 from gpu_agent.foundations.gpus import HEALTHY, UNHEALTHY
 from gpu_agent.foundations.health import HealthRegistry
+from gpu_agent.foundations.slices import MADE_UP_UUIDS
 from gpu_agent.mechanisms.inventory.cluster import NodeGPUs, inventory_of, node_gpus
 from gpu_agent.mechanisms.inventory.monitor import InventoryMonitor
 from gpu_agent.mechanisms.inventory.source import Reading
@@ -43,6 +47,9 @@ def test_capacity_beyond_allocatable_is_listed_unhealthy_with_where_it_went():
     assert bad.health_reason == ("node n1: 4 nvidia.com/gpu in capacity, 3 allocatable "
                                  "(marked unhealthy by its device plugin, or the plugin is not registered)")
     assert all(g.health == HEALTHY and g.health_reason == "" for g in inv.healthy)
+    # made-up UUIDs in NVML's form, the same for the same node and index; no memory is known (1 byte: some)
+    assert inv.gpus[0].uuid == "GPU-" + str(uuid.uuid5(MADE_UP_UUIDS, "n1/0"))
+    assert {g.memory_total_bytes for g in inv.gpus} == {1}
 
 
 def test_the_uuids_stay_the_same_while_health_moves_so_a_fault_is_a_health_change_not_a_new_gpu():
@@ -143,6 +150,7 @@ def test_a_poll_of_unchanged_nodes_reuses_the_inventory_and_a_change_rebuilds_it
     source._listed_nodes(NS(items=[named(f"n{k}", 4096) for k in range(5)]))
     first = source.read().inventory
     assert first.count == 5 * 4096 and source.read().inventory is first and len(built) == 1
+    assert source.read().note is None
     source._node_event("MODIFIED", named("n2", 4000))
     assert source.read().inventory.count == 4 * 4096 + 4000 and len(built) == 2
     source._node_event("MODIFIED", named("n2", 4000))  # a heartbeat: the same counts
@@ -159,6 +167,7 @@ def test_before_its_first_list_the_source_has_no_answer_and_an_empty_cluster_aft
     source = cluster.ClusterSource(api=None, start=False)
     before = source.read()
     assert (before.inventory.count, before.complete, before.answered) == (0, False, False)
+    assert before.note == "waiting for the first list of nodes"
     source._listed_nodes(NS(items=[]))
     after = source.read()
     assert (after.inventory.count, after.answered, after.note) == (0, True, "no Ready node has nvidia.com/gpu")
@@ -179,3 +188,100 @@ def test_the_domain_folder_reads_each_nodes_gpu_capacity_from_the_same_node_watc
     assert [source.gpu_capacity(n) for n in ("n1", "n2", "n3", "elsewhere")] == [4, None, None, None]
     source._node_event("MODIFIED", named("n2", node("8", "8")))
     assert source.gpu_capacity("n2") == 8
+
+
+def test_a_deleted_node_takes_its_gpus_with_it_and_a_node_of_one_gpu_reports_its_one():
+    from gpu_agent.mechanisms.inventory.cluster import ClusterSource
+
+    def named(name: str, n: NS) -> NS:
+        n.metadata = NS(name=name)
+        return n
+
+    source = ClusterSource(None, start=False)
+    source._listed_nodes(NS(items=[named("n1", node("4", "4")), named("n2", node("2", "2"))]))
+    assert source.read().inventory.count == 6
+    source._node_event("DELETED", named("n1", node("4", "4")))  # the event carries its last state
+    assert source.read().inventory.count == 2 and source.gpu_capacity("n1") is None
+    source._node_event("DELETED", named("never-seen", node("4", "4")))
+    source._node_event("ADDED", named("n3", node("1", "1")))
+    assert source.read().inventory.count == 3 and source.gpu_capacity("n3") == 1
+
+
+def test_the_node_watch_asks_for_a_list_every_resync_pauses_2s_after_a_failure_and_the_next_list_clears_it(monkeypatch):
+    from gpu_agent.mechanisms.inventory import cluster
+
+    api = object()
+    made, calls = [], []
+
+    class Core:
+        def __init__(self, client_api):
+            made.append(client_api)
+
+        def list_node(self, _request_timeout=None, label_selector=None):
+            return NS(items=[])
+
+    def failing_then_listing(list_call, *, on_list, on_event, on_error, stop, **kwargs):
+        calls.append(kwargs)
+        on_error(RuntimeError("x" * 300))
+        assert source.read().error == "watching nodes failed: RuntimeError: " + "x" * 200
+        on_list(list_call(_request_timeout=10))
+
+    log = io.StringIO()
+    klog.setup(0, log)
+    monkeypatch.setattr(cluster.client, "CoreV1Api", Core)
+    monkeypatch.setattr(cluster, "list_then_watch", failing_then_listing)
+    source = cluster.ClusterSource(api, start=False)
+    source._run_nodes()
+    assert made == [api] and calls == [{"retry_seconds": 2.0, "resync_seconds": 300}]
+    assert source.read().error is None and source.read().answered
+    assert [line.split("] ", 1)[1] for line in log.getvalue().splitlines()] == [
+        "watching nodes failed: RuntimeError: " + "x" * 200 + "; retrying in 2s"]
+
+
+def test_started_the_source_watches_nodes_and_a_dra_drivers_slices_each_on_a_thread_of_its_name(monkeypatch):
+    from gpu_agent.mechanisms.inventory import cluster
+
+    api = object()
+    resources = []
+
+    class Resource:
+        def __init__(self, client_api):
+            resources.append(client_api)
+
+        def list_resource_slice(self, _request_timeout=None, field_selector=None):
+            return {"items": [{"metadata": {"name": "s1"}, "spec": {
+                "driver": "gpu.example.com", "nodeName": "n1", "pool": {"name": "n1", "generation": 1},
+                "devices": [{"name": "gpu-0", "attributes": {"uuid": {"string": "GPU-1"}}}]}}]}
+
+    class Core:
+        def __init__(self, client_api):
+            pass
+
+        def list_node(self, _request_timeout=None):
+            n = node("8", "8")
+            n.metadata = NS(name="n1")
+            return NS(items=[n])
+
+    def listing_once(list_call, *, on_list, on_event, on_error, stop, **kwargs):
+        on_list(list_call(_request_timeout=10, **{k: v for k, v in kwargs.items() if k.endswith("selector")}))
+
+    monkeypatch.setattr(cluster.client, "CoreV1Api", Core)
+    monkeypatch.setattr(cluster.client, "ResourceV1Api", Resource)
+    monkeypatch.setattr(cluster, "list_then_watch", listing_once)
+    source = cluster.ClusterSource(api, dra_driver="gpu.example.com")
+    source._thread.join(5)
+    source._slice_thread.join(5)
+    assert (source._thread.name, source._slice_thread.name) == ("node-watch", "slice-watch")
+    assert resources == [api]
+    reading = source.read()
+    assert reading.answered and [g.uuid for g in reading.inventory.gpus] == ["GPU-1"]
+
+
+def test_both_watches_failing_is_one_error_naming_each():
+    from gpu_agent.mechanisms.inventory.cluster import ClusterSource
+
+    source = ClusterSource(None, dra_driver="gpu.example.com", resource=object(), start=False)
+    source._failed("nodes", "nodes")(RuntimeError("503"))
+    source._failed("slices", "gpu.example.com ResourceSlices")(RuntimeError("403"))
+    assert source.read().error == ("watching nodes failed: RuntimeError: 503; "
+                                   "watching gpu.example.com ResourceSlices failed: RuntimeError: 403")

@@ -257,6 +257,10 @@ def test_the_gpu_source_is_made_as_configured_with_a_health_tracker_of_the_confi
     assert make_source(parse(["--gpu-source", "cluster", "--kubeconfig", "/k", "--gpu-node-selector", "team=x",
                               "--dra-driver-name", "gpu.example.com"])) == "cluster"
     assert made == [(("api", "/k", None), {"node_selector": "team=x", "dra_driver": "gpu.example.com"})]
+    from gpu_agent.foundations.ratelimit import ApiLimit
+
+    make_source(parse(["--gpu-source", "cluster"]), api_limit=ApiLimit(5.0, 10))  # its own bucket, named for the logs
+    assert made[-1][0] == ("api", "", ApiLimit(5.0, 10, client="gpus"))
     # a role whose settings name none of the three (`gpu-agent inventory` declares the GPU source's alone): in-cluster,
     # every node, the device plugins' GPUs
     from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig

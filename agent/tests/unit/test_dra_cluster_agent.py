@@ -144,7 +144,10 @@ def test_the_source_follows_slice_events_to_zero_and_names_the_driver_and_a_fail
     assert source.read().note == f"no Ready node has a device of DRA driver {DRIVER} in its ResourceSlices"
     source._slice_event("MODIFIED", slice_of("s1", "n1", [gpu_device(0), gpu_device(1, taint=TAINT)], generation=3))
     assert [g.is_healthy for g in source.read().inventory.gpus] == [True, False]
-    source._slice_event("DELETED", slice_of("s1", "n1", [], generation=3))  # the kubelet wiped it
+    source._slice_event("DELETED", slice_of("s1", "n1", [gpu_device(0)], generation=3))  # the kubelet wiped it
+    assert source.read().inventory.count == 0  # a deletion carries the slice's last state: its devices go with it
+    source._slice_event("DELETED", slice_of("never-seen", "n1", [gpu_device(0)]))
+    source._slice_event("MODIFIED", slice_of("net", None, [gpu_device(0)]))  # bound to no node: not kept
     assert source.read().inventory.count == 0
     source._failed("slices", f"{DRIVER} ResourceSlices")(RuntimeError("403 Forbidden"))
     assert source.read().error == f"watching {DRIVER} ResourceSlices failed: RuntimeError: 403 Forbidden"
@@ -165,6 +168,42 @@ def test_the_slice_watch_asks_the_api_server_for_this_drivers_slices_only(monkey
     monkeypatch.setattr(cluster, "list_then_watch", listing_once)
     source._run_slices()
     assert resource.selectors == [f"spec.driver={DRIVER}"]
+    assert calls == [{"retry_seconds": 2.0, "resync_seconds": 300, "field_selector": f"spec.driver={DRIVER}"}]
+
+
+def test_a_failed_slice_watch_is_the_sources_error_until_its_next_list_and_slices_listed_before_nodes_wait_for_them(
+        monkeypatch):
+    from gpu_agent.mechanisms.inventory import cluster
+
+    source, resource = dra_source(monkeypatch, [node_obj("n1")], [slice_of("s1", "n1", [gpu_device(0)])])
+    source._listed_slices(resource.list_resource_slice())
+    waiting = source.read()
+    assert (waiting.complete, waiting.note) == (False, "waiting for the first list of nodes")
+
+    def failing_then_listing(list_call, *, on_list, on_event, on_error, stop, **kwargs):
+        on_error(RuntimeError("connection reset"))
+        assert source.read().error == f"watching {DRIVER} ResourceSlices failed: RuntimeError: connection reset"
+        on_list(list_call(_request_timeout=10, field_selector=kwargs["field_selector"]))
+
+    monkeypatch.setattr(cluster, "list_then_watch", failing_then_listing)
+    source._run_slices()
+    source._listed_nodes(source.core.list_node())
+    assert source.read().error is None and source.read().inventory.count == 1
+
+
+def test_node_events_decide_whose_slices_count_a_node_turning_ready_cordoned_or_deleted(monkeypatch):
+    source, resource = dra_source(monkeypatch, [node_obj("n1", ready=False)], [slice_of("s1", "n1", [gpu_device(0)])])
+    source._listed_nodes(source.core.list_node())
+    source._listed_slices(resource.list_resource_slice())
+    assert source.read().inventory.count == 0  # n1 is not Ready
+    source._node_event("MODIFIED", node_obj("n1"))
+    assert source.read().inventory.count == 1
+    source._node_event("MODIFIED", node_obj("n1", cordoned=True))
+    assert source.read().inventory.count == 0
+    source._node_event("MODIFIED", node_obj("n1"))
+    assert source.read().inventory.count == 1
+    source._node_event("DELETED", node_obj("n1"))  # its slices outlive it a moment: they count for nothing
+    assert source.read().inventory.count == 0
 
 
 async def test_readiness_follows_the_slices_not_ready_at_zero_ready_with_the_first_device_not_ready_with_the_last_gone(monkeypatch):

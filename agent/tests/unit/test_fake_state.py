@@ -131,6 +131,7 @@ def test_the_fake_source_reports_a_fault_while_the_file_carries_it_and_healthy_a
     path = tmp_path / "gpus.json"
     assert fake_gpu(["--state-file", str(path), "set", "--count", "2"]) == 0
     source = FakeFileSource(path)  # the fake's recovery: 0 s
+    assert (source.tracker.recovery, source.tracker.source) == (0.0, "fake")
     assert [g.health for g in source.read().inventory.gpus] == ["Healthy", "Healthy"]
     assert fake_gpu(["--state-file", str(path), "fault", "--gpu", "1", "--xid", "48"]) == 0
     reading = source.read()
@@ -159,3 +160,31 @@ def test_a_recovery_window_set_for_the_fake_source_holds_a_cleared_gpu_unhealthy
     assert source.read().inventory.gpus[0].health == "Unhealthy"
     clock.advance_blocking(0.1)
     assert source.read().inventory.gpus[0].health == "Healthy"
+
+
+def test_an_unchanged_state_file_is_parsed_once_and_a_rewritten_one_again(tmp_path, monkeypatch):
+    """The writer replaces the file by rename: an unchanged (inode, mtime, size) is unchanged content, and most
+    polls skip the read and the parse."""
+    path = tmp_path / "gpus.json"
+    parsed = []
+    read = fake_state.read
+    monkeypatch.setattr(fake_state, "read", lambda p: parsed.append(p) or read(p))
+    source = FakeFileSource(path)
+    assert "does not exist" in source.read().error and "does not exist" in source.read().error
+    assert len(parsed) == 2  # no file, nothing to remember: each read looks again
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "2"]) == 0
+    parsed.clear()  # fake-gpu's own reads
+    assert source.read().inventory.count == 2 and source.read().inventory.count == 2
+    assert len(parsed) == 1
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "3"]) == 0
+    parsed.clear()
+    assert source.read().inventory.count == 3 and len(parsed) == 1
+
+
+def test_a_state_file_that_lists_no_gpus_says_so_naming_the_file(tmp_path):
+    """The note is the reason of the agent's zero (its NotReady reason; the cluster agent's exit without gracefulNoGPU)."""
+    path = tmp_path / "gpus.json"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "0"]) == 0
+    assert FakeFileSource(path).read().note == f"fake GPU state file {path} lists no GPUs"
+    assert fake_gpu(["--state-file", str(path), "set", "--count", "1"]) == 0
+    assert FakeFileSource(path).read().note is None

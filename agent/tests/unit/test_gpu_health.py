@@ -6,10 +6,18 @@ import pytest
 
 from gpu_agent.foundations import klog
 from gpu_agent.foundations.clock import ManualClock
-from gpu_agent.foundations.gpus import GPU, LOST, UNHEALTHY
+from gpu_agent.foundations.gpus import GPU, HEALTHY, LOST, UNHEALTHY
 from gpu_agent.foundations.metrics import NodeMetrics
 from gpu_agent.foundations.xids import DEFAULT_IGNORED_XIDS, LOST_REASON, describe_xid, parse_xids
-from gpu_agent.mechanisms.inventory.gpu_health import ECC_DOUBLE, ECC_SINGLE, XID, HealthTracker
+from gpu_agent.mechanisms.inventory.gpu_health import (
+    ECC_DOUBLE,
+    ECC_SINGLE,
+    MAX_UNLISTED,
+    XID,
+    HealthChange,
+    HealthTracker,
+    health_event,
+)
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -81,11 +89,12 @@ def test_application_xids_are_ignored_by_default_and_counted(xid, log):
 
 
 def test_the_ignored_xids_are_a_setting():
-    t, _, _ = tracker(ignored_xids=parse_xids("48, 13"))
+    t, _, metrics = tracker(ignored_xids=parse_xids("48, 13"))
     health(t, A)
     t.event(A, XID, 48)
     t.event(A, XID, 31)  # no longer ignored
     assert health(t, A)[A] == (UNHEALTHY, describe_xid(31))
+    assert metrics.events == ["xid_ignored", "xid_critical"]  # counted as the setting judges them
     t, _, _ = tracker(ignored_xids=())
     health(t, A)
     t.event(A, XID, 13)  # [] : every critical Xid acts
@@ -95,6 +104,7 @@ def test_the_ignored_xids_are_a_setting():
 def test_a_double_bit_ecc_error_acts_and_a_single_bit_one_is_only_counted(log):
     t, _, metrics = tracker()
     health(t, A, B)
+    assert metrics.counts == [{"Healthy": 2, "Unhealthy": 0, "Lost": 0}]
     for _ in range(3):
         t.event(A, ECC_SINGLE)
     t.event(B, ECC_DOUBLE)
@@ -225,6 +235,88 @@ def test_node_metrics_take_the_trackers_reports():
     assert samples[("gpu_agent_gpu_health_events_total", ("ecc_double",))] == 0  # every label there from the start
 
 
+def messages(stream, containing=""):
+    return [line.split("] ", 1)[1] for line in stream.getvalue().splitlines() if containing in line]
+
+
+def test_each_change_is_handed_on_with_both_states_both_reasons_and_the_class_of_the_error_behind_it():
+    changes = []
+    t, clock, _ = tracker(recovery=60, on_change=changes.append)
+    health(t, A)
+    t.event(A, XID, 79)
+    health(t, A, conditions={A: (LOST, LOST_REASON)})
+    clock.advance_blocking(20)
+    assert health(t, A)[A] == (UNHEALTHY, f"answering again; {describe_xid(79)} 20s ago (recovery 60s)")
+    clock.advance_blocking(40)
+    assert health(t, A)[A] == (HEALTHY, "")
+    again = f"answering again; {describe_xid(79)} 20s ago (recovery 60s)"
+    assert changes == [
+        HealthChange(A, 0, HEALTHY, UNHEALTHY, describe_xid(79), "critical Xid", "", 60),
+        HealthChange(A, 0, UNHEALTHY, LOST, LOST_REASON, "GPU lost", describe_xid(79), 60),  # lost: not the Xid's class
+        HealthChange(A, 0, LOST, UNHEALTHY, again, "critical Xid", LOST_REASON, 60),  # back: the Xid's, still
+        HealthChange(A, 0, UNHEALTHY, HEALTHY, "answering normally with no critical event for 60s", "", again, 60)]
+
+
+def test_the_event_of_a_recovery_says_what_it_was_and_a_window_under_a_second_is_still_a_window():
+    back = HealthChange(A, 2, LOST, HEALTHY, "answering normally", "", "", 0.5)
+    assert health_event(back) == ("Normal", "GPUHealthy", f"GPU 2 ({A}) Healthy again (was Lost): answering normally")
+    bad = HealthChange(A, 2, HEALTHY, UNHEALTHY, describe_xid(48), "critical Xid", "", 0.5)
+    assert health_event(bad)[2].endswith(
+        "out of service until it counts again after answering normally with no new critical event for 0.5s")
+
+
+def test_what_the_tracker_logs_of_the_events_it_does_not_act_on_and_of_a_new_reason_to_stay_unhealthy():
+    stream = io.StringIO()
+    klog.setup(2, stream)
+    t, _, _ = tracker()
+    health(t, A)
+    t.event(B, ECC_DOUBLE)  # B and C are not listed
+    t.event(B, XID, 48)  # logged once per GPU
+    t.event("GPU-c", XID, 48)
+    t.event(A, ECC_SINGLE)
+    t.event(A, XID, 13)
+    t.event(A, XID, 48)
+    t.event(A, XID, 94)
+    assert messages(stream) == [
+        f"GPU event ecc-double ECC error for GPU {B}, which the nvml source does not list: ignored (logged once)",
+        f"GPU event {describe_xid(48)} for GPU GPU-c, which the nvml source does not list: ignored (logged once)",
+        f"GPU {A}: single-bit ECC error (corrected; counted, not acted on)",
+        f"GPU {A}: {describe_xid(13)} ignored (gpuHealthIgnoredXids: an application error, the GPU is fine)",
+        f"GPU {A} (index 0) Healthy -> Unhealthy: {describe_xid(48)}",
+        f"GPU {A} stays Unhealthy: {describe_xid(94)} (was: {describe_xid(48)})"]
+
+
+def test_events_for_gpus_not_listed_are_logged_for_a_bounded_number_of_them(log):
+    t, _, _ = tracker()
+    for i in range(MAX_UNLISTED + 6):
+        t.event(f"GPU-{i:08x}-0000-0000-0000-000000000000", ECC_DOUBLE)
+    assert len(messages(log)) == MAX_UNLISTED
+
+
+def test_unhealthy_gpus_no_longer_listed_are_remembered_up_to_a_bound_the_oldest_forgotten_first():
+    t, _, _ = tracker()
+    uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(MAX_UNLISTED + 6)]
+    health(t, *uuids, conditions=dict.fromkeys(uuids, (LOST, LOST_REASON)))
+    health(t)
+    assert [t.health_of(u) for u in uuids] == [None] * 6 + [LOST] * MAX_UNLISTED
+
+
+def test_a_hook_that_fails_is_logged_once_at_v0_and_after_that_at_v2():
+    stream = io.StringIO()
+    klog.setup(2, stream)
+
+    def broken(change):
+        raise RuntimeError("recorder broken")
+
+    t, _, _ = tracker(on_change=broken)
+    health(t, A, B)
+    t.event(A, XID, 48)
+    t.event(B, XID, 48)
+    assert messages(stream, "reporting") == [
+        f"reporting GPU {A}'s health change failed (later failures at -v 2): recorder broken",
+        f"reporting GPU {B}'s health change failed: recorder broken"]
+
+
 # ---- a read that hangs (issue 49) -----------------------------------------------------------------------------
 
 async def test_a_source_read_that_hangs_turns_the_gpus_not_ready_saying_so_and_its_late_answer_recovers():
@@ -273,7 +365,7 @@ async def test_a_source_read_that_hangs_turns_the_gpus_not_ready_saying_so_and_i
     await clock.advance(5.0)
     await asyncio.wait_for(polls[0], 5)
     entry = health.get("gpus")
-    assert not entry.ready and "has not answered a read for 5s (a hung driver)" in entry.reason, entry.reason
+    assert not entry.ready and entry.reason == "GPU source nvml has not answered a read for 5s (a hung driver); waiting for it"
     polls.append(asyncio.ensure_future(monitor.poll_once()))  # the next poll waits for the same read
     await clock.advance(5.0)
     await asyncio.wait_for(polls[1], 5)

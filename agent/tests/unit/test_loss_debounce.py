@@ -289,3 +289,158 @@ async def test_a_node_agent_with_none_healthy_stays_ready_and_says_why():
         await start_faulted(rig, faulted(1, {0: (LOST, XID79)}))
         gpus_entry = rig.health.get("gpus")
         assert gpus_entry.ready and gpus_entry.reason == f"no healthy GPU: GPU-0000 Lost ({XID79})"
+
+
+# ---- what the monitor says: its log lines and its health entry, reading by reading (observe, no poll loop) -------
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+from gpu_agent.foundations import klog  # noqa: E402
+
+T0 = 1_700_000_000.0  # the manual clock's monotonic and wall time at the start: 2023-11-14T22:13:20Z
+
+
+def log_at(v: int) -> io.StringIO:
+    stream = io.StringIO()
+    klog.setup(v, stream)
+    return stream
+
+
+def messages(stream: io.StringIO) -> list[str]:
+    return [line.split("] ", 1)[1] for line in stream.getvalue().splitlines()]
+
+
+class Observed:
+    """A monitor fed readings one by one (`observe`), on a manual clock; what it hands on and reports."""
+
+    def __init__(self, window: float = WINDOW, zero_is_ready: bool = False) -> None:
+        self.clock = ManualClock(start=T0)
+        self.health = HealthRegistry(self.clock, ["gpus"])
+        self.events: list = []
+        self.drops: list[str] = []
+        self.monitor = InventoryMonitor(ScriptedSource(), clock=self.clock, health=self.health, poll_interval=POLL,
+                                        on_change=self._changed, loss_debounce=window, on_drop=self.drops.append,
+                                        zero_is_ready=zero_is_ready)
+
+    async def _changed(self, e) -> None:
+        self.events.append(e)
+
+    async def see(self, reading: Reading, after: float = 0.0):
+        self.clock.advance_blocking(after)
+        return await self.monitor.observe(reading)
+
+    @property
+    def entry(self):
+        return self.health.get("gpus")
+
+
+async def test_the_drop_window_says_what_it_saw_until_when_it_waits_and_what_came_back():
+    log = log_at(0)
+    o = Observed()
+    await o.see(Reading(gpus(4)))
+    assert await o.see(Reading(gpus(2)), after=1.0) is None
+    pending = {"seen": "2 GPUs", "seenCount": 2, "seenHealthy": 2, "since": "2023-11-14T22:13:21.000+00:00",
+               "actAt": "2023-11-14T22:13:26.000+00:00", "windowSeconds": WINDOW}
+    assert o.entry.ready and o.entry.details["pendingDrop"] == pending
+    assert o.entry.reason == ("4 GPUs available; drop pending: 2 GPUs seen since 2023-11-14T22:13:21.000+00:00, "
+                              "acted on at 2023-11-14T22:13:26.000+00:00 unless the GPUs come back")
+    await o.see(Reading(gpus(1)), after=1.0)  # another lossy reading: the window keeps its start
+    assert o.entry.details["pendingDrop"] == {**pending, "seen": "1 GPUs", "seenCount": 1, "seenHealthy": 1}
+    assert await o.see(Reading(gpus(4)), after=1.0) is None
+    assert o.entry.reason == "4 GPUs available" and "pendingDrop" not in o.entry.details
+    await o.see(Reading(gpus(0)), after=1.0)
+    assert await o.see(Reading(gpus(0)), after=4.99) is None  # 4.99 s into the window: still held
+    event = await o.see(Reading(gpus(0)), after=0.01)
+    assert (event.generation, event.inventory.count) == (2, 0) and o.drops == ["absorbed", "acted"]
+    assert messages(log) == [
+        "GPU inventory: 4 GPUs available, generation 1",
+        "GPU drop seen (2 GPUs); acting on it at 2023-11-14T22:13:26.000+00:00 unless the GPUs come back",
+        "GPU drop absorbed: the 4 GPUs came back after 2.00s (within the 5s window); nothing changes",
+        "GPU drop seen (0 GPUs); acting on it at 2023-11-14T22:13:29.000+00:00 unless the GPUs come back",
+        "GPU drop held for 5.00s (window 5s): acting on it",
+        "GPU inventory: 0 GPUs (none found), generation 2"]
+
+
+async def test_each_kind_of_reading_is_announced_and_reported_as_what_it_is():
+    log = log_at(2)
+    o = Observed(window=0.0)
+    await o.see(Reading(gpus(2)))
+    assert (o.entry.ready, o.entry.reason) == (True, "2 GPUs available")
+    assert o.entry.details == {"count": 2, "healthy": 2, "generation": 1, "source": "scripted",
+                               "uuids": ["GPU-0000", "GPU-0001"],
+                               "gpus": [{"uuid": f"GPU-000{i}", "health": HEALTHY, "reason": "", "since": None}
+                                        for i in range(2)]}
+    await o.see(Reading(faulted(2, {1: (UNHEALTHY, XID48)})))
+    assert o.entry.reason == f"1 of 2 GPUs healthy; not healthy: GPU-0001 Unhealthy ({XID48})"
+    await o.see(Reading(faulted(2, {0: (LOST, XID79), 1: (UNHEALTHY, XID48)})))
+    await o.see(Reading(Inventory(), note="NVIDIA driver not loaded"))
+    assert (o.entry.ready, o.entry.reason) == (False, "no GPUs available: NVIDIA driver not loaded")
+    await o.see(Reading(Inventory(), error="NVML error 999: boom"))
+    assert (o.entry.ready, o.entry.reason) == (False, "NVML error 999: boom")
+    await o.see(Reading(Inventory(gpus(1).gpus, clique="rack.7", fabric="fabric completed: clique rack.7")))
+    assert (o.entry.details["clique"], o.entry.details["fabric"]) == ("rack.7", "fabric completed: clique rack.7")
+    assert messages(log) == [
+        "GPU inventory: 2 GPUs available, generation 1",
+        "GPU UUIDs: GPU-0000, GPU-0001",
+        f"GPU inventory: 1 of 2 GPUs healthy; not healthy: GPU-0001 Unhealthy ({XID48}), generation 2",
+        "GPU UUIDs: GPU-0000, GPU-0001",
+        f"GPU inventory: no healthy GPU: GPU-0000 Lost ({XID79}), GPU-0001 Unhealthy ({XID48}), generation 3",
+        "GPU inventory: 0 GPUs (NVIDIA driver not loaded), generation 4",
+        "GPU source scripted cannot be read: NVML error 999: boom (treating as 0 GPUs, generation 5)",
+        "GPU inventory: 1 GPUs available, generation 6",
+        "GPU UUIDs: GPU-0000"]
+
+
+async def test_a_change_of_the_nvlink_fabric_or_of_the_error_alone_is_a_change():
+    o = Observed(window=WINDOW)
+    await o.see(Reading(Inventory(gpus(2).gpus, clique="", fabric="fabric registration in progress on GPU(s) 0, 1")))
+    await o.see(Reading(Inventory(gpus(2).gpus, clique="rack.7", fabric="fabric completed: clique rack.7")))
+    await o.see(Reading(Inventory(gpus(2).gpus, clique="rack.7", fabric="fabric completed: clique rack.7")))
+    await o.see(Reading(Inventory(), error="first"))  # a loss: held for the window
+    await o.see(Reading(Inventory(), error="first"), after=WINDOW)
+    await o.see(Reading(Inventory(), error="second"))  # unreadable before and after: no loss, at once
+    assert [(e.generation, e.inventory.clique, e.error) for e in o.events] == [
+        (1, "", None), (2, "rack.7", None), (3, "", "first"), (4, "", "second")]
+
+
+async def test_a_source_whose_read_raises_is_a_source_that_cannot_be_read_saying_why():
+    class Broken(ScriptedSource):
+        def read(self) -> Reading:
+            raise RuntimeError("x" * 600)
+
+    o = Observed(window=0.0)
+    o.monitor.source = Broken()
+    event = await o.monitor.poll_once()
+    assert event.error == ("GPU source scripted failed: RuntimeError: " + "x" * 600)[:500] and len(event.error) == 500
+    assert not o.entry.ready and event.inventory.count == 0
+
+
+async def test_an_unhealthy_gpu_that_leaves_the_inventory_is_a_loss_too():
+    o = Observed()
+    await o.see(Reading(faulted(2, {1: (UNHEALTHY, XID48)})))
+    assert await o.see(Reading(gpus(1))) is None  # GPU-0001 gone: held for the window, like any loss
+    assert (await o.see(Reading(gpus(1)), after=WINDOW)).inventory.count == 1 and o.drops == ["acted"]
+
+
+async def test_a_poll_that_fails_unexpectedly_is_logged_with_its_traceback_and_the_polls_go_on():
+    log = log_at(0)
+    o = Observed()
+    polls: list[float] = []
+
+    async def poll_once() -> None:
+        polls.append(o.clock.monotonic())
+        if len(polls) == 1:
+            raise RuntimeError("boom")
+
+    o.monitor.poll_once = poll_once  # type: ignore[method-assign]
+    task = asyncio.create_task(o.monitor.run())
+    await o.clock.advance(POLL)
+    await o.clock.advance(POLL)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert polls == [T0, T0 + POLL, T0 + 2 * POLL]
+    first, second = log.getvalue().splitlines()[:2]
+    assert first.startswith("E") and first.endswith("] GPU inventory poll failed unexpectedly: boom")
+    assert second == "Traceback (most recent call last):"
