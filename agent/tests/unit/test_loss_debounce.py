@@ -444,3 +444,11 @@ async def test_a_poll_that_fails_unexpectedly_is_logged_with_its_traceback_and_t
     first, second = log.getvalue().splitlines()[:2]
     assert first.startswith("E") and first.endswith("] GPU inventory poll failed unexpectedly: boom")
     assert second == "Traceback (most recent call last):"
+
+
+async def test_a_window_under_a_second_still_holds_a_loss():
+    o = Observed(window=0.5)
+    await o.see(Reading(gpus(4)))
+    assert await o.see(Reading(gpus(2))) is None
+    assert await o.see(Reading(gpus(2)), after=0.25) is None
+    assert (await o.see(Reading(gpus(2)), after=0.25)).inventory.count == 2 and o.drops == ["acted"]
