@@ -267,23 +267,26 @@ def test_the_event_of_a_recovery_says_what_it_was_and_a_window_under_a_second_is
 
 def test_what_the_tracker_logs_of_the_events_it_does_not_act_on_and_of_a_new_reason_to_stay_unhealthy():
     stream = io.StringIO()
-    klog.setup(2, stream)
+    klog.setup(1, stream)
     t, _, _ = tracker()
     health(t, A)
     t.event(B, ECC_DOUBLE)  # B and C are not listed
     t.event(B, XID, 48)  # logged once per GPU
     t.event("GPU-c", XID, 48)
-    t.event(A, ECC_SINGLE)
+    t.event(A, ECC_SINGLE)  # -v 2
     t.event(A, XID, 13)
     t.event(A, XID, 48)
     t.event(A, XID, 94)
     assert messages(stream) == [
         f"GPU event ecc-double ECC error for GPU {B}, which the nvml source does not list: ignored (logged once)",
         f"GPU event {describe_xid(48)} for GPU GPU-c, which the nvml source does not list: ignored (logged once)",
-        f"GPU {A}: single-bit ECC error (corrected; counted, not acted on)",
         f"GPU {A}: {describe_xid(13)} ignored (gpuHealthIgnoredXids: an application error, the GPU is fine)",
         f"GPU {A} (index 0) Healthy -> Unhealthy: {describe_xid(48)}",
         f"GPU {A} stays Unhealthy: {describe_xid(94)} (was: {describe_xid(48)})"]
+    stream = io.StringIO()
+    klog.setup(2, stream)
+    t.event(A, ECC_SINGLE)
+    assert messages(stream) == [f"GPU {A}: single-bit ECC error (corrected; counted, not acted on)"]
 
 
 def test_events_for_gpus_not_listed_are_logged_for_a_bounded_number_of_them(log):
@@ -297,6 +300,7 @@ def test_unhealthy_gpus_no_longer_listed_are_remembered_up_to_a_bound_the_oldest
     t, _, _ = tracker()
     uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(MAX_UNLISTED + 6)]
     health(t, *uuids, conditions=dict.fromkeys(uuids, (LOST, LOST_REASON)))
+    assert {t.health_of(u) for u in uuids} == {LOST}  # the bound is on those not listed: every listed one is kept
     health(t)
     assert [t.health_of(u) for u in uuids] == [None] * 6 + [LOST] * MAX_UNLISTED
 

@@ -378,8 +378,11 @@ async def test_each_kind_of_reading_is_announced_and_reported_as_what_it_is():
     assert (o.entry.ready, o.entry.reason) == (False, "no GPUs available: NVIDIA driver not loaded")
     await o.see(Reading(Inventory(), error="NVML error 999: boom"))
     assert (o.entry.ready, o.entry.reason) == (False, "NVML error 999: boom")
+    assert (o.entry.details["count"], o.entry.details["generation"], o.entry.details["gpus"]) == (0, 5, [])
     await o.see(Reading(Inventory(gpus(1).gpus, clique="rack.7", fabric="fabric completed: clique rack.7")))
     assert (o.entry.details["clique"], o.entry.details["fabric"]) == ("rack.7", "fabric completed: clique rack.7")
+    await o.see(Reading(Inventory()))
+    assert (o.entry.ready, o.entry.reason) == (False, "no GPUs available")
     assert messages(log) == [
         "GPU inventory: 2 GPUs available, generation 1",
         "GPU UUIDs: GPU-0000, GPU-0001",
@@ -389,7 +392,8 @@ async def test_each_kind_of_reading_is_announced_and_reported_as_what_it_is():
         "GPU inventory: 0 GPUs (NVIDIA driver not loaded), generation 4",
         "GPU source scripted cannot be read: NVML error 999: boom (treating as 0 GPUs, generation 5)",
         "GPU inventory: 1 GPUs available, generation 6",
-        "GPU UUIDs: GPU-0000"]
+        "GPU UUIDs: GPU-0000",
+        "GPU inventory: 0 GPUs (none found), generation 7"]
 
 
 async def test_a_change_of_the_nvlink_fabric_or_of_the_error_alone_is_a_change():
@@ -444,3 +448,32 @@ async def test_a_poll_that_fails_unexpectedly_is_logged_with_its_traceback_and_t
     first, second = log.getvalue().splitlines()[:2]
     assert first.startswith("E") and first.endswith("] GPU inventory poll failed unexpectedly: boom")
     assert second == "Traceback (most recent call last):"
+
+
+async def test_a_window_under_a_second_still_holds_a_loss():
+    o = Observed(window=0.5)
+    await o.see(Reading(gpus(4)))
+    assert await o.see(Reading(gpus(2))) is None
+    assert await o.see(Reading(gpus(2)), after=0.25) is None
+    assert (await o.see(Reading(gpus(2)), after=0.25)).inventory.count == 2 and o.drops == ["acted"]
+
+
+async def test_a_read_is_reported_hung_once_it_is_out_ten_seconds_by_default_and_its_late_answer_is_read(monkeypatch):
+    """No role sets read_timeout: its default is the hung-driver threshold (an NVML call wedged after an Xid 79)."""
+    from gpu_agent.mechanisms.inventory import monitor as monitor_module
+
+    answer: asyncio.Future[Reading] = asyncio.get_running_loop().create_future()
+
+    async def on_the_loop(read):  # the read "runs" until the test answers it
+        return await answer
+
+    monkeypatch.setattr(monitor_module, "in_daemon_thread", on_the_loop)
+    o = Observed()
+    poll = asyncio.ensure_future(o.monitor.poll_once())
+    await o.clock.advance(9.9)
+    assert not poll.done()
+    await o.clock.advance(0.1)
+    assert poll.done()
+    assert poll.result().error == "GPU source scripted has not answered a read for 10s (a hung driver); waiting for it"
+    answer.set_result(Reading(gpus(1)))
+    assert (await o.monitor.poll_once()).inventory.count == 1
