@@ -1,7 +1,8 @@
 # Shared settings for the CI cluster scripts. Sourced, never run.
 # Everything that should survive between runs on one machine lives under CI_CACHE,
-# outside the clone; everything a running cluster owns lives under CLUSTER_DIR.
-export CI_CACHE=${CI_CACHE:-/var/cache/gpu-agent-ci}
+# outside the clone; everything a running cluster owns lives under CLUSTER_DIR. Both are chosen in paths.sh: root's
+# are the system folders under /var, another user's under ~/.cache and ~/.local/state.
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 export K8S_VERSION=${K8S_VERSION:-v1.36.2}
 export COREDNS_VERSION=${COREDNS_VERSION:-v1.12.4}
 # The NetworkPolicy enforcer every node runs (ci/scripts/netpol.sh), built from ci/kube-network-policies.
@@ -20,7 +21,6 @@ export CONTAINERD_BIN=$CI_CACHE/containerd-$CONTAINERD_VERSION/bin
 export KSTATUS_VERSION=${KSTATUS_VERSION:-v0.37.2}
 _kstatus_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../kstatus" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
 export KSTATUS_BIN=$CI_CACHE/kstatus-$KSTATUS_VERSION-$_kstatus_src/kstatus
-export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 # The CI's OCI registry (ci/scripts/registry.sh): Debian's docker-registry (distribution 2.8), cached by version; its
 # state (config, htpasswd, credentials, pid) under REGISTRY_DIR, its serving certificate from the cluster's CA (PKI).
