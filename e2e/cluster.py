@@ -48,6 +48,17 @@ def _passwd_home(uid: int) -> str:
         return ""
 
 
+def artifacts_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """Where a failed test's pods, logs and events go: E2E_ARTIFACTS (`make e2e` sets one folder per run), else
+    root's /tmp/gpu-agent-e2e-artifacts and another user's CLUSTER_DIR/e2e-artifacts, as paths.sh's
+    E2E_ARTIFACTS_ROOT (root's folder in /tmp is not writable by anyone else once root has made it)."""
+    env = os.environ if env is None else env
+    euid = os.geteuid() if euid is None else euid
+    if value := env.get("E2E_ARTIFACTS"):
+        return Path(value)
+    return Path("/tmp/gpu-agent-e2e-artifacts") if euid == 0 else ci_dirs(env, euid)[1] / "e2e-artifacts"
+
+
 CI_CACHE, CI_CLUSTER_DIR = ci_dirs()
 CI_KUBECONFIG = Path(os.environ.get("KUBECONFIG_PATH") or CI_CLUSTER_DIR / "admin.kubeconfig")
 CI_TOOLS = CI_CACHE / "tools"

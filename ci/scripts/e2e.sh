@@ -24,7 +24,7 @@ pytest=${PYTEST:-$repo/.venv/bin/pytest}
 python=$(dirname "$pytest")/python
 junit_prefix=$([[ $cluster == ci ]] && echo e2e || echo "$cluster")
 export E2E_CLUSTER=$cluster
-export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y%m%dT%H%M%S)}
+export E2E_ARTIFACTS=${E2E_ARTIFACTS:-$E2E_ARTIFACTS_ROOT/$(date -u +%Y%m%dT%H%M%S)}  # (paths.sh)
 rc=0
 
 run_suite() {  # run_suite WHAT PYTEST_ARGS...: one pytest run, its JUnit XML beside the others of `make test`

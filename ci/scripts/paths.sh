@@ -23,3 +23,8 @@ ci_dirs() {
 }
 { read -r CI_CACHE; read -r CLUSTER_DIR; } < <(ci_dirs "$EUID")
 export CI_CACHE CLUSTER_DIR
+# Where `make e2e` keeps what failed tests touched (a folder per run below it; E2E_ARTIFACTS names one run's): root's
+# in /tmp as before, another user's in its own state folder (/tmp/gpu-agent-e2e-artifacts is root's, mode 755, once
+# root has run the suite: a user's failed test could not write there).
+if [[ $EUID == 0 ]]; then E2E_ARTIFACTS_ROOT=/tmp/gpu-agent-e2e-artifacts; else E2E_ARTIFACTS_ROOT=$CLUSTER_DIR/e2e-artifacts; fi
+export E2E_ARTIFACTS_ROOT

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from e2e.cluster import ci_dirs
+from e2e.cluster import artifacts_dir, ci_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 PATHS_SH = REPO / "ci" / "scripts" / "paths.sh"
 SYSTEM = ("/var/cache/gpu-agent-ci", "/var/lib/gpu-agent-ci")
+ROOTS_ONLY = (*SYSTEM, "/tmp/gpu-agent-e2e-artifacts")  # folders a normal user cannot write
 
 
 def shell_dirs(uid: int, env: dict[str, str]) -> tuple[str, str]:
@@ -67,6 +68,15 @@ def test_root_keeps_the_system_folders_a_user_gets_its_own_and_an_override_wins_
     assert shell_dirs(uid, env) == (cache, state)
 
 
+def test_a_failed_tests_artifacts_go_where_that_user_may_write():
+    """Root's stay in /tmp/gpu-agent-e2e-artifacts (mode 755, root's once made); another user's under its state
+    folder; E2E_ARTIFACTS (one run's folder, set by make e2e) wins."""
+    assert artifacts_dir({"HOME": "/root"}, 0) == Path("/tmp/gpu-agent-e2e-artifacts")
+    assert artifacts_dir({"HOME": "/home/u"}, 1000) == Path("/home/u/.local/state/gpu-agent-ci/e2e-artifacts")
+    assert artifacts_dir({"HOME": "/home/u", "CLUSTER_DIR": "/d"}, 1000) == Path("/d/e2e-artifacts")
+    assert artifacts_dir({"HOME": "/home/u", "E2E_ARTIFACTS": "/run/x"}, 1000) == Path("/run/x")
+
+
 def test_without_home_the_password_databases_home_is_used_by_both():
     """sudo -E or a bare environment can leave HOME unset: the folders are still the user's, never `/.cache`."""
     entry = next((p for p in pwd.getpwall() if p.pw_uid != 0 and p.pw_dir.startswith("/")), None)
@@ -82,19 +92,21 @@ def test_without_home_the_password_databases_home_is_used_by_both():
 def test_sourced_by_a_real_non_root_user_paths_sh_exports_that_users_folders_and_roots_the_system_ones(tmp_path):
     """Not ci_dirs with a made-up uid: paths.sh sourced as common.sh sources it, by a process whose EUID is 65534
     (setpriv), then by this root process; what it exports is what every CI script reads."""
-    show = f'source {PATHS_SH}; printf "%s\\n%s\\n" "$CI_CACHE" "$CLUSTER_DIR"'
-    script = PATHS_SH.read_text() + '\nprintf "%s\\n%s\\n" "$CI_CACHE" "$CLUSTER_DIR"\n'  # 65534 may not read the tree
+    show = f'source {PATHS_SH}; printf "%s\\n" "$CI_CACHE" "$CLUSTER_DIR" "$E2E_ARTIFACTS_ROOT"'
+    script = PATHS_SH.read_text() + '\nprintf "%s\\n" "$CI_CACHE" "$CLUSTER_DIR" "$E2E_ARTIFACTS_ROOT"\n'  # 65534 may not read the tree
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
     user = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-c", script],
                           env=env, check=True, capture_output=True, text=True, timeout=30).stdout.splitlines()
-    assert user == [f"{tmp_path}/.cache/gpu-agent-ci", f"{tmp_path}/.local/state/gpu-agent-ci"]
+    assert user == [f"{tmp_path}/.cache/gpu-agent-ci", f"{tmp_path}/.local/state/gpu-agent-ci",
+                    f"{tmp_path}/.local/state/gpu-agent-ci/e2e-artifacts"]
     root = subprocess.run(["bash", "-c", show], env=env, check=True, capture_output=True, text=True,
                           timeout=30).stdout.splitlines()
-    assert root == list(SYSTEM)
+    assert root == [*SYSTEM, "/tmp/gpu-agent-e2e-artifacts"]
     overridden = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-c", script],
                                 env={**env, "CI_CACHE": "/data/ci"}, check=True, capture_output=True, text=True,
                                 timeout=30).stdout.splitlines()
-    assert overridden == ["/data/ci", f"{tmp_path}/.local/state/gpu-agent-ci"]
+    assert overridden == ["/data/ci", f"{tmp_path}/.local/state/gpu-agent-ci",
+                          f"{tmp_path}/.local/state/gpu-agent-ci/e2e-artifacts"]
 
 
 def test_common_sh_takes_its_folders_from_paths_sh_and_derives_the_rest_from_them(tmp_path):
@@ -121,5 +133,5 @@ def test_no_script_or_module_names_the_system_folders_but_the_two_that_choose():
         if name in allowed or not name.endswith((".sh", ".py")) or not (REPO / name).is_file():
             continue
         text = (REPO / name).read_text(errors="replace")
-        offenders += [f"{name}: {folder}" for folder in SYSTEM if folder in text]
+        offenders += [f"{name}: {folder}" for folder in ROOTS_ONLY if folder in text]
     assert not offenders, "choose these through ci/scripts/paths.sh (shell) or e2e.cluster.ci_dirs (Python)"
