@@ -32,6 +32,15 @@ export REGISTRY_ADDR=${REGISTRY_ADDR:-127.0.0.1:5443}
 # writes the registry's there, stop removes it. One folder for every node: they share the host's filesystem.
 export REGISTRY_HOSTS_DIR=${REGISTRY_HOSTS_DIR:-$CLUSTER_DIR/containerd-certs.d}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+# need_root WHAT WHY: as anyone but root, stop (exit 2) before anything is built or changed, saying that WHAT needs
+# root because WHY, and what a normal user runs instead. Root: nothing.
+need_root() {
+  [[ $EUID != 0 ]] || return 0
+  echo "ci: $1 needs root: $2. Running as $(id -un 2>/dev/null || echo "uid $EUID") (uid $EUID): nothing was done." \
+       "Without root: make e2e CLUSTER=kind (kind on Docker or rootless podman; docs/testing.md," \
+       "\"Run it on your laptop\"), whose caches go to $CI_CACHE." >&2
+  exit 2
+}
 # The host's CPU time since boot, busy and all (jiffies, every core: /proc/stat's first line), for cpu_busy.
 cpu_mark() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9; exit}' /proc/stat; }
 # cpu_busy MARK: the share of every core's time spent busy since MARK, "cpu N%": a step at 95% waits on the CPU
