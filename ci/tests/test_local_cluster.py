@@ -149,6 +149,16 @@ def test_the_kind_config_has_the_nodes_asked_for_the_cgroup_v1_patch_and_local_i
     assert lc.kind_create(local, Path("/c.yaml"))[lc.kind_create(local, Path("/c.yaml")).index("--image") + 1] == local.image
 
 
+def test_k3d_nodes_report_status_as_often_as_kinds_which_the_xid_tests_2s_goal_is_set_against():
+    """issue 50: a k3d user gets kind's node-status setting (KIND_KUBELET_PATCH), on servers and agents alike."""
+    create = lc.k3d_create(lc.Settings.from_env("k3d", {"E2E_WORKERS": "2"}))
+    args = [create[i + 1] for i, a in enumerate(create) if a == "--k3s-arg"]
+    kind_value = yaml.safe_load(lc.KIND_KUBELET_PATCH)["nodeStatusUpdateFrequency"]
+    assert f"--kubelet-arg=node-status-update-frequency={kind_value}@server:*" in args
+    assert f"--kubelet-arg=node-status-update-frequency={kind_value}@agent:*" in args
+    assert kind_value == "1s"
+
+
 def test_bad_settings_are_refused_naming_the_variable():
     with pytest.raises(SystemExit, match="E2E_WORKERS must be a whole number"):
         lc.Settings.from_env("kind", {"E2E_WORKERS": "two"})
