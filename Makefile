@@ -156,7 +156,7 @@ bench-nodes:
 ## bench-domain: N simulated node agents on one GPUDomain on the CI cluster, per write strategy, then the simulator
 bench-domain: setup
 	$(MAKE) -C ci cluster-up
-	PYTHONPATH=agent $(BIN)/python agent/bench/bench_domain.py
+	PYTHONPATH=agent:. $(BIN)/python agent/bench/bench_domain.py
 
 ## bench-queue: the control plane alone on loopback (lease+ack/s, 1/4/16 consumers), then on the CI cluster (brought up,
 ## images built) 300 one-GPU items through the chart's cluster agent against a plain client's floor (printed, not

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from e2e.cluster import tool
+from e2e.cluster import artifacts_dir, tool
 from e2e.helpers import pod_http_get
 
 
@@ -22,7 +22,7 @@ def failing_test() -> str:
     return current.split("::")[-1].rsplit(" ", 1)[0] if current else ""
 
 
-ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/gpu-agent-e2e-artifacts"))
+ARTIFACTS = artifacts_dir()
 
 
 def dump(core: client.CoreV1Api, ns: str, test: str, kubeconfig: Path | None = None, into: str = "") -> Path:

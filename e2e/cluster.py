@@ -14,12 +14,54 @@ imported into containerd by `make -C ci images`; on kind and k3d the same archiv
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
-CI_KUBECONFIG = Path(os.environ.get("KUBECONFIG_PATH", "/var/lib/gpu-agent-ci/admin.kubeconfig"))
-CI_TOOLS = Path(os.environ.get("CI_CACHE", "/var/cache/gpu-agent-ci")) / "tools"
+SYSTEM_CI_CACHE = Path("/var/cache/gpu-agent-ci")
+SYSTEM_CLUSTER_DIR = Path("/var/lib/gpu-agent-ci")
+
+
+def ci_dirs(env: Mapping[str, str] | None = None, euid: int | None = None) -> tuple[Path, Path]:
+    """(CI_CACHE, CLUSTER_DIR): where the CI's caches and a cluster's state live, chosen as ci/scripts/paths.sh
+    chooses them for the shell (ci/tests/test_ci_paths.py holds both to the same answers). Root: the system
+    folders /var/cache/gpu-agent-ci and /var/lib/gpu-agent-ci. Anyone else: ${XDG_CACHE_HOME:-~/.cache}/gpu-agent-ci
+    and ${XDG_STATE_HOME:-~/.local/state}/gpu-agent-ci (an XDG variable that is not absolute is ignored). CI_CACHE
+    and CLUSTER_DIR, when set, win. The only place Python code makes that choice."""
+    env = os.environ if env is None else env
+    euid = os.geteuid() if euid is None else euid
+    cache, state = str(SYSTEM_CI_CACHE), str(SYSTEM_CLUSTER_DIR)
+    if euid != 0:
+        home = env.get("HOME") or _passwd_home(euid)
+        xdg_cache, xdg_state = env.get("XDG_CACHE_HOME", ""), env.get("XDG_STATE_HOME", "")
+        cache = (xdg_cache if xdg_cache.startswith("/") else f"{home}/.cache") + "/gpu-agent-ci"
+        state = (xdg_state if xdg_state.startswith("/") else f"{home}/.local/state") + "/gpu-agent-ci"
+    return Path(env.get("CI_CACHE") or cache), Path(env.get("CLUSTER_DIR") or state)
+
+
+def _passwd_home(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_dir
+    except KeyError:  # no entry (a container's arbitrary uid): as the shell's getent, nothing
+        return ""
+
+
+def artifacts_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """Where a failed test's pods, logs and events go: E2E_ARTIFACTS (`make e2e` sets one folder per run), else
+    root's /tmp/gpu-agent-e2e-artifacts and another user's CLUSTER_DIR/e2e-artifacts, as paths.sh's
+    E2E_ARTIFACTS_ROOT (root's folder in /tmp is not writable by anyone else once root has made it)."""
+    env = os.environ if env is None else env
+    euid = os.geteuid() if euid is None else euid
+    if value := env.get("E2E_ARTIFACTS"):
+        return Path(value)
+    return Path("/tmp/gpu-agent-e2e-artifacts") if euid == 0 else ci_dirs(env, euid)[1] / "e2e-artifacts"
+
+
+CI_CACHE, CI_CLUSTER_DIR = ci_dirs()
+CI_KUBECONFIG = Path(os.environ.get("KUBECONFIG_PATH") or CI_CLUSTER_DIR / "admin.kubeconfig")
+CI_TOOLS = CI_CACHE / "tools"
 
 
 def provider() -> str:
@@ -49,9 +91,6 @@ def local_kubeconfig(which: str) -> Path:
         raise SystemExit(f"no {which} cluster kubeconfig at {path}: run `make e2e CLUSTER={which}` (it creates the cluster "
                          f"and writes the file), or `python3 e2e/local_cluster.py {which} up`, or set E2E_KUBECONFIG")
     return path
-
-
-CI_CLUSTER_DIR = Path(os.environ.get("CLUSTER_DIR", "/var/lib/gpu-agent-ci"))
 
 
 def host_paths() -> dict[str, str]:

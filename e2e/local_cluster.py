@@ -3,6 +3,8 @@
     python3 e2e/local_cluster.py PROVIDER up            create the cluster unless it exists; write its kubeconfig
     python3 e2e/local_cluster.py PROVIDER load ARCHIVE  import an image archive into every node
     python3 e2e/local_cluster.py PROVIDER down          delete it
+    python3 e2e/local_cluster.py PROVIDER preflight     as a normal user: stop before anything is made if this host
+                                                        cannot run it without root, saying what and why (root: no-op)
 
 Settings (environment): E2E_CLUSTER_NAME (default gpu-agent-e2e), E2E_NODE_IMAGE (the node image; default the
 tool's own: kindest/node of the kind release, rancher/k3s of the k3d release), E2E_WORKERS (worker nodes beside
@@ -22,18 +24,23 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PROVIDERS = ("kind", "k3d")
 # kubelet refuses to start on a cgroup v1 host from Kubernetes 1.35 unless told (KEP-5573); on cgroup v2 the
 # setting changes nothing, so every kind cluster gets it. Node status every second (default 10 s), as on the CI
 # cluster (ci/scripts/node-config.sh): a device plugin's allocatable reaches the API server through it, and the
-# GPU-health goals (allocatable within 2 s of an Xid) are set against it.
-KIND_KUBELET_PATCH = "kind: KubeletConfiguration\nfailCgroupV1: false\nnodeStatusUpdateFrequency: 1s\n"
+# GPU-health goals (allocatable within 2 s of an Xid) are set against it. k3d's nodes get the same through k3s'
+# --kubelet-arg (k3d_create): at kubelet's default 10 s the Xid 79 test measured 8.8 s on kind.
+NODE_STATUS_UPDATE_FREQUENCY = "1s"
+KIND_KUBELET_PATCH = ("kind: KubeletConfiguration\nfailCgroupV1: false\n"
+                      f"nodeStatusUpdateFrequency: {NODE_STATUS_UPDATE_FREQUENCY}\n")
 # Node images assembled by ci/scripts/build-kind-node.sh carry the control plane's images under localhost/
 # (no registry to pull registry.k8s.io's from): kubeadm is pointed there.
 LOCAL_NODE_IMAGE_PREFIX = "localhost/gpu-agent-kind-node:"
@@ -130,8 +137,13 @@ def k3d_create(s: Settings) -> list[str]:
     # the default kubeconfig is left alone (the suite reads its own file); traefik is not needed by the suite
     subnets = [arg for flag, value in (("--cluster-cidr", s.pod_subnet), ("--service-cidr", s.service_subnet)) if value
                for arg in ("--k3s-arg", f"{flag}={value}@server:*")]
+    # every node's kubelet reports status as often as kind's (KIND_KUBELET_PATCH): k3s passes --kubelet-arg on to
+    # its kubelet, servers (which run workloads in k3s) and agents alike. kind's failCgroupV1: false is not passed:
+    # a kubelet older than 1.31 (an older E2E_NODE_IMAGE) refuses the unknown flag and the node never starts.
+    kubelet = [arg for role in ("server", "agent") for arg in
+               ("--k3s-arg", f"--kubelet-arg=node-status-update-frequency={NODE_STATUS_UPDATE_FREQUENCY}@{role}:*")]
     return [s.binary, "cluster", "create", s.name, "--agents", str(s.workers), *image,
-            "--k3s-arg", "--disable=traefik@server:*", *subnets, "--wait", "--timeout", "300s",
+            "--k3s-arg", "--disable=traefik@server:*", *subnets, *kubelet, "--wait", "--timeout", "300s",
             "--kubeconfig-update-default=false", "--kubeconfig-switch-context=false"]
 
 
@@ -153,6 +165,139 @@ def existing_clusters(s: Settings, listing: str) -> set[str]:
     if s.provider == "kind":
         return {line.strip() for line in listing.splitlines() if line.strip() and not line.startswith("No kind clusters")}
     return {c["name"] for c in json.loads(listing or "[]")}
+
+
+# --- a normal user's run: what this host lets it do -----------------------------------------------------------
+# kind's own refusal of a rootless provider on cgroup v1 (sigs.k8s.io/kind v0.33.0, pkg/cluster/internal/create/
+# create.go, validateProvider), and of one whose cgroup lacks the memory, pids or cpu controller.
+KIND_ROOTLESS_CGROUP_V2 = "running kind with rootless provider requires cgroup v2, see https://kind.sigs.k8s.io/docs/user/rootless/"
+KIND_ROOTLESS_DELEGATE = ('running kind with rootless provider requires setting systemd property "Delegate=yes", '
+                          "see https://kind.sigs.k8s.io/docs/user/rootless/")
+LAPTOP_DOC = 'docs/testing.md, "Run it on your laptop"'
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The container engine a kind or k3d cluster would run on, as its `info` describes it (what kind reads)."""
+    name: str                       # docker | podman | nerdctl
+    error: str = ""                 # what `NAME info` said, when it failed: the engine cannot be used
+    rootless: bool = False
+    cgroup_v2: bool = True
+    missing_controllers: tuple[str, ...] = ()   # of memory, pids, cpu: what kind needs a rootless node to limit
+    uids: int | None = None         # rootless podman: how many user ids its user namespace maps (None: not known)
+
+
+def engine_name(s: Settings, env: Mapping[str, str], which: Callable[[str], str | None] = shutil.which) -> str:
+    """kind's choice: KIND_EXPERIMENTAL_PROVIDER, else the first of docker, nerdctl, podman on PATH (kind's
+    DetectNodeProvider); k3d talks to Docker's API."""
+    if s.provider == "k3d":
+        return "docker"
+    if chosen := env.get("KIND_EXPERIMENTAL_PROVIDER", ""):
+        return chosen
+    return next((name for name in ("docker", "nerdctl", "podman") if which(name)), "docker")
+
+
+def parse_engine_info(name: str, out: str) -> Engine:
+    """`podman info --format json` or `docker info --format '{{json .}}'`, read as kind reads them."""
+    info = json.loads(out)
+    if name == "podman":
+        host = info.get("host", {})
+        controllers = host.get("cgroupControllers")
+        missing = () if controllers is None else tuple(c for c in ("memory", "pids", "cpu") if c not in controllers)
+        uidmap = (host.get("idMappings") or {}).get("uidmap")
+        uids = None if uidmap is None else sum(int(m.get("size", 0)) for m in uidmap)
+        return Engine(name, rootless=bool(host.get("security", {}).get("rootless")),
+                      cgroup_v2=host.get("cgroupVersion") == "v2", missing_controllers=missing, uids=uids)
+    rootless = any("name=rootless" in option.split(",") for option in info.get("SecurityOptions") or [])
+    limits = {"memory": "MemoryLimit", "pids": "PidsLimit", "cpu": "CPUShares"}
+    none = info.get("CgroupDriver") == "none"
+    return Engine(name, rootless=rootless, cgroup_v2=str(info.get("CgroupVersion")) == "2",
+                  missing_controllers=tuple(c for c, key in limits.items() if none or not info.get(key)))
+
+
+def preflight_problems(s: Settings, euid: int, engine: Engine, env: Mapping[str, str], lib_modules: bool) -> list[str]:
+    """Why `make e2e CLUSTER=kind|k3d` cannot run as this user on this host, each reason naming what needs root
+    or what kind requires; empty when it can (or when root runs it: root's path is not second-guessed)."""
+    if euid == 0:
+        return []
+    problems = []
+    if env.get("E2E_IMAGE_BUILD") == "ci":
+        problems.append("E2E_IMAGE_BUILD=ci builds the image on a debootstrap root filesystem "
+                        "(ci/scripts/build-base-rootfs.sh: debootstrap and chroot), which needs root; leave it unset "
+                        "to build it with docker or podman (E2E_ENGINE)")
+    if engine.name not in ("docker", "podman"):
+        return problems  # nerdctl: not checked here; kind says what it lacks
+    if engine.error:
+        if engine.name == "docker":
+            problems.append(f"`docker info` failed as uid {euid}: {engine.error}. kind needs a Docker daemon this user "
+                            "may use: its socket's group (docker; adding a user to it needs root) or rootless Docker; "
+                            "or rootless podman: KIND_EXPERIMENTAL_PROVIDER=podman")
+            return problems  # whether it would run rootless is not known
+        hint = ("the uidmap package (newuidmap, newgidmap) is missing, and installing it needs root "
+                "(apt-get install uidmap)" if "newuidmap" in engine.error or "newgidmap" in engine.error else
+                "kind runs every node through it")
+        problems.append(f"`podman info` failed as uid {euid}: {engine.error}. Rootless podman must work first: {hint}")
+    if s.provider == "kind" and engine.rootless:
+        if not engine.cgroup_v2:
+            problems.append(f"{engine.name} runs rootless on a cgroup v1 host, and kind refuses that (kind's own check: "
+                            f'"{KIND_ROOTLESS_CGROUP_V2}"). It needs a host booted with cgroup v2 '
+                            "(systemd.unified_cgroup_hierarchy=1), or root (sudo make e2e-kind-podman)")
+        elif engine.missing_controllers:
+            problems.append(f"{engine.name} runs rootless without the {', '.join(engine.missing_controllers)} cgroup "
+                            f"controller(s) delegated to this user, and kind refuses that (kind's own check: "
+                            f'"{KIND_ROOTLESS_DELEGATE}"); delegating them is a systemd drop-in, which needs root')
+    if engine.name == "podman" and engine.rootless and engine.uids is not None and engine.uids < 65536:
+        problems.append(f"rootless podman maps {engine.uids} user id(s) for this user (no range of its own in "
+                        "/etc/subuid and /etc/subgid): a kind node's files belong to many users and cannot be unpacked "
+                        "into that; adding a range (usermod --add-subuids 100000-165535 --add-subgids 100000-165535 "
+                        "USER) needs root")
+    if (engine.name == "podman" or engine.rootless) and not lib_modules:
+        problems.append("/lib/modules is missing: kind mounts it into every node (--volume /lib/modules:/lib/modules:ro), "
+                        f"which rootless {engine.name} cannot create; creating it (sudo mkdir /lib/modules) needs root")
+    return problems
+
+
+def engine_info(name: str) -> Engine:
+    fmt = "json" if name == "podman" else "{{json .}}"
+    try:
+        done = subprocess.run([name, "info", "--format", fmt], capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        return Engine(name, error=f"{name} is not installed (not on PATH)")
+    except subprocess.TimeoutExpired:
+        return Engine(name, error=f"{name} info did not answer in 120 s")
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip()
+        errors = [line for line in said.splitlines() if "error" in line.lower()]  # not podman's warnings
+        return Engine(name, error=("; ".join(errors) or said)[-600:] or f"exit status {done.returncode}")
+    try:
+        return parse_engine_info(name, done.stdout)
+    except (ValueError, AttributeError) as e:
+        return Engine(name, error=f"its output is not the JSON kind reads ({e})")
+
+
+def preflight(s: Settings) -> int:
+    """As a normal user: say what this run will use, and stop (2) before anything is made when the host cannot run
+    it without root. Root: nothing (its path is the CI's, checked by the kind stage on every run)."""
+    euid = os.geteuid()
+    if euid == 0:
+        return 0
+    engine = engine_name(s, os.environ)
+    info = engine_info(engine) if engine in ("docker", "podman") else Engine(engine)
+    if engine == "podman" and info.error:
+        # podman as a normal user is rootless whatever stopped it: kind's cgroup rule still applies, read off the
+        # host (a cgroup v2 host's root has cgroup.controllers)
+        info = replace(info, rootless=True, cgroup_v2=Path("/sys/fs/cgroup/cgroup.controllers").exists())
+    problems = preflight_problems(s, euid, info, os.environ, Path("/lib/modules").exists())
+    mode = "" if info.error or engine not in ("docker", "podman") else \
+        f" ({'rootless' if info.rootless else 'daemon as root'}, cgroup {'v2' if info.cgroup_v2 else 'v1'})"
+    print(f"preflight: {s.provider} as uid {euid} (not root) on {engine}{mode}", file=sys.stderr)
+    if not problems:
+        return 0
+    print(f"preflight: `make e2e CLUSTER={s.provider}` cannot run as this user here; nothing was made:", file=sys.stderr)
+    for problem in problems:
+        print(f"  - {problem}", file=sys.stderr)
+    print(f"  (what a normal user's run needs: {LAPTOP_DOC})", file=sys.stderr)
+    return 2
 
 
 # --- the actions --------------------------------------------------------------------------------------------
@@ -197,7 +342,7 @@ def down(s: Settings) -> None:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: local_cluster.py kind|k3d up | load ARCHIVE... | down | config"
+    usage = "usage: local_cluster.py kind|k3d up | load ARCHIVE... | down | preflight | config"
     if len(argv) < 2:
         raise SystemExit(usage)
     s = Settings.from_env(argv[0])
@@ -208,6 +353,8 @@ def main(argv: list[str]) -> int:
         load(s, [Path(a) for a in argv[2:]])
     elif action == "down":
         down(s)
+    elif action == "preflight":
+        return preflight(s)
     elif action == "config" and s.provider == "kind":
         sys.stdout.write(kind_config(s, os.environ.get("KIND_ETCD_VERSION", "v3.6.8")))
     else:

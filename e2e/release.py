@@ -19,7 +19,7 @@ import yaml
 from kubernetes import client, watch
 
 from e2e.artifacts import dump, failing_test
-from e2e.cluster import host_paths, tool
+from e2e.cluster import CI_CLUSTER_DIR, host_paths, tool
 from e2e.helpers import drops, exec_python, pod_http_get, wait_until
 from gpu_agent.mechanisms.queues.pod_executor import never_started
 
@@ -289,7 +289,7 @@ def longest_not_ready(samples) -> float:
 def persistent_control_plane(core, namespace: str, release: Release) -> str:
     """A hostPath PersistentVolume bound ahead to the chart's claim, so that the control plane's
     queue survives its pod being replaced by the upgrade (the CI cluster has no provisioner)."""
-    path = f"/var/lib/gpu-agent-ci/pv/{namespace}"
+    path = str(CI_CLUSTER_DIR / "pv" / namespace)
     os.makedirs(path, exist_ok=True)
     os.chown(path, 65532, 65532)
     core.create_persistent_volume(client.V1PersistentVolume(

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import tarfile
 import uuid
-from pathlib import Path
 
 import pyhelm3
 import pytest
@@ -112,7 +110,7 @@ def test_version_agrees_across_cli_endpoint_image_labels_and_chart(installed):
         assert served["commit"] == commit, "the image was built from another commit: run `make images`"
     assert re.match(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$", served["buildDate"]), served
     if cluster.provider() == "ci":  # the image archive this suite's `make images` wrote
-        archive = Path(os.environ.get("CI_CACHE", "/var/cache/gpu-agent-ci")) / "images" / "gpu-agent.oci.tar"
+        archive = cluster.CI_CACHE / "images" / "gpu-agent.oci.tar"
         with tarfile.open(archive) as tar:
             index = json.load(tar.extractfile("index.json"))
             manifest = json.load(tar.extractfile("blobs/sha256/" + index["manifests"][0]["digest"].split(":")[1]))

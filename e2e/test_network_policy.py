@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.skipif(not ENFORCED, reason="needs a cluster that enfo
                                         "other tests' load could fake")]
 
 
-ARTIFACTS = Path(os.environ.get("E2E_ARTIFACTS", "/tmp/gpu-agent-e2e-artifacts"))
+ARTIFACTS = cluster.artifacts_dir()
 CONTROL_PLANE_PORT = 8700  # HTTPS with the chart's defaults
 TIMEOUT = 3.0  # seconds a probe waits for a connection: a refused one times out (the enforcer drops it)
 CLOSED = 9  # a port nothing listens on: "refused" without a policy, a timeout under one

@@ -18,7 +18,8 @@ registry=${1:?usage: release-oci.sh REGISTRY DIST}
 dist=${2:?usage: release-oci.sh REGISTRY DIST}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
+source ci/scripts/paths.sh  # CI_CACHE: where make cluster-up (or ci/scripts/install-tools.sh) put helm
+helm=${HELM:-$( [[ -x $CI_CACHE/tools/helm ]] && echo "$CI_CACHE/tools/helm" || command -v helm )}
 [[ -n $helm ]] || { echo "release-oci: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
 registry=${registry#oci://}
 call_timeout=${RELEASE_OCI_TIMEOUT:-120}

@@ -39,7 +39,8 @@ fi
 # PYTHON: an interpreter with PyYAML (`make release` runs `make setup` first, so .venv has one).
 python=${PYTHON:-$( [[ -x $repo/.venv/bin/python ]] && echo "$repo/.venv/bin/python" || command -v python3 )}
 "$python" scripts/crd-storage-rule.py || { echo "release: the CRDs break the storage-version rule (above)" >&2; exit 1; }
-helm=${HELM:-$( [[ -x /var/cache/gpu-agent-ci/tools/helm ]] && echo /var/cache/gpu-agent-ci/tools/helm || command -v helm )}
+source ci/scripts/paths.sh  # CI_CACHE: where make cluster-up (or ci/scripts/install-tools.sh) put helm
+helm=${HELM:-$( [[ -x $CI_CACHE/tools/helm ]] && echo "$CI_CACHE/tools/helm" || command -v helm )}
 [[ -n $helm ]] || { echo "release: helm not found (make cluster-up installs it, or put it on PATH)" >&2; exit 1; }
 rm -rf dist && mkdir -p dist
 if [[ -n ${RELEASE_REGISTRY:-} ]]; then

@@ -36,6 +36,7 @@ from pathlib import Path
 from bench.domain_sim import table as sim_table
 from kubernetes import client, config
 
+from e2e.cluster import CI_KUBECONFIG
 from gpu_agent.foundations.kube import REQUEST_TIMEOUT, api_client
 from gpu_agent.mechanisms.domain.aggregate import (
     FOLDER_CONNECTIONS,
@@ -48,7 +49,7 @@ from gpu_agent.mechanisms.domain.entries import Entry
 from gpu_agent.mechanisms.domain.writer import GROUP, PLURAL, STRATEGIES, VERSION, DomainWriter
 from gpu_agent_hooks.cli import apply_crds
 
-KUBECONFIG = os.environ.get("KUBECONFIG_PATH", "/var/lib/gpu-agent-ci/admin.kubeconfig")
+KUBECONFIG = str(CI_KUBECONFIG)  # KUBECONFIG_PATH, else the CI cluster's (e2e/cluster.py chooses where that lives)
 REPO = Path(__file__).resolve().parents[2]
 # Each invocation, and each run of the many-domains case, in a namespace of its own, deleted (and waited
 # for) before the next: a run never meets the last one's terminating namespace, nor its garbage collection.

@@ -19,9 +19,12 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("CI_CACHE", "/var/cache/gpu-agent-ci"))
-KUBECONFIG = os.environ.get("KUBECONFIG", "/var/lib/gpu-agent-ci/admin.kubeconfig")
-STATE_DIR = os.environ.get("FAKE_GPU_STATE_DIR", "/var/lib/gpu-agent-ci/fake-gpu")
+sys.path.insert(0, str(REPO))
+from e2e.cluster import CI_CACHE as CACHE  # noqa: E402 - after the sys.path line above; paths chosen there only
+from e2e.cluster import CI_CLUSTER_DIR, CI_KUBECONFIG  # noqa: E402 - after the sys.path line above
+
+KUBECONFIG = os.environ.get("KUBECONFIG") or str(CI_KUBECONFIG)
+STATE_DIR = os.environ.get("FAKE_GPU_STATE_DIR") or str(CI_CLUSTER_DIR / "fake-gpu")
 IDLE_SECONDS = float(os.environ.get("BENCH_IDLE_SECONDS", "60"))
 # issue 14's goals; the node agent's is "no larger than before" (67 MiB with a domain, 35 MiB without)
 GOALS = {"cluster-agent": 80, "node-agent": 67, "control-plane": None, "fake-gpu": 80}

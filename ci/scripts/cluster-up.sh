@@ -9,6 +9,8 @@ source "$here/scripts/common.sh"
 source "$here/scripts/lib.sh"
 source "$here/scripts/node-config.sh"
 t0=$SECONDS
+need_root "the CI cluster (make cluster-up, make e2e CLUSTER=ci)" "it installs Debian packages, adds $NODE_IP to lo, \
+sets sysctls and iptables rules, makes bridges, network and mount namespaces, and runs containerd and kubelet as root"
 
 bash "$here/scripts/install-deps.sh"
 bash "$here/scripts/build-kubernetes.sh"

@@ -1,7 +1,8 @@
 # Shared settings for the CI cluster scripts. Sourced, never run.
 # Everything that should survive between runs on one machine lives under CI_CACHE,
-# outside the clone; everything a running cluster owns lives under CLUSTER_DIR.
-export CI_CACHE=${CI_CACHE:-/var/cache/gpu-agent-ci}
+# outside the clone; everything a running cluster owns lives under CLUSTER_DIR. Both are chosen in paths.sh: root's
+# are the system folders under /var, another user's under ~/.cache and ~/.local/state.
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 export K8S_VERSION=${K8S_VERSION:-v1.36.2}
 export COREDNS_VERSION=${COREDNS_VERSION:-v1.12.4}
 # The NetworkPolicy enforcer every node runs (ci/scripts/netpol.sh), built from ci/kube-network-policies.
@@ -20,7 +21,6 @@ export CONTAINERD_BIN=$CI_CACHE/containerd-$CONTAINERD_VERSION/bin
 export KSTATUS_VERSION=${KSTATUS_VERSION:-v0.37.2}
 _kstatus_src=$(cd "$(dirname "${BASH_SOURCE[0]}")/../kstatus" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
 export KSTATUS_BIN=$CI_CACHE/kstatus-$KSTATUS_VERSION-$_kstatus_src/kstatus
-export CLUSTER_DIR=${CLUSTER_DIR:-/var/lib/gpu-agent-ci}
 export KUBECONFIG_PATH=${KUBECONFIG_PATH:-$CLUSTER_DIR/admin.kubeconfig}
 # The CI's OCI registry (ci/scripts/registry.sh): Debian's docker-registry (distribution 2.8), cached by version; its
 # state (config, htpasswd, credentials, pid) under REGISTRY_DIR, its serving certificate from the cluster's CA (PKI).
@@ -32,6 +32,15 @@ export REGISTRY_ADDR=${REGISTRY_ADDR:-127.0.0.1:5443}
 # writes the registry's there, stop removes it. One folder for every node: they share the host's filesystem.
 export REGISTRY_HOSTS_DIR=${REGISTRY_HOSTS_DIR:-$CLUSTER_DIR/containerd-certs.d}
 log() { printf '%s ci: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+# need_root WHAT WHY: as anyone but root, stop (exit 2) before anything is built or changed, saying that WHAT needs
+# root because WHY, and what a normal user runs instead. Root: nothing.
+need_root() {
+  [[ $EUID != 0 ]] || return 0
+  echo "ci: $1 needs root: $2. Running as $(id -un 2>/dev/null || echo "uid $EUID") (uid $EUID): nothing was done." \
+       "Without root: make e2e CLUSTER=kind (kind on Docker or rootless podman; docs/testing.md," \
+       "\"Run it on your laptop\"), whose caches go to $CI_CACHE." >&2
+  exit 2
+}
 # The host's CPU time since boot, busy and all (jiffies, every core: /proc/stat's first line), for cpu_busy.
 cpu_mark() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9; exit}' /proc/stat; }
 # cpu_busy MARK: the share of every core's time spent busy since MARK, "cpu N%": a step at 95% waits on the CPU

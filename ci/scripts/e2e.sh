@@ -12,9 +12,12 @@
 #             gpu-agent-e2e; E2E_NODE_IMAGE; E2E_WORKERS worker nodes, default 1), the project's image
 #             built and imported into every node (with its version's name too), the suite run, the
 #             cluster deleted unless E2E_KEEP_CLUSTER=1. The image: `docker build` (or podman's, with
-#             E2E_ENGINE=podman) of the Dockerfile, or the CI machines' way (debootstrap base and
-#             ci/tools/oci_image.py, no registry) where E2E_IMAGE_BUILD=ci. kind on podman:
-#             KIND_EXPERIMENTAL_PROVIDER=podman. Tests that need the CI cluster's host skip, saying so.
+#             E2E_ENGINE=podman, the default with KIND_EXPERIMENTAL_PROVIDER=podman) of the Dockerfile, or the
+#             CI machines' way (debootstrap base and ci/tools/oci_image.py, no registry; root only) where
+#             E2E_IMAGE_BUILD=ci. kind on podman: KIND_EXPERIMENTAL_PROVIDER=podman. Tests that need the CI
+#             cluster's host skip, saying so. Runs as a normal user where kind does (Docker this user may use,
+#             or rootless podman on cgroup v2): caches under ~/.cache (ci/scripts/paths.sh), and a preflight
+#             (e2e/local_cluster.py preflight) stops before anything is made when the host needs root for it.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -24,7 +27,7 @@ pytest=${PYTEST:-$repo/.venv/bin/pytest}
 python=$(dirname "$pytest")/python
 junit_prefix=$([[ $cluster == ci ]] && echo e2e || echo "$cluster")
 export E2E_CLUSTER=$cluster
-export E2E_ARTIFACTS=${E2E_ARTIFACTS:-/tmp/gpu-agent-e2e-artifacts/$(date -u +%Y%m%dT%H%M%S)}
+export E2E_ARTIFACTS=${E2E_ARTIFACTS:-$E2E_ARTIFACTS_ROOT/$(date -u +%Y%m%dT%H%M%S)}  # (paths.sh)
 rc=0
 
 run_suite() {  # run_suite WHAT PYTEST_ARGS...: one pytest run, its JUnit XML beside the others of `make test`
@@ -154,6 +157,8 @@ cluster_up() {  # cluster_up NODES
 
 case $cluster in
   ci)
+    need_root "the CI cluster (make e2e, CLUSTER=ci by default)" "it installs Debian packages and brings up a cluster \
+made of the host's own network, mount and cgroup namespaces, iptables rules and sysctls (ci/scripts/cluster-up.sh)"
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
       cluster_up "${NODES:-${E2E_NODES:-5}}"
       ci_suite "${@:2}"
@@ -184,6 +189,10 @@ case $cluster in
   kind|k3d)
     local_cluster() { python3 "$repo/e2e/local_cluster.py" "$cluster" "$@"; }
     export E2E_KUBECONFIG=${E2E_KUBECONFIG:-$HOME/.kube/${E2E_CLUSTER_NAME:-gpu-agent-e2e}-$cluster.yaml}
+    # As a normal user, before anything is made: the engine reachable, kind's rootless rules (cgroup v2, delegated
+    # controllers), /lib/modules, no E2E_IMAGE_BUILD=ci (debootstrap); each refusal names what needs root. Root: nothing.
+    local_cluster preflight || exit $?
+    ((EUID == 0)) || log "not root: caches in $CI_CACHE, kubeconfig $E2E_KUBECONFIG, failed tests' artifacts in $E2E_ARTIFACTS"
     if [[ ${E2E_KEEP_CLUSTER:-0} != 1 ]]; then
       # deleted however the run ends, a failed create included (kind and k3d leave half-made clusters)
       trap 'code=$?; t=$SECONDS; local_cluster down || code=1; log "timing: $cluster cluster down $((SECONDS - t))s"; exit $code' EXIT
@@ -205,7 +214,8 @@ case $cluster in
       bash "$here/scripts/build-base-rootfs.sh"
       IMAGE_OUT=$archive bash "$here/scripts/build-images.sh" project
     else
-      engine=${E2E_ENGINE:-docker}
+      # the engine kind runs on, unless told: podman's images are not Docker's (rootless podman: not root's either)
+      engine=${E2E_ENGINE:-$([[ $cluster == kind && ${KIND_EXPERIMENTAL_PROVIDER:-} == podman ]] && echo podman || echo docker)}
       version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")
       bash "$repo/scripts/build-wheels.sh" >&2
       "$engine" build -t localhost/gpu-agent:dev -t "localhost/gpu-agent:$version" \

@@ -19,6 +19,22 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 repo=$(cd "$here/.." && pwd)
 source "$here/scripts/common.sh"
 t0=$SECONDS
+# Root only: everything below builds root filesystems or changes the host. As a normal user, stop before any of it,
+# naming each part that needs root, then what kind itself would say of this host through rootless podman (the
+# preflight of `make e2e CLUSTER=kind`, which is a normal user's way to run kind; it makes nothing).
+if [[ $EUID != 0 ]]; then
+  cat >&2 <<EOF
+ci: make e2e-kind-podman (ci/scripts/kind-stage.sh) runs as root only; running as $(id -un 2>/dev/null || echo "uid $EUID") (uid $EUID), so nothing was done. What needs root here:
+  - the kind node image's root filesystem and the project image's base: debootstrap and chroot (ci/scripts/build-kind-rootfs.sh, build-base-rootfs.sh; no registry to pull kindest/node from)
+  - podman and its dnsname CNI plugin where missing: apt-get install (ci/scripts/install-podman.sh, install-deps.sh)
+  - /etc/containers/containers.conf (podman's default ulimits at or below the host's hard limits) and an empty /lib/modules where the host has none (kind mounts it into every node); both removed after
+  - the teardown and its check: podman's CNI chains in iptables and ip6tables, the sysctls they set, the /run/netns mount, the kind bridge (ip link), and iptables-save for the before/after host check (ci/scripts/host-state.sh)
+  - KIND_CPU_SHARES: the kind nodes' CPU weight in /sys/fs/cgroup/cpu/libpod_parent
+Without root: make e2e CLUSTER=kind (kind's own node image, on Docker this user may use or on rootless podman with KIND_EXPERIMENTAL_PROVIDER=podman), caches in $CI_CACHE. Its preflight on this host, through rootless podman:
+EOF
+  KIND_EXPERIMENTAL_PROVIDER=podman python3 "$repo/e2e/local_cluster.py" kind preflight || true
+  exit 2
+fi
 t=$SECONDS; bash "$here/scripts/install-deps.sh"; bash "$here/scripts/install-podman.sh"; log "timing: kind stage host packages $((SECONDS - t))s"
 
 state=$(mktemp -d)

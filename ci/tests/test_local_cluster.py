@@ -11,6 +11,7 @@ documented form, and the positional arguments are the ones its usage line names.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -148,6 +149,16 @@ def test_the_kind_config_has_the_nodes_asked_for_the_cgroup_v1_patch_and_local_i
     assert lc.kind_create(local, Path("/c.yaml"))[lc.kind_create(local, Path("/c.yaml")).index("--image") + 1] == local.image
 
 
+def test_k3d_nodes_report_status_as_often_as_kinds_which_the_xid_tests_2s_goal_is_set_against():
+    """issue 50: a k3d user gets kind's node-status setting (KIND_KUBELET_PATCH), on servers and agents alike."""
+    create = lc.k3d_create(lc.Settings.from_env("k3d", {"E2E_WORKERS": "2"}))
+    args = [create[i + 1] for i, a in enumerate(create) if a == "--k3s-arg"]
+    kind_value = yaml.safe_load(lc.KIND_KUBELET_PATCH)["nodeStatusUpdateFrequency"]
+    assert f"--kubelet-arg=node-status-update-frequency={kind_value}@server:*" in args
+    assert f"--kubelet-arg=node-status-update-frequency={kind_value}@agent:*" in args
+    assert kind_value == "1s"
+
+
 def test_bad_settings_are_refused_naming_the_variable():
     with pytest.raises(SystemExit, match="E2E_WORKERS must be a whole number"):
         lc.Settings.from_env("kind", {"E2E_WORKERS": "two"})
@@ -170,3 +181,94 @@ def test_pod_and_service_ranges_apart_from_the_ci_clusters_reach_kind_and_k3d_an
     args = [create[i + 1] for i, a in enumerate(create) if a == "--k3s-arg"]
     assert "--cluster-cidr=10.245.0.0/16@server:*" in args and "--service-cidr=10.97.0.0/16@server:*" in args
     assert not any("cidr" in a for a in lc.k3d_create(lc.Settings.from_env("k3d", {})))
+
+
+# --- a normal user's preflight (`make e2e CLUSTER=kind|k3d` as non-root): what it refuses, and why -------------------
+# podman 4.3.1's answer to `podman info` as a fresh user of this CI machine (uidmap not installed), word for word
+NO_NEWUIDMAP = ('Error: command required for rootless mode with multiple IDs: exec: "newuidmap": executable file not '
+                'found in $PATH')
+
+
+def podman_info(rootless=True, cgroup="v2", controllers=("cpu", "memory", "pids"), uids=(1, 65536)) -> str:
+    """`podman info --format json`, the fields kind and the preflight read (podman's own key names)."""
+    return json.dumps({"host": {"cgroupVersion": cgroup, "cgroupControllers": list(controllers),
+                                "security": {"rootless": rootless, "seccompEnabled": True},
+                                "idMappings": {"uidmap": [{"container_id": i, "host_id": 1000 + i, "size": n}
+                                                          for i, n in enumerate(uids)]}},
+                       "version": {"Version": "4.3.1"}})
+
+
+KIND = lc.Settings.from_env("kind", {})
+OK_PODMAN = lc.parse_engine_info("podman", podman_info())
+
+
+def test_root_is_never_second_guessed_whatever_the_host():
+    broken = lc.Engine("podman", error=NO_NEWUIDMAP, rootless=True, cgroup_v2=False)
+    assert lc.preflight_problems(KIND, 0, broken, {"E2E_IMAGE_BUILD": "ci"}, lib_modules=False) == []
+
+
+def test_rootless_podman_on_cgroup_v2_with_its_controllers_ids_and_lib_modules_passes():
+    assert OK_PODMAN == lc.Engine("podman", rootless=True, cgroup_v2=True, uids=65537)
+    assert lc.preflight_problems(KIND, 1000, OK_PODMAN, {}, lib_modules=True) == []
+
+
+def test_rootless_podman_on_cgroup_v1_is_refused_in_kinds_own_words():
+    engine = lc.parse_engine_info("podman", podman_info(cgroup="v1", controllers=()))
+    [problem] = lc.preflight_problems(KIND, 1000, engine, {}, lib_modules=True)
+    assert "running kind with rootless provider requires cgroup v2" in problem and "cgroup v1 host" in problem
+
+
+def test_rootless_podman_without_delegated_controllers_is_refused_naming_them():
+    engine = lc.parse_engine_info("podman", podman_info(controllers=("memory",)))
+    [problem] = lc.preflight_problems(KIND, 1000, engine, {}, lib_modules=True)
+    assert "pids, cpu" in problem and 'Delegate=yes' in problem
+
+
+def test_rootless_podman_without_a_subuid_range_is_refused():
+    engine = lc.parse_engine_info("podman", podman_info(uids=(1,)))
+    [problem] = lc.preflight_problems(KIND, 1000, engine, {}, lib_modules=True)
+    assert "maps 1 user id(s)" in problem and "/etc/subuid" in problem
+
+
+def test_this_ci_machine_as_a_fresh_user_is_refused_for_uidmap_cgroup_v1_and_lib_modules():
+    """What `podman info` failing leaves known: a normal user's podman is rootless, so kind's cgroup rule (read off the
+    host) and the /lib/modules mount still apply, each named; nothing about the uid range is guessed."""
+    engine = lc.Engine("podman", error=NO_NEWUIDMAP, rootless=True, cgroup_v2=False)
+    problems = lc.preflight_problems(KIND, 1001, engine, {}, lib_modules=False)
+    assert len(problems) == 3, problems
+    assert "newuidmap" in problems[0] and "apt-get install uidmap" in problems[0]
+    assert lc.KIND_ROOTLESS_CGROUP_V2 in problems[1]
+    assert problems[2].startswith("/lib/modules is missing")
+
+
+def test_docker_out_of_reach_is_refused_with_its_own_message_and_docker_as_root_on_cgroup_v1_is_kinds_warning_only():
+    unreachable = lc.Engine("docker", error="Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
+                                            "Is the docker daemon running?")
+    [problem] = lc.preflight_problems(KIND, 1000, unreachable, {}, lib_modules=False)
+    assert "Cannot connect to the Docker daemon" in problem and "docker" in problem
+    # a daemon running as root that this user may reach (its group): kind only warns on cgroup v1, and Docker makes
+    # a missing bind-mount source itself
+    daemon = lc.parse_engine_info("docker", json.dumps({"CgroupVersion": "1", "CgroupDriver": "cgroupfs",
+                                                        "MemoryLimit": True, "PidsLimit": True, "CPUShares": True,
+                                                        "SecurityOptions": ["name=seccomp,profile=builtin"]}))
+    assert not daemon.rootless and not daemon.cgroup_v2
+    assert lc.preflight_problems(KIND, 1000, daemon, {}, lib_modules=False) == []
+    rootless = lc.parse_engine_info("docker", json.dumps({"CgroupVersion": "1", "CgroupDriver": "cgroupfs",
+                                                          "SecurityOptions": ["name=seccomp,profile=builtin",
+                                                                              "name=rootless"]}))
+    assert rootless.rootless
+    assert lc.KIND_ROOTLESS_CGROUP_V2 in lc.preflight_problems(KIND, 1000, rootless, {}, lib_modules=True)[0]
+
+
+def test_the_ci_image_build_needs_root_and_says_so():
+    [problem] = lc.preflight_problems(KIND, 1000, OK_PODMAN, {"E2E_IMAGE_BUILD": "ci"}, lib_modules=True)
+    assert problem.startswith("E2E_IMAGE_BUILD=ci") and "debootstrap" in problem
+
+
+def test_the_engine_is_kinds_choice_explicit_or_the_first_on_path():
+    def which(*present):
+        return lambda name: f"/usr/bin/{name}" if name in present else None
+    assert lc.engine_name(KIND, {"KIND_EXPERIMENTAL_PROVIDER": "podman"}, which("docker")) == "podman"
+    assert lc.engine_name(KIND, {}, which("docker", "podman")) == "docker"
+    assert lc.engine_name(KIND, {}, which("podman")) == "podman"
+    assert lc.engine_name(SETTINGS, {"KIND_EXPERIMENTAL_PROVIDER": "podman"}, which("podman")) == "docker"  # k3d

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
-PIDS = Path(os.environ.get("CLUSTER_DIR", "/var/lib/gpu-agent-ci")) / "pids"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: e2e/cluster.py chooses CLUSTER_DIR
+from e2e.cluster import CI_CLUSTER_DIR
+
+PIDS = CI_CLUSTER_DIR / "pids"
 DAEMONS = ("holder", "containerd", "kubelet", "kube-proxy")
 TICKS = os.sysconf("SC_CLK_TCK")
 
