@@ -29,7 +29,10 @@ def install(kubeconfig: Path, core: client.CoreV1Api, apps: client.AppsV1Api) ->
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     helm = pyhelm3.Client(executable=tool("helm"), kubeconfig=kubeconfig)
     values = {**host_paths(), "image": {"repository": "localhost/gpu-agent", "tag": "dev", "pullPolicy": "Never"},
-              "maxCount": 16, "logVerbosity": 2}
+              "maxCount": 16, "logVerbosity": 2,
+              # a value set on every node (the legacy DRA test's devicePlugin.enabled) rolls out at once, not node by
+              # node: five nodes one after another took most of that serial test's two minutes
+              "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}}
 
     async def run() -> None:
         chart = await helm.get_chart(str(CHART))

@@ -108,7 +108,6 @@ LONG_SECONDS = 20
 MOST_POD_GETS = 3 * LONG_SECONDS // 2
 
 
-@pytest.mark.serial(reason="counts the API server's Pod GETs, which every other test's Pods add to")
 def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, core, apps, kubeconfig, namespace, fake_gpus):
     fake_gpus.set(16)
     release = Release(api, core, apps, kubeconfig, namespace, name="side")
@@ -132,7 +131,20 @@ def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, cor
         assert pods.events >= 3 * len(keys), pods.events  # each Pod seen at least created, Running and ended
         assert len(pods.running) == len(keys), f"the watch saw {len(pods.running)} of the {len(keys)} Pods Running"
         assert most >= SIDE_BY_SIDE, f"at most {most} work Pods Running at one moment; {SIDE_BY_SIDE} wanted"
+    finally:
+        if pods is not None:
+            pods.stop()
+        release.uninstall_if_installed()
+        fake_gpus.set(0)
 
+
+@pytest.mark.serial(reason="counts the API server's Pod GETs, which every other test's Pods add to")
+def test_a_running_work_pod_is_watched_not_polled(api, core, apps, kubeconfig, namespace, fake_gpus):
+    fake_gpus.set(1)
+    release = Release(api, core, apps, kubeconfig, namespace, name="long")
+    try:
+        release.install(*WAIT)
+        wait_until(lambda: (release.healthz()[1] or {}).get("active"), 60, "the cluster agent active")
         before, started = api_server_requests(api, "GET", "pods"), time.monotonic()
         enqueue(release, ["side-long"], seconds=LONG_SECONDS)
         wait_until(lambda: items(release).get("side-long") == "done", LONG_SECONDS + 60, "the long item done", interval=1.0)
@@ -142,8 +154,6 @@ def test_fifty_items_on_sixteen_gpus_run_side_by_side_each_exactly_once(api, cor
         assert took >= LONG_SECONDS, f"done {took:.1f} s after its enqueue: its Pod did not run {LONG_SECONDS} s"
         assert gets < MOST_POD_GETS, f"{gets:.0f} Pod GETs while one item ran {took:.0f} s: its Pod is polled, not watched"
     finally:
-        if pods is not None:
-            pods.stop()
         release.uninstall_if_installed()
         fake_gpus.set(0)
 
