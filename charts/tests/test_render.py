@@ -534,6 +534,27 @@ def test_hook_jobs_have_resources_and_placement_values():
         assert spec["tolerations"] == [{"operator": "Exists"}] and spec["nodeSelector"] == {"pool": "system"}
 
 
+def test_hook_jobs_take_the_proxy_and_extra_volumes_the_agents_take_beside_their_own():
+    """A control plane behind a proxy: the uninstall's cleanup hook deregisters through it as the cluster agent does
+    (hooks.extraEnv); extra volumes and mounts come after the hook's own (the cleanup hook's token, the CA)."""
+    proxy = [{"name": "HTTPS_PROXY", "value": "http://proxy.example:3128"}, {"name": "NO_PROXY", "value": ".svc"}]
+    docs = render("--set-json", f"hooks.extraEnv={json.dumps(proxy)}",
+                  "--set-json", 'hooks.extraVolumes=[{"name":"corp","configMap":{"name":"corp-ca"}}]',
+                  "--set-json", 'hooks.extraVolumeMounts=[{"name":"corp","mountPath":"/etc/corp","readOnly":true}]')
+    jobs = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs if d["kind"] == "Job"}
+    assert sorted(jobs) == ["t-gpu-agent-cleanup", "t-gpu-agent-crds"]
+    for name, spec in jobs.items():
+        (container,) = spec["containers"]
+        assert container["env"] == proxy, name
+        assert container["volumeMounts"][-1] == {"name": "corp", "mountPath": "/etc/corp", "readOnly": True}, name
+        assert spec["volumes"][-1] == {"name": "corp", "configMap": {"name": "corp-ca"}}, name
+    cleanup = jobs["t-gpu-agent-cleanup"]
+    assert [m["name"] for m in cleanup["containers"][0]["volumeMounts"]] == ["token", "control-plane-ca", "corp"]
+    # and none unless asked
+    for spec in (d["spec"]["template"]["spec"] for d in render() if d["kind"] == "Job"):
+        assert "env" not in spec["containers"][0] and "corp" not in json.dumps(spec)
+
+
 def test_the_control_planes_fault_injection_is_off_unless_asked_for():
     def control_plane_args(*sets):
         (cp,) = [d for d in render(*sets) if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-control-plane")]

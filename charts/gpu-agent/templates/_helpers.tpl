@@ -264,10 +264,13 @@ template:
       args: {{- toYaml $args | nindent 8 }}
       securityContext: {{- toYaml .ctx.Values.hooks.securityContext | nindent 8 }}
       resources: {{- toYaml .ctx.Values.hooks.resources | nindent 8 }}
-      {{- with .volumeMounts }}
+      {{- with .ctx.Values.hooks.extraEnv }}
+      env: {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with concat (.volumeMounts | default list) .ctx.Values.hooks.extraVolumeMounts }}
       volumeMounts: {{- toYaml . | nindent 8 }}
       {{- end }}
-    {{- with .volumes }}
+    {{- with concat (.volumes | default list) .ctx.Values.hooks.extraVolumes }}
     volumes: {{- toYaml . | nindent 6 }}
     {{- end }}
 {{- end -}}
