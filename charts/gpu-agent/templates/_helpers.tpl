@@ -211,12 +211,16 @@ render, as the agent refuses it at start, unless controlPlane.allowInsecure says
 {{- define "gpu-agent.checkControlPlaneUrl" -}}
 {{- $url := include "gpu-agent.controlPlaneUrl" . -}}
 {{- if and (hasPrefix "http://" $url) (not .Values.controlPlane.allowInsecure) -}}
-{{- $host := regexReplaceAll "^http://(\\[[^]]*\\]|[^:/]*).*$" $url "${1}" -}}
-{{- if not (or (eq $host "localhost") (hasPrefix "127." $host) (eq $host "[::1]")) -}}
+{{- /* The host as the agent reads it (urlparse): after any user part (up to the authority's last "@"), before its
+port. Loopback as the agent's rule has it: localhost, an address of 127.0.0.0/8, [::1]; a name that merely begins
+with "127." (127.0.0.1.example.com) or a user part that looks like one (http://127.0.0.1:x@cp.example.com) is not. */ -}}
+{{- $host := regexReplaceAll "^http://([^/?#]*@)?(\\[[^]/?#]*\\]|[^:/?#]*).*$" $url "${2}" -}}
+{{- if not (or (eq (lower $host) "localhost") (regexMatch "^127(\\.(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])){3}$" $host) (eq $host "[::1]")) -}}
 {{- if .Values.controlPlane.enabled -}}
 {{- fail "controlPlane.tls.enabled=false serves the reference control plane over plain HTTP, which sends the registration token and credentials across the pod network in clear: keep controlPlane.tls.enabled=true, or set controlPlane.allowInsecure=true to accept that" -}}
 {{- else -}}
-{{- fail (printf "controlPlane.url %s is plain HTTP, which sends the registration token and credentials across the network in clear: use https:// (with controlPlane.caBundle for a private CA), or set controlPlane.allowInsecure=true to accept that" $url) -}}
+{{- /* Shown without its user part, which could hold a password (as the agent shows it). */ -}}
+{{- fail (printf "controlPlane.url %s is plain HTTP, which sends the registration token and credentials across the network in clear: use https:// (with controlPlane.caBundle for a private CA), or set controlPlane.allowInsecure=true to accept that" (regexReplaceAll "^http://[^/?#]*@" $url "http://")) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
