@@ -54,6 +54,7 @@ finish_beside() {  # the stages beside the e2e stage (unit-compute, kind): start
 
 report() {
   finish_beside
+  [[ -z ${sampler:-} ]] || kill "$sampler" 2>/dev/null
   rm -f "$out/gpu-agent.oci.tar"  # the CI cluster's image archive, linked here for the kind stage (ci/scripts/e2e.sh)
   "$BIN/python" scripts/test_report.py --out "$out" --elapsed "$((SECONDS - started))" \
     --budget-minutes "${TEST_BUDGET_MINUTES:-80}" ${TEST_ALLOW_SKIPS:+--allow-skips} || failed=1
@@ -72,6 +73,10 @@ stage lint bash -c "$BIN/lint-imports && $BIN/ruff check . && $BIN/mypy && $BIN/
 # first, alone.
 export E2E_PHASE_FILE=$out/e2e-phases
 : > "$E2E_PHASE_FILE"
+# Where the CPU goes, per e2e phase, for the report (ci/tools/cpu_sampler.py): beside the whole run, stopped by report()
+# or by its own check that this script is gone; it never fails the run.
+python3 ci/tools/cpu_sampler.py "$out/cpu.jsonl" --phase-file "$E2E_PHASE_FILE" --parent $$ 2>> "$out/cpu-sampler.log" &
+sampler=$!
 trap 'for pid in "${beside_pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done; exit 130' INT TERM
 UNIT_BESIDE=${TEST_UNIT_BESIDE:-1} bash scripts/unit-stages.sh first || { failed=1; exit 1; }
 if [[ ${TEST_UNIT_BESIDE:-1} == 1 ]]; then

@@ -2,7 +2,8 @@
 
 Reads what the run left in its output folder: stages.tsv (one line a stage: name, seconds, exit code, and the stage
 it ran beside, if any), each stage's log (the `ci: timing: WHAT Ns` lines and the `ci: PART built in Ns` /
-`ci: PART cached` lines that ci/scripts print) and the JUnit XML of every pytest run (junit/*.xml). Prints four tables and exits 1 when a
+`ci: PART cached` lines that ci/scripts print) and the JUnit XML of every pytest run (junit/*.xml), and cpu.jsonl where ci/tools/cpu_sampler.py ran beside the run
+(where each e2e phase's CPU went). Prints those tables and exits 1 when a
 test was skipped (unless --allow-skips) or the run took longer than --budget-minutes; 0 otherwise. A stage
 that failed is test.sh's to report: this only adds the reasons above.
 """
@@ -10,6 +11,9 @@ that failed is test.sh's to report: this only adds the reasons above.
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -84,6 +88,52 @@ def table(title: str, header: tuple[str, ...], rows: list[tuple[object, ...]]) -
     return "\n".join(lines)
 
 
+PHASE_NAMES = {"": "before the serial phase", "ended": "after the e2e stage"}
+
+
+def cpu_rows(samples: list[dict], cores: int) -> list[tuple[object, ...]]:
+    """One row per phase (in the order first seen): wall seconds, how busy the host's cores were, and each group's
+    share of the busy CPU seconds (ci/tools/cpu_sampler.py). A group's counter that went down (a node's cgroup removed
+    at cluster-down) adds nothing for that interval; what the groups leave of busy is "rest"."""
+    per: dict[str, dict[str, float]] = {}
+    for before, after in itertools.pairwise(samples):
+        acc = per.setdefault(before.get("phase", ""), {"wall": 0.0, "busy": 0.0})
+        acc["wall"] += after["t"] - before["t"]
+        acc["busy"] += max(0.0, after["busy"] - before["busy"])
+        for group, seconds in after.get("groups", {}).items():
+            acc[group] = acc.get(group, 0.0) + max(0.0, seconds - before.get("groups", {}).get(group, seconds))
+    rows: list[tuple[object, ...]] = []
+    for name, acc in per.items():
+        wall, busy = acc.pop("wall"), acc.pop("busy")
+        if wall <= 0:
+            continue
+        groups = sorted(acc.items(), key=lambda kv: -kv[1])
+        rest = max(0.0, busy - sum(v for _, v in groups))
+        shares = ", ".join(f"{g} {v / busy:.0%}" for g, v in [*groups, ("rest", rest)] if busy and v / busy >= 0.01)
+        rows.append((PHASE_NAMES.get(name, name), f"{wall:.0f}s", f"{busy / (wall * cores):.0%}", f"{busy:.0f}", shares))
+    return rows
+
+
+def cpu_table(out: Path) -> str | None:
+    """The CPU table, or None without samples; a line it cannot read is left out (the sampler never fails a run)."""
+    path = out / "cpu.jsonl"
+    if not path.exists():
+        return None
+    samples = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            samples.append({"t": float(row["t"]), "busy": float(row["busy"]), "phase": str(row.get("phase", "")),
+                            "groups": {str(k): float(v) for k, v in row.get("groups", {}).items()}})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    rows = cpu_rows(samples, os.cpu_count() or 1)
+    if not rows:
+        return None
+    return table("where the CPU went (ci/tools/cpu_sampler.py, every 10 s; rest: the tests, helm, the kernel)",
+                 ("phase", "wall", "cpu busy", "cpu seconds", "share of the busy seconds"), rows)
+
+
 def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) -> tuple[str, list[str]]:
     """(the report's text, the reasons the run fails)."""
     parts: list[str] = []
@@ -118,6 +168,9 @@ def report(out: Path, elapsed: int, budget_minutes: float, allow_skips: bool) ->
     if built:
         parts.append(table("parts ci/ builds: built this run or found in the cache", ("part", "this run", "seconds"),
                            [(p, how, s) for p, (how, s) in built.items()]))
+
+    if (cpu := cpu_table(out)) is not None:
+        parts.append(cpu)
 
     slowest = sorted(all_cases, key=lambda c: -c.seconds)[:15]
     if slowest:
