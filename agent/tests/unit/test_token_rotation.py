@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +16,7 @@ from gpu_agent.foundations.secrets import Redactor, Secret
 from gpu_agent.foundations.token_file import FixedToken, TokenFile
 from gpu_agent.roles.control_plane.server import ControlPlane, Refused, ServerSettings
 from gpu_agent.roles.control_plane.store import Store
+from tests.secret_volume import SecretVolume
 from tests.unit.test_control_plane import INV
 from tests.unit.test_registration_manager import inventory
 
@@ -114,7 +113,7 @@ def test_an_empty_or_unreadable_file_keeps_the_last_good_token_with_one_warning_
 
 
 def test_a_file_read_again_as_the_kubelet_swaps_a_secret_volume(tmp_path, clock, redactor):
-    secret = KubeletSecretVolume(tmp_path / "tokens", {"registrationToken": OLD})
+    secret = SecretVolume(tmp_path / "tokens", {"registrationToken": OLD})
     t = TokenFile(str(secret.path("registrationToken")), "controlPlaneTokenFile", "--control-plane-token-file",
                   clock=clock)
     assert t.current().reveal() == OLD
@@ -127,37 +126,6 @@ def test_a_file_read_again_as_the_kubelet_swaps_a_secret_volume(tmp_path, clock,
 def test_a_fixed_token_is_what_it_was_given():
     token = Secret(OLD)
     assert FixedToken(token).current() is token and FixedToken(token).accepted() == (token,)
-
-
-class KubeletSecretVolume:
-    """A Secret volume as the kubelet's atomic writer lays it out: `..<timestamp>/key` files, `..data` a link to the
-    newest folder, and each `key -> ..data/key`; an update writes a new folder and renames a new `..data` link over
-    the old one (one atomic step), then removes the old folder."""
-
-    def __init__(self, root: Path, data: dict[str, str]) -> None:
-        self.root = root
-        root.mkdir(parents=True)
-        self._n = 0
-        self.update(data)
-        for key in data:
-            os.symlink(f"..data/{key}", root / key)
-
-    def path(self, key: str) -> Path:
-        return self.root / key
-
-    def update(self, data: dict[str, str]) -> None:
-        self._n += 1
-        folder = f"..2026_12_07_21_00_{self._n:02d}.{os.getpid()}"
-        (self.root / folder).mkdir()
-        for key, value in data.items():
-            (self.root / folder / key).write_text(value)
-        old = os.readlink(self.root / "..data") if (self.root / "..data").is_symlink() else None
-        os.symlink(folder, self.root / "..data_tmp")
-        os.replace(self.root / "..data_tmp", self.root / "..data")
-        if old:
-            for child in (self.root / old).iterdir():
-                child.unlink()
-            (self.root / old).rmdir()
 
 
 # ---- the control plane's overlap ---------------------------------------------------------------------------------
