@@ -243,7 +243,8 @@ class Config:
     # Attributes a role sets itself (with `replace`) that are not settings of its table.
     DERIVED: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, settings: list[Setting], values: dict[str, Any], from_files: frozenset[str] = frozenset()) -> None:
+    def __init__(self, settings: list[Setting], values: dict[str, Any],
+                 from_files: frozenset[str] = frozenset()) -> None:
         self._settings = {s.name: s for s in settings}
         self._values = values
         self._from_files = from_files  # the secrets `load` read from their companion *File setting

@@ -12,6 +12,7 @@ import logging
 import pytest
 
 from gpu_agent.foundations import secrets, token_file
+from gpu_agent.foundations.klog import ROOT
 from gpu_agent.foundations.secrets import Redactor, Secret
 from gpu_agent.foundations.token_file import FixedToken, TokenFile
 from gpu_agent.roles.control_plane.server import ControlPlane, Refused, ServerSettings
@@ -72,6 +73,28 @@ def redactor(monkeypatch, clock):
 def token_file_of(f: FakeFile, clock: Clock, overlap: float = 0.0) -> TokenFile:
     return TokenFile("/secrets/registrationToken", "registrationTokenFile", "--registration-token-file",
                      overlap=overlap, clock=clock, read=f.read, stat=f.stat)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def caplog():
+    """The agent's log records at INFO and above, whatever a test before left klog's root logger as (klog.setup
+    stops it propagating to pytest's own caplog)."""
+    root = logging.getLogger(ROOT)
+    handler, level = Records(), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def warnings(caplog) -> list[str]:
@@ -166,9 +189,8 @@ def test_a_registration_with_the_replaced_token_is_told_apart_in_the_log(tmp_pat
     cp = control_plane(tmp_path, clock, token_file_of(reg, clock, OVERLAP), Secret("admin-0123456789abcdef"))
     reg.write(NEW)
     body = api.RegisterRequest.model_validate({"clusterId": "c1", "generation": 1, "gpus": [g.to_json() for g in INV.gpus]})
-    with caplog.at_level(logging.INFO):
-        assert cp.register(body, OLD)[0] == 200
-        assert cp.register(body, NEW)[0] == 200
+    assert cp.register(body, OLD)[0] == 200
+    assert cp.register(body, NEW)[0] == 200
     said = [r.getMessage() for r in caplog.records if "registered" in r.getMessage()]
     assert "with the previous registration token" in said[0] and "previous" not in said[1], said
     cp.store.close()

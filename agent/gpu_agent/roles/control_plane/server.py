@@ -8,6 +8,9 @@ A request passes these steps in order, and each can only answer with a documente
 
 The token is checked before the body is read, so an unauthenticated client never gets its body
 parsed. Every token is compared in constant time; credentials and clusters' own tokens are looked up by hash.
+The registration and admin tokens may come from files, read again when they change (a rotated Secret needs no
+restart); the token a change replaced is still accepted for tokenOverlap, then refused as any wrong token
+(foundations/token_file.py).
 
 Cluster identity: a registration token either is the shared one (`registrationToken`) or belongs to one cluster
 (issued through POST /admin/clusters/{clusterId}/token). Once a cluster's own token is used, only it registers or
