@@ -356,7 +356,7 @@ async def _serve(cfg: Config) -> int:
     else:
         assert isinstance(cfg, control_plane.ControlPlaneConfig)
         tls = control_plane.tls_files(cfg)
-        server = control_plane.build_server(cfg, cfg.listenAddress, tls)
+        server = control_plane.build_server(cfg, cfg.listenAddress, tls, cfg.tokenOverlap)
         server.start()
         klog.get_logger("gpu_agent.cli").info("reference control plane %s", control_plane.serving(server, tls))
         try:

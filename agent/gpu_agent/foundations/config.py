@@ -243,9 +243,11 @@ class Config:
     # Attributes a role sets itself (with `replace`) that are not settings of its table.
     DERIVED: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, settings: list[Setting], values: dict[str, Any]) -> None:
+    def __init__(self, settings: list[Setting], values: dict[str, Any],
+                 from_files: frozenset[str] = frozenset()) -> None:
         self._settings = {s.name: s for s in settings}
         self._values = values
+        self._from_files = from_files  # the secrets `load` read from their companion *File setting
 
     if not TYPE_CHECKING:  # to mypy a setting is what the subclass declares, never an untyped attribute
         def __getattr__(self, name: str) -> Any:
@@ -255,7 +257,13 @@ class Config:
                 raise AttributeError(name) from None
 
     def replace(self, **changes: object) -> Self:
-        return type(self)(list(self._settings.values()), {**self._values, **changes})
+        return type(self)(list(self._settings.values()), {**self._values, **changes}, self._from_files - changes.keys())
+
+    def secret_file(self, name: str) -> str:
+        """The file secret `name` was read from (its companion setting `<name>File`), or "" when it came from the
+        environment, or was set by the role itself: a token that may change under a running process is read
+        again from there (foundations/token_file.py)."""
+        return str(self._values.get(name + "File") or "") if name in self._from_files else ""
 
     @classmethod
     def problems(cls, settings: list[Setting]) -> list[str]:
@@ -393,6 +401,7 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
             else:
                 values[s.name] = s.default
     # A secret may also come from a file named by its companion setting, e.g. controlPlaneTokenFile.
+    from_files = set()
     for s in settings:
         if s.kind != "secret" or values[s.name]:
             continue
@@ -400,10 +409,11 @@ def load(settings: list[Setting], args: argparse.Namespace, environ: dict[str, s
         if file_setting:
             try:
                 values[s.name] = Secret(Path(file_setting).read_text().strip())
+                from_files.add(s.name)
             except OSError as e:
                 raise ConfigError(f"invalid value for {s.name}File: {file_setting} cannot be read "
                                   f"({e.strerror}); point {by_name[s.name + 'File'].flag} at a readable file") from None
-    return as_(settings, values)
+    return as_(settings, values, frozenset(from_files))
 
 
 VERBOSITY = Setting("verbosity", "int", 0, "log verbosity, 0 (quiet) to 7 (every detail)", 0, 7)

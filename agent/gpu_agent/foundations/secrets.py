@@ -12,7 +12,9 @@ kept: a credential superseded by a renewal stays redactable until it expires or 
 newer ones have come, whichever is first. The cost of a line is then flat: it kept every
 credential for ever before (one a minute: a line cost 0.31 ms after a day, 9.7 ms after 30
 days, issue 48). Values without a lifetime (the tokens read from settings, a handful) are
-kept for the life of the process.
+kept until they are retired: a token file that changed (foundations/token_file.py) retires
+the token it held, which is then scrubbed for as long as it may still be used (the control
+plane's overlap, none for a client) and RETIRED_GRACE_SECONDS more.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ class Redactor:
                 self._expiring[value] = max(forget_at, previous)
                 while len(self._expiring) > self._max_expiring:  # the oldest registered goes first
                     del self._expiring[next(iter(self._expiring))]
+            self._rebuild()
+
+    def retire(self, value: str, lifetime: float = 0.0) -> None:
+        """`value`, kept until now (for ever, or with a lifetime), is no longer in use from `lifetime` seconds from
+        now: it is forgotten then and the grace after it. A value not kept is left alone."""
+        with self._lock:
+            if value in self._permanent:
+                self._permanent.discard(value)
+            elif value not in self._expiring:
+                return
+            else:
+                del self._expiring[value]
+            self._expiring[value] = self._monotonic() + max(0.0, lifetime) + self._grace  # the newest registered
+            while len(self._expiring) > self._max_expiring:
+                del self._expiring[next(iter(self._expiring))]
             self._rebuild()
 
     def forgets_at(self, value: str) -> float | None:

@@ -59,6 +59,7 @@ from gpu_agent.foundations.randomness import RandomSources
 from gpu_agent.foundations.ratelimit import ApiLimit, kube_api_settings
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.threads import CURRENT, Threads, start_thread
+from gpu_agent.foundations.token_file import TokenFile
 from gpu_agent.mechanisms.inventory.monitor import InventoryEvent, InventoryMonitor
 from gpu_agent.mechanisms.inventory.select import GPU_SOURCE_SETTINGS, GPUSourceConfig, loss_debounce, make_source
 from gpu_agent.mechanisms.leadership.elector import ElectionSettings, LeaderElector
@@ -97,7 +98,8 @@ SETTINGS = [
             optional=True),
     *TRANSPORT_SETTINGS,
     Setting("controlPlaneToken", "secret", "", "registration token (env only; or controlPlaneTokenFile)"),
-    Setting("controlPlaneTokenFile", "path", "", "file holding the registration token", optional=True),
+    Setting("controlPlaneTokenFile", "path", "", "file holding the registration token; read again when it changes "
+            "(a rotated token needs no restart)", optional=True),
     Setting("clusterId", "str", "local", "this cluster's name at the control plane"),
     Setting("registrationRetryInitial", "seconds", 0.0, "first registration retry delay; 0: the GPU poll interval "
             "(gpuPollInterval), as NVCA's backoff starts", 0, 3600),
@@ -327,7 +329,11 @@ class ClusterAgent:
         settings = RegistrationSettings(cfg.clusterId, first_retry_delay(cfg), cfg.registrationRetryMax,
                                         cfg.registrationRetryJitter, cfg.reregistrationInterval,
                                         cfg.credentialRenewInterval, holder=cfg.identity)
-        return RegistrationManager(self.client, cfg.controlPlaneToken, settings=settings, clock=self.clock,
+        # From a file (the chart's Secret volume): read again when it changes, so a rotated token needs no restart.
+        path = cfg.secret_file("controlPlaneToken")
+        token = (TokenFile(path, "controlPlaneTokenFile", "--control-plane-token-file", initial=cfg.controlPlaneToken)
+                 if path else cfg.controlPlaneToken)
+        return RegistrationManager(self.client, token, settings=settings, clock=self.clock,
                                    rng=self.random.for_("registration"), health=self.health, metrics=self.metrics,
                                    gate=self.gate, on_readiness=self._readiness_changed)
 

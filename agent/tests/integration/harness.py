@@ -126,9 +126,13 @@ class Rig:
         self._starts = 0
 
     # processes -------------------------------------------------------------------------------
-    def start_control_plane(self, *flags: str, faults: bool = False, no_temp_dir: bool = False) -> ControlPlaneClient:
+    def start_control_plane(self, *flags: str, faults: bool = False, no_temp_dir: bool = False,
+                            token_folder: Path | None = None) -> ControlPlaneClient:
         """`faults`: with fault injection on (a test that arms faults through /admin/faults). `no_temp_dir`: the
-        process cannot make a temporary file, as in the chart's pod (read-only root filesystem, no /tmp volume)."""
+        process cannot make a temporary file, as in the chart's pod (read-only root filesystem, no /tmp volume).
+        `token_folder`: where it reads registrationToken and adminToken (default: the rig's own two files)."""
+        reg_file, admin_file = ((token_folder / "registrationToken", token_folder / "adminToken") if token_folder
+                                else (self.root / "registration-token", self.root / "admin-token"))
         if faults:
             flags = ("--fault-injection=true", *flags)
         self.cp_url = f"http://127.0.0.1:{self._cp_port}"
@@ -136,8 +140,8 @@ class Rig:
         self.cp = Process("control-plane", [*start, "control-plane", "-v", "2",
                                             "--listen-address", f"127.0.0.1:{self._cp_port}",
                                             "--database", str(self.root / "cp.sqlite"),
-                                            "--registration-token-file", str(self.root / "registration-token"),
-                                            "--admin-token-file", str(self.root / "admin-token"), *flags],
+                                            "--registration-token-file", str(reg_file),
+                                            "--admin-token-file", str(admin_file), *flags],
                           self.root / "control-plane.log")
         wait_until(lambda: self._get(self.cp_url + "/healthz") == 200, 15, "control plane /healthz")
         return ControlPlaneClient(self.cp_url, timeout=10)

@@ -53,6 +53,7 @@ from gpu_agent.foundations.control_plane_client import (
     ControlPlaneClient,
     ControlPlaneError,
     Credential,
+    Registration,
     Unauthorized,
 )
 from gpu_agent.foundations.gate import Gate
@@ -62,6 +63,7 @@ from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.metrics import AgentMetrics
 from gpu_agent.foundations.secrets import Secret
 from gpu_agent.foundations.threads import in_daemon_thread
+from gpu_agent.foundations.token_file import TokenSource, as_source
 
 log = get_logger(__name__)
 
@@ -92,13 +94,15 @@ class RegistrationSettings:
 
 
 class RegistrationManager:
-    def __init__(self, client: ControlPlaneClient, token: Secret, *, settings: RegistrationSettings, clock: Clock,
+    def __init__(self, client: ControlPlaneClient, token: Secret | TokenSource, *, settings: RegistrationSettings, clock: Clock,
                  rng: random.Random, health: HealthRegistry, metrics: AgentMetrics, gate: Gate,
                  on_readiness: Callable[[bool, str], Awaitable[None]],
                  offload: Callable[..., Awaitable[Any]] = in_daemon_thread) -> None:
         self.client = client
         self._offload = offload  # how blocking client calls leave the event loop; tests run them inline
-        self.token = token
+        # The registration token, read again from its file at each registration when it changed (rotated without
+        # a restart: foundations/token_file.py).
+        self.token = as_source(token)
         self.settings = settings
         self.clock = clock
         self.health = health
@@ -218,8 +222,7 @@ class RegistrationManager:
             log.v(2, "registering %d GPUs (generation %d, %s)%s", count, generation, kind,
                   f", listing the first {inventory.count}" if inventory.count < count else "")
             try:
-                reg = await self._offload(self.client.register, self.token, self.settings.cluster_id, generation, inventory,
-                                          count, self.settings.holder)
+                reg = await self._offload(self._register_call, generation, inventory, count)
             except ControlPlaneError as e:
                 self.metrics.registration_failures.labels(kind, e.kind).inc()
                 self.last_error = str(e)
@@ -271,6 +274,11 @@ class RegistrationManager:
             log.v(1, "credential renewed, valid for %.0fs", fresh.expires_in)
             await self._publish()
             return Outcome.OK
+
+    def _register_call(self, generation: int, inventory: Inventory, count: int) -> Registration:
+        # Off the event loop with the call: the token file is looked at (and read, when it changed) here.
+        return self.client.register(self.token.current(), self.settings.cluster_id, generation, inventory, count,
+                                    self.settings.holder)
 
     def _install(self, credential: Credential) -> None:
         self.credential = credential.token

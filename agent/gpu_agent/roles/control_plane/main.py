@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gpu_agent.foundations.config import LOGGING, Config, ConfigError, RoleConfig, Setting
 from gpu_agent.foundations.http import TLSFiles
 from gpu_agent.foundations.klog import get_logger
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.token_file import TokenFile
 
 if TYPE_CHECKING:
     from gpu_agent.roles.control_plane.server import ControlPlaneServer
@@ -18,9 +19,11 @@ log = get_logger(__name__)
 STORE_SETTINGS = [
     Setting("database", "path", ".run/control-plane.sqlite", "SQLite database file (survives restarts)"),
     Setting("registrationToken", "secret", "", "token agents register with (env only; or registrationTokenFile)"),
-    Setting("registrationTokenFile", "path", "", "file holding the registration token", optional=True),
+    Setting("registrationTokenFile", "path", "", "file holding the registration token; read again when it changes, "
+            "the token it held still accepted for tokenOverlap", optional=True),
     Setting("adminToken", "secret", "", "token for enqueueing work and fault injection (env only; or adminTokenFile)"),
-    Setting("adminTokenFile", "path", "", "file holding the admin token", optional=True),
+    Setting("adminTokenFile", "path", "", "file holding the admin token; read again when it changes, the token it "
+            "held still accepted for tokenOverlap", optional=True),
     Setting("credentialTtl", "seconds", 3600.0, "lifetime of an issued credential", 0.5, 86400 * 30),
     Setting("credentialOverlap", "seconds", 60.0, "how long an agent's previous credential keeps working once a "
             "registration or renewal gave it a new one (its older ones stop at once)", 0, 3600),
@@ -40,6 +43,10 @@ SETTINGS = [
     Setting("tlsKeyFile", "path", "", "PEM private key (unencrypted) of tlsCertFile; reloaded when it changes",
             optional=True),
     *STORE_SETTINGS,
+    # Not in `gpu-agent local`, whose tokens are its own and never change while it runs.
+    Setting("tokenOverlap", "seconds", 600.0, "how long the token a token file held before it changed (a rotated "
+            "Secret) is still accepted beside the new one, so that every client moves over without a refused call; "
+            "0: refused at once", 0, 86400),
 ]
 
 
@@ -64,6 +71,7 @@ class ControlPlaneConfig(ServerConfig, RoleConfig):
     tlsKeyFile: str
     registrationTokenFile: str
     adminTokenFile: str
+    tokenOverlap: float
 
 
 def tls_files(cfg: ControlPlaneConfig) -> TLSFiles | None:
@@ -79,7 +87,18 @@ def tls_files(cfg: ControlPlaneConfig) -> TLSFiles | None:
     return TLSFiles(cfg.tlsCertFile, cfg.tlsKeyFile)
 
 
-def build_server(cfg: ServerConfig, listen: str, tls: TLSFiles | None = None) -> ControlPlaneServer:
+def token_source(cfg: ServerConfig, name: str, overlap: float) -> Secret | TokenFile:
+    """Setting `name`'s token: from its file, read again when that changes (the token it replaces accepted for
+    `overlap`), or as given."""
+    path = cfg.secret_file(name)
+    if not path:
+        return cast(Secret, getattr(cfg, name))
+    flag = next(s for s in SETTINGS if s.name == name + "File").flag
+    return TokenFile(path, name + "File", flag, overlap=overlap, initial=getattr(cfg, name))
+
+
+def build_server(cfg: ServerConfig, listen: str, tls: TLSFiles | None = None,
+                 token_overlap: float = 0.0) -> ControlPlaneServer:
     # The server's models (pydantic) cost about 10 MiB: loaded only where a control plane runs,
     # never by the agents that merely share this command.
     from gpu_agent.roles.control_plane.server import ControlPlane, ControlPlaneServer, ServerSettings
@@ -91,7 +110,8 @@ def build_server(cfg: ServerConfig, listen: str, tls: TLSFiles | None = None) ->
             file_setting = next(x for x in SETTINGS if x.name == name + "File")
             raise ConfigError(f"{name} is required: set {setting.env} or {file_setting.flag}")
     store = Store(Path(cfg.database))
-    cp = ControlPlane(store, ServerSettings(cfg.registrationToken, cfg.adminToken, cfg.credentialTtl,
+    tokens = (token_source(cfg, "registrationToken", token_overlap), token_source(cfg, "adminToken", token_overlap))
+    cp = ControlPlane(store, ServerSettings(*tokens, cfg.credentialTtl,
                                             cfg.maxLeaseSeconds, cfg.reregisterAfter, cfg.maxLeaseWait,
                                             fault_injection=cfg.faultInjection, credential_overlap=cfg.credentialOverlap))
     if cfg.faultInjection:

@@ -8,6 +8,9 @@ A request passes these steps in order, and each can only answer with a documente
 
 The token is checked before the body is read, so an unauthenticated client never gets its body
 parsed. Every token is compared in constant time; credentials and clusters' own tokens are looked up by hash.
+The registration and admin tokens may come from files, read again when they change (a rotated Secret needs no
+restart); the token a change replaced is still accepted for tokenOverlap, then refused as any wrong token
+(foundations/token_file.py).
 
 Cluster identity: a registration token either is the shared one (`registrationToken`) or belongs to one cluster
 (issued through POST /admin/clusters/{clusterId}/token). Once a cluster's own token is used, only it registers or
@@ -47,6 +50,7 @@ from pydantic import ValidationError
 from gpu_agent.foundations import http, malloc
 from gpu_agent.foundations.klog import get_logger, quote
 from gpu_agent.foundations.secrets import Secret
+from gpu_agent.foundations.token_file import TokenSource, as_source
 from gpu_agent.roles.control_plane import api
 from gpu_agent.roles.control_plane.store import Fenced, Store
 
@@ -148,8 +152,10 @@ class LongPolls:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    registration_token: Secret
-    admin_token: Secret
+    # Each a token, or a token file read again when it changes, whose previous token is accepted for its overlap
+    # (foundations/token_file.py): a rotated Secret needs no restart, and no client is refused while it moves over.
+    registration_token: Secret | TokenSource
+    admin_token: Secret | TokenSource
     credential_ttl: float
     max_lease_seconds: float
     reregister_after: float
@@ -225,21 +231,32 @@ class ControlPlane:
         self.settings = settings
         self.faults = Faults()
         self.long_polls = LongPolls()
+        self.admin_tokens = as_source(settings.admin_token)
+        self.registration_tokens = as_source(settings.registration_token)
 
     # ---- authorization -----------------------------------------------------------------------
 
     @staticmethod
-    def _token_is(presented: str, expected: Secret) -> bool:
-        return bool(expected) and hmac.compare_digest(presented.encode(), expected.reveal().encode())
+    def _matches(presented: str, expected: TokenSource) -> str | None:
+        """Whether `presented` is the current token ("current"), or the one it replaced, still within its overlap
+        ("previous"); None when neither. Every accepted token is compared, in constant time."""
+        found = None
+        for which, accepted in zip(("current", "previous"), expected.accepted(), strict=False):
+            if accepted and hmac.compare_digest(presented.encode(), accepted.reveal().encode()):
+                found = found or which
+        return found
+
+    def _token_is(self, presented: str, expected: TokenSource) -> bool:
+        return self._matches(presented, expected) is not None
 
     def authorize(self, token: str, allowed: frozenset[str]) -> str | None:
         """The cluster id a credential belongs to (None for the other tokens); raises Refused."""
         if not token:
             raise Refused(401, "missing bearer token", [("WWW-Authenticate", "Bearer")])
         kinds = []
-        if self._token_is(token, self.settings.admin_token):
+        if self._token_is(token, self.admin_tokens):
             kinds.append("admin")
-        if self._token_is(token, self.settings.registration_token):
+        if self._token_is(token, self.registration_tokens):
             kinds.append("registration")
         cluster_id, state = (None, "unknown") if kinds else self.store.credential_status(token)
         if state == "valid":
@@ -264,7 +281,7 @@ class ControlPlane:
 
     def _admit(self, token: str, cluster_id: str, what: str) -> None:
         """Refused (403) unless `token` may register or deregister `cluster_id` (see the module's docstring)."""
-        refusal = self.store.admit(cluster_id, token, self._token_is(token, self.settings.registration_token))
+        refusal = self.store.admit(cluster_id, token, self._token_is(token, self.registration_tokens))
         if refusal is None:
             return
         why, owner = refusal
@@ -286,8 +303,11 @@ class ControlPlane:
         credential, expires_at = self.store.issue_credential(body.clusterId, self.settings.credential_ttl, body.holder,
                                                              self.settings.credential_overlap)
         listed_note = f" ({listed} listed)" if body.gpu_count > listed else ""
-        log.info("cluster %s registered %d GPUs%s (generation %d)", quote(body.clusterId), body.gpu_count, listed_note,
-                 body.generation)
+        # Who still uses the token a rotation replaced: the operator sees which agents have yet to move over.
+        previous = (", with the previous registration token, accepted until its overlap ends: this agent has not "
+                    "read the new one yet" if self._matches(token, self.registration_tokens) == "previous" else "")
+        log.info("cluster %s registered %d GPUs%s (generation %d)%s", quote(body.clusterId), body.gpu_count,
+                 listed_note, body.generation, previous)
         return 200, api.RegisterResponse(registrationId=registration_id, reregisterAfterSeconds=self.settings.reregister_after,
                                          credential=api.Credential(token=credential,
                                                                    expiresInSeconds=self.settings.credential_ttl,
