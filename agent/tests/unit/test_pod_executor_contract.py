@@ -100,6 +100,8 @@ def test_a_pods_name_is_a_clean_slug_of_its_key_at_most_thirty_characters_and_a_
     long = "a" * 40
     assert pod_name(long) == f"gpu-work-{'a' * 30}-{digest(long)}"
     cut = "a" * 29 + "-b" + "c" * 10  # the thirty characters end with "-": stripped
+    led = "-----" + "a" * 30  # the leading dashes go before the thirty are counted
+    assert pod_name(led) == f"gpu-work-{'a' * 30}-{digest(led)}"
     assert pod_name(cut) == f"gpu-work-{'a' * 29}-{digest(cut)}"
 
 

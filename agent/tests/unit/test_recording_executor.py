@@ -51,6 +51,39 @@ def test_a_key_runs_once_recorded_with_what_ran_and_when_and_its_redelivery_is_a
     assert asyncio.run(restarted()) == (Outcome.DUPLICATE, ["job-a", "job-b"])
 
 
+def test_a_recorded_key_is_answered_a_duplicate_at_once_without_the_stand_in_work(tmp_path):
+    clock = ManualClock()
+
+    async def scenario():
+        ex = RecordingExecutor(tmp_path / "journal.db", clock=clock)
+        await ex.execute(WorkItem(1, "done", {}, "l", 1))
+        ex.work_seconds = 30.0
+        task = asyncio.ensure_future(ex.execute(WorkItem(1, "done", {}, "l2", 2)))
+        for _ in range(500):  # the journal's calls run on threads: until it ends or waits on the clock
+            if task.done() or clock.sleepers:
+                break
+            await asyncio.sleep(0.01)
+        waited = clock.sleepers
+        await clock.advance(30.0)
+        ex.close()
+        return waited, await task
+
+    assert asyncio.run(scenario()) == ([], Outcome.DUPLICATE)
+
+
+def test_a_journal_that_cannot_be_opened_stops_the_start_naming_it_and_the_flag_that_moves_it(tmp_path):
+    from gpu_agent.foundations.config import ConfigError
+
+    (tmp_path / "a-file").write_text("")
+    try:
+        RecordingExecutor(tmp_path / "a-file" / "journal.db")
+    except ConfigError as e:
+        assert str(e).startswith(f"executor journal {tmp_path / 'a-file' / 'journal.db'} cannot be opened"), str(e)
+        assert str(e).endswith("point --executor-journal at a writable file"), str(e)
+    else:
+        raise AssertionError("a journal under a file was opened")
+
+
 def test_the_stand_in_work_waits_on_the_clock_and_a_key_recorded_meanwhile_makes_the_later_one_a_duplicate(tmp_path):
     clock = ManualClock()
 
